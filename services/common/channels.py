@@ -1,0 +1,35 @@
+"""Client channels between services (and from the SDK): one place for message limits and auth metadata."""
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def open_channel(target: str, max_message_mb: int = 64) -> grpc.Channel:
+    size = max_message_mb * 1024 * 1024
+    return grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", size),
+                                                  ("grpc.max_send_message_length", size),
+                                                  ("grpc.enable_http_proxy", 0)])
+
+
+def auth_metadata(api_key: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {api_key}"),)
+
+
+def wait_healthy(target: str, timeout_s: float = 30.0, service: str = "") -> None:
+    """Block until the server at target reports SERVING (raises TimeoutError)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    with open_channel(target) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            try:
+                resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError as exc:
+                last = exc
+            time.sleep(0.2)
+    raise TimeoutError(f"{target} did not become healthy within {timeout_s:.0f}s ({last})")

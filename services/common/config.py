@@ -1,0 +1,94 @@
+"""Typed configuration shared by every Trainyard process.
+
+One mechanism for all of them: each component owns a pydantic-settings class (this file holds the common base), and
+every field can be set from the environment (``TRAINYARD_<FIELD>``, nested with ``__``) or from a YAML file named by
+``TRAINYARD_CONFIG`` (top-level keys are field names). Precedence: explicit arguments > environment > file > defaults.
+
+The defaults are the embedded quickstart: SQLite and a filesystem Celery broker under ``data_dir``, so a machine with
+no servers runs the whole platform. docker-compose.yml points the same fields at Postgres and Redis.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+
+def _config_file() -> Path | None:
+    path = os.environ.get("TRAINYARD_CONFIG")
+    if not path:
+        return None
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"TRAINYARD_CONFIG={path} does not name a readable file")
+    return p
+
+
+class TrainyardSettings(BaseSettings):
+    """Settings every process reads: where state lives and where the other services listen."""
+
+    model_config = SettingsConfigDict(env_prefix="TRAINYARD_", env_nested_delimiter="__", extra="ignore")
+
+    data_dir: Path = Field(default=Path.home() / ".trainyard", description="Root of the embedded defaults.")
+    database_url: str = Field(default="", description="SQLAlchemy URL; default sqlite:///<data_dir>/trainyard.db")
+    blob_dir: Path | None = Field(default=None, description="Object store root; default <data_dir>/blobs")
+    log_level: str = "INFO"
+
+    # Where each service listens (bind address) ...
+    host: str = "0.0.0.0"
+    scheduler_port: int = Field(default=50051, ge=0, le=65535)
+    trainer_port: int = Field(default=50052, ge=0, le=65535)
+    rollout_port: int = Field(default=50053, ge=0, le=65535)
+    weightsync_port: int = Field(default=50054, ge=0, le=65535)
+    # ... and how the services reach each other.
+    scheduler_url: str = "127.0.0.1:50051"
+    trainer_url: str = "127.0.0.1:50052"
+    rollout_url: str = "127.0.0.1:50053"
+    weightsync_url: str = "127.0.0.1:50054"
+
+    grpc_workers: int = Field(default=16, ge=1, description="Threads serving RPCs per service.")
+    grpc_max_message_mb: int = Field(default=64, ge=4, le=2047)
+    shutdown_grace_s: float = Field(default=30.0, ge=0, description="How long SIGTERM waits for in-flight calls.")
+
+    @model_validator(mode="after")
+    def _fill_derived(self) -> "TrainyardSettings":
+        self.data_dir = self.data_dir.expanduser()
+        if not self.database_url:
+            self.database_url = f"sqlite:///{self.data_dir / 'trainyard.db'}"
+        if self.blob_dir is None:
+            self.blob_dir = self.data_dir / "blobs"
+        self.blob_dir = self.blob_dir.expanduser()
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        path = _config_file()
+        if path is not None:
+            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
+        return tuple(sources)
+
+    def ensure_dirs(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        assert self.blob_dir is not None
+        self.blob_dir.mkdir(parents=True, exist_ok=True)
+
+
+def load(cls: type[TrainyardSettings] = TrainyardSettings, **overrides: Any) -> TrainyardSettings:
+    """Build a settings object, naming the offending variable when a value does not parse."""
+    return cls(**overrides)

@@ -1,0 +1,192 @@
+"""The one way every Trainyard service runs its gRPC server.
+
+- An interceptor authenticates each call (API key in metadata -> Caller context variable) and maps domain errors to
+  status codes in one place, so servicers stay thin adapters without try/except.
+- The standard grpc.health.v1 service and server reflection are registered for every service.
+- SIGTERM/SIGINT: health flips to NOT_SERVING, new calls are refused, in-flight calls get shutdown_grace_s to finish,
+  then the service's own shutdown hook runs (close engines, flush state) and the process exits.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable, Iterable
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from grpc_status import rpc_status
+
+from services.common import auth
+from services.common.errors import InvalidArgument, TrainyardError
+
+log = logging.getLogger("trainyard.grpc")
+
+PUBLIC_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
+
+
+def _abort(context: grpc.ServicerContext, exc: TrainyardError) -> None:
+    status = status_pb2.Status(code=exc.code.value[0], message=exc.message)
+    if isinstance(exc, InvalidArgument) and exc.violations:
+        bad = error_details_pb2.BadRequest(field_violations=[
+            error_details_pb2.BadRequest.FieldViolation(
+                field=f"row {v.row}: {v.field}" if v.row else v.field, description=v.reason)
+            for v in exc.violations
+        ])
+        detail = any_pb2.Any()
+        detail.Pack(bad)
+        status.details.append(detail)
+    context.abort_with_status(rpc_status.to_status(status))
+
+
+def _fail(context: grpc.ServicerContext, method: str, exc: Exception) -> None:
+    if isinstance(exc, TrainyardError):
+        _abort(context, exc)
+    if context.code() not in (None, grpc.StatusCode.OK):
+        raise exc  # the call was already aborted with its own status
+    if isinstance(exc, grpc.RpcError) and isinstance(exc, grpc.Call):
+        # A downstream service failed: keep its status code, say which call it was.
+        context.abort(exc.code(), f"{method}: {exc.details()}")
+    log.exception("unhandled error in %s", method)
+    status = status_pb2.Status(code=code_pb2.INTERNAL, message=f"internal error in {method}: {exc}")
+    context.abort_with_status(rpc_status.to_status(status))
+
+
+class CallInterceptor(grpc.ServerInterceptor):
+    """Authenticates (unless the method is public) and translates exceptions for all four RPC shapes."""
+
+    def __init__(self, authenticate: Callable[[str | None], auth.Caller]):
+        self._authenticate = authenticate
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or method.startswith(PUBLIC_PREFIXES):
+            return handler
+        metadata = handler_call_details.invocation_metadata
+        authenticate = self._authenticate
+
+        def enter(context):
+            try:
+                caller = authenticate(auth.key_from_metadata(metadata))
+            except TrainyardError as exc:
+                _abort(context, exc)
+            return auth.set_caller(caller)
+
+        def unary(fn):
+            def wrapped(request, context):
+                token = enter(context)
+                try:
+                    return fn(request, context)
+                except Exception as exc:  # noqa: BLE001 - the one place exceptions become statuses
+                    _fail(context, method, exc)
+                finally:
+                    auth.reset_caller(token)
+            return wrapped
+
+        def streaming(fn):
+            def wrapped(request, context):
+                token = enter(context)
+                try:
+                    yield from fn(request, context)
+                except Exception as exc:  # noqa: BLE001 - the one place exceptions become statuses
+                    _fail(context, method, exc)
+                finally:
+                    auth.reset_caller(token)
+            return wrapped
+
+        kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **kw)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), **kw)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(streaming(handler.unary_stream), **kw)
+        return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), **kw)
+
+
+@dataclass
+class ServiceSpec:
+    """What a service plugs into the runner: its servicers, their full names, and hooks."""
+
+    name: str
+    register: Callable[[grpc.Server], None]
+    service_names: list[str]
+    on_shutdown: Callable[[], None] | None = None
+    background: list[Callable[[threading.Event], None]] = field(default_factory=list)
+
+
+class Server:
+    def __init__(self, spec: ServiceSpec, *, port: int, host: str, authenticate, workers: int,
+                 max_message_mb: int, grace_s: float):
+        self.spec = spec
+        self.grace_s = grace_s
+        size = max_message_mb * 1024 * 1024
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=spec.name),
+            interceptors=[CallInterceptor(authenticate)],
+            options=[("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),
+                     ("grpc.so_reuseport", 0)],
+        )
+        spec.register(self.server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = [*spec.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                 reflection.SERVICE_NAME]
+        reflection.enable_server_reflection(names, self.server)
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"{spec.name}: cannot listen on {host}:{port}")
+        self.stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        self.server.start()
+        for fn in self.spec.background:
+            t = threading.Thread(target=fn, args=(self.stopping,), daemon=True, name=f"{self.spec.name}-bg")
+            t.start()
+            self._threads.append(t)
+        for name in ["", *self.spec.service_names]:
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("%s listening on port %d", self.spec.name, self.port)
+
+    def stop(self) -> None:
+        """Graceful: refuse new calls, let in-flight ones finish (up to grace_s), then run the shutdown hook."""
+        if self.stopping.is_set():
+            return
+        self.stopping.set()
+        self.health.enter_graceful_shutdown()
+        log.info("%s shutting down (grace %.0fs)", self.spec.name, self.grace_s)
+        self.server.stop(self.grace_s).wait()
+        for t in self._threads:
+            t.join(timeout=self.grace_s)
+        if self.spec.on_shutdown is not None:
+            self.spec.on_shutdown()
+        log.info("%s stopped", self.spec.name)
+
+    def serve_forever(self) -> None:
+        """Start, then block until SIGTERM/SIGINT and shut down gracefully."""
+        done = threading.Event()
+
+        def on_signal(signum, _frame):
+            log.info("%s received %s", self.spec.name, signal.Signals(signum).name)
+            done.set()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        self.start()
+        done.wait()
+        self.stop()
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def service_names(*descriptors: Iterable) -> list[str]:
+    return [d.full_name for d in descriptors]

@@ -1,0 +1,77 @@
+"""Lookups every service shares: which base models and deployments an account can see.
+
+Resolution order for a name: the account's own model, then a shared one. Rows of other accounts are invisible.
+"""
+from __future__ import annotations
+
+import re
+
+from sqlalchemy import or_, select
+from sqlalchemy.orm import Session
+
+from services.common.errors import AlreadyExists, InvalidArgument, not_found
+from services.common.schema import SHARED_SCOPE, Checkpoint, Deployment, Model, new_id, utcnow
+
+
+def find_model(s: Session, account_id: str, name: str) -> Model | None:
+    rows = s.scalars(select(Model).where(Model.name == name, or_(Model.scope == account_id,
+                                                                 Model.scope == SHARED_SCOPE))).all()
+    own = [m for m in rows if m.scope == account_id]
+    return (own or rows or [None])[0]
+
+
+def visible_models(s: Session, account_id: str) -> list[Model]:
+    return list(s.scalars(select(Model).where(or_(Model.scope == account_id, Model.scope == SHARED_SCOPE))
+                          .order_by(Model.name)).all())
+
+
+def require_model(s: Session, account_id: str, name: str, *, field: str) -> Model:
+    """The model for a request field; an unknown name is the caller's input error, listing what exists."""
+    if not name:
+        raise InvalidArgument("required: the name of a base model (see `trainyard models list`)", field=field)
+    m = find_model(s, account_id, name)
+    if m is None:
+        names = ", ".join(x.name for x in visible_models(s, account_id)) or "none; import one with " \
+                                                                              "`trainyard models import`"
+        raise InvalidArgument(f"unknown base model '{name}' (available: {names})", field=field)
+    return m
+
+
+def register_model(s: Session, scope: str, name: str, path: str) -> Model:
+    """Validate a Hugging Face-format directory and record it. Raises InvalidArgument naming the problem."""
+    from models import ModelDirError, inspect_model_dir
+
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}", name or ""):
+        raise InvalidArgument("use 1-128 letters, digits, '.', '_', '-' or '/', starting with a letter or digit",
+                              field="name")
+    try:
+        info = inspect_model_dir(path)
+    except ModelDirError as exc:
+        raise InvalidArgument(str(exc), field="path") from None
+    existing = s.scalar(select(Model).where(Model.scope == scope, Model.name == name))
+    if existing is not None:
+        if existing.path == str(path):
+            return existing
+        raise AlreadyExists(f"model '{name}' already exists (path {existing.path})")
+    m = Model(id=new_id("mdl"), scope=scope, name=name, path=str(path), architecture=info.architecture,
+              num_parameters=info.num_parameters, num_layers=info.num_layers, hidden_size=info.hidden_size,
+              vocab_size=info.vocab_size, max_position_embeddings=info.max_position_embeddings,
+              torch_dtype=info.torch_dtype or "", created_at=utcnow())
+    s.add(m)
+    s.flush()
+    return m
+
+
+def find_deployment(s: Session, account_id: str, ident: str) -> Deployment | None:
+    """A live deployment by id or name."""
+    return s.scalar(select(Deployment).where(
+        Deployment.account_id == account_id, Deployment.deleted_at.is_(None),
+        or_(Deployment.id == ident, Deployment.name == ident)))
+
+
+def get_checkpoint(s: Session, account_id: str, checkpoint_id: str) -> Checkpoint:
+    c = s.get(Checkpoint, checkpoint_id) if checkpoint_id else None
+    if c is None or c.account_id != account_id:
+        raise not_found("checkpoint", checkpoint_id)
+    return c
+

@@ -1,0 +1,220 @@
+"""Database tables (SQLAlchemy 2). Alembic migrations in services/common/migrations must match these.
+
+Every user-owned row carries account_id; queries in the cores always filter on it, so another account's object is
+simply "not found". Blobs (dataset files, checkpoint files) live in the object store; rows hold their sha256.
+"""
+from __future__ import annotations
+
+import secrets
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+    text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(8)}"
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON, datetime: DateTime(timezone=True)}
+
+
+class Account(Base):
+    __tablename__ = "accounts"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    account_id: Mapped[str] = mapped_column(ForeignKey("accounts.id"), index=True)
+    name: Mapped[str] = mapped_column(String(128), default="")
+    prefix: Mapped[str] = mapped_column(String(16))
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+SHARED_SCOPE = "shared"
+
+
+class Model(Base):
+    """A registered base model directory. scope is an account id, or "shared" for models every account sees."""
+
+    __tablename__ = "models"
+    __table_args__ = (UniqueConstraint("scope", "name", name="uq_models_scope_name"),)
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    scope: Mapped[str] = mapped_column(String(32), index=True)
+    name: Mapped[str] = mapped_column(String(128))
+    path: Mapped[str] = mapped_column(Text)
+    architecture: Mapped[str] = mapped_column(String(64))
+    num_parameters: Mapped[int] = mapped_column(BigInteger)
+    num_layers: Mapped[int] = mapped_column(Integer)
+    hidden_size: Mapped[int] = mapped_column(Integer)
+    vocab_size: Mapped[int] = mapped_column(Integer)
+    max_position_embeddings: Mapped[int] = mapped_column(Integer)
+    torch_dtype: Mapped[str] = mapped_column(String(16), default="")
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Dataset(Base):
+    __tablename__ = "datasets"
+    __table_args__ = (
+        # One live dataset per content per account (de-duplication); deleted rows do not count.
+        Index("uq_datasets_account_sha", "account_id", "sha256", unique=True,
+              postgresql_where=text("deleted_at IS NULL"), sqlite_where=text("deleted_at IS NULL")),
+    )
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    account_id: Mapped[str] = mapped_column(ForeignKey("accounts.id"), index=True)
+    name: Mapped[str] = mapped_column(String(256))
+    filename: Mapped[str] = mapped_column(String(512), default="")
+    format: Mapped[str] = mapped_column(String(32))
+    num_rows: Mapped[int] = mapped_column(BigInteger)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    deleted_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    account_id: Mapped[str] = mapped_column(ForeignKey("accounts.id"), index=True)
+    display_name: Mapped[str] = mapped_column(String(256), default="")
+    method: Mapped[str] = mapped_column(String(16))
+    base_model: Mapped[str] = mapped_column(String(128))
+    model_path: Mapped[str] = mapped_column(Text)
+    dataset_id: Mapped[str] = mapped_column(ForeignKey("datasets.id"), index=True)
+    # The full, defaults-filled configuration the worker runs (JSON of the method's config).
+    config: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    status: Mapped[str] = mapped_column(String(16), index=True, default="queued")
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(default=None)
+    finished_at: Mapped[datetime | None] = mapped_column(default=None)
+    error: Mapped[str] = mapped_column(Text, default="")
+    step: Mapped[int] = mapped_column(BigInteger, default=0)
+    total_steps: Mapped[int] = mapped_column(BigInteger, default=0)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    # Lease: the worker running the job and when it last proved it is alive.
+    worker_id: Mapped[str] = mapped_column(String(128), default="")
+    heartbeat_at: Mapped[datetime | None] = mapped_column(default=None)
+    output_checkpoint_id: Mapped[str] = mapped_column(String(32), default="")
+    latest_metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
+
+
+class JobMetric(Base):
+    __tablename__ = "job_metrics"
+    __table_args__ = (Index("ix_job_metrics_job_step", "job_id", "step"),)
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"))
+    step: Mapped[int] = mapped_column(BigInteger)
+    data: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class JobLog(Base):
+    __tablename__ = "job_logs"
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), index=True)
+    level: Mapped[str] = mapped_column(String(16), default="info")
+    message: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Checkpoint(Base):
+    """Files of one saved model state. files: the user-facing artifact (PEFT adapter); state: what resuming needs
+    (optimizer, scheduler, RNG, data position). Each is a list of {path, sha256, size_bytes} in the object store."""
+
+    __tablename__ = "checkpoints"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    account_id: Mapped[str] = mapped_column(ForeignKey("accounts.id"), index=True)
+    job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id"), index=True, default=None)
+    session_id: Mapped[str | None] = mapped_column(String(32), index=True, default=None)
+    name: Mapped[str] = mapped_column(String(256), default="")
+    step: Mapped[int] = mapped_column(BigInteger, default=0)
+    kind: Mapped[str] = mapped_column(String(16), default="lora_adapter")
+    base_model: Mapped[str] = mapped_column(String(128))
+    model_path: Mapped[str] = mapped_column(Text, default="")
+    files: Mapped[list[Any]] = mapped_column(default=list)
+    state: Mapped[list[Any]] = mapped_column(default=list)
+    final: Mapped[bool] = mapped_column(Boolean, default=False)
+    metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Deployment(Base):
+    __tablename__ = "deployments"
+    __table_args__ = (
+        Index("uq_deployments_account_name", "account_id", "name", unique=True,
+              postgresql_where=text("deleted_at IS NULL"), sqlite_where=text("deleted_at IS NULL")),
+    )
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    account_id: Mapped[str] = mapped_column(ForeignKey("accounts.id"), index=True)
+    name: Mapped[str] = mapped_column(String(128))
+    checkpoint_id: Mapped[str] = mapped_column(ForeignKey("checkpoints.id"))
+    base_model: Mapped[str] = mapped_column(String(128))
+    status: Mapped[str] = mapped_column(String(16), default="deploying")
+    error: Mapped[str] = mapped_column(Text, default="")
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+    deleted_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class TrainingSession(Base):
+    __tablename__ = "training_sessions"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    account_id: Mapped[str] = mapped_column(ForeignKey("accounts.id"), index=True)
+    base_model: Mapped[str] = mapped_column(String(128))
+    lora_rank: Mapped[int] = mapped_column(Integer)
+    lora_alpha: Mapped[float] = mapped_column(Float)
+    target_modules: Mapped[list[Any]] = mapped_column(default=list)
+    seed: Mapped[int] = mapped_column(BigInteger, default=0)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    closed_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class WeightVersion(Base):
+    __tablename__ = "weight_versions"
+    __table_args__ = (UniqueConstraint("account_id", "lineage", "version", name="uq_weight_versions_lineage_version"),)
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    account_id: Mapped[str] = mapped_column(ForeignKey("accounts.id"), index=True)
+    lineage: Mapped[str] = mapped_column(String(128))
+    version: Mapped[int] = mapped_column(BigInteger)
+    parent_id: Mapped[str] = mapped_column(String(32), default="")
+    kind: Mapped[str] = mapped_column(String(16))
+    base_model: Mapped[str] = mapped_column(String(128), default="")
+    files: Mapped[list[Any]] = mapped_column(default=list)
+    meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -1,0 +1,3 @@
+from services.scheduler.app import main
+
+main()

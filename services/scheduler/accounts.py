@@ -1,0 +1,83 @@
+"""Accounts, API keys, base models and checkpoints as seen by their owner."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from sqlalchemy import select
+
+from services.common import auth, registry
+from services.common.blobstore import CHUNK, BlobStore
+from services.common.db import Database
+from services.common.errors import FailedPrecondition, InvalidArgument, not_found
+from services.common.schema import Account, ApiKey, Checkpoint, Model, utcnow
+
+
+class AccountCore:
+    def __init__(self, db: Database, blobs: BlobStore):
+        self.db = db
+        self.blobs = blobs
+
+    # -- accounts and keys ---------------------------------------------------------------------------------------
+    def account(self, account_id: str) -> Account:
+        with self.db.session() as s:
+            return s.get(Account, account_id)
+
+    def create_key(self, account_id: str, name: str) -> tuple[ApiKey, str]:
+        if len(name) > 128:
+            raise InvalidArgument("at most 128 characters", field="name")
+        return auth.issue_key(self.db, account_id, name or "unnamed")
+
+    def list_keys(self, account_id: str) -> list[ApiKey]:
+        with self.db.session() as s:
+            return list(s.scalars(select(ApiKey).where(ApiKey.account_id == account_id).order_by(ApiKey.created_at)))
+
+    def revoke_key(self, account_id: str, caller_key_id: str, key_id: str) -> ApiKey:
+        with self.db.session() as s:
+            key = s.get(ApiKey, key_id) if key_id else None
+            if key is None or key.account_id != account_id:
+                raise not_found("API key", key_id)
+            if key.id == caller_key_id:
+                raise FailedPrecondition("this call is authenticated with the key it would revoke; "
+                                         "revoke it with another key")
+            if key.revoked_at is None:
+                key.revoked_at = utcnow()
+            return key
+
+    # -- models --------------------------------------------------------------------------------------------------
+    def import_model(self, account_id: str, name: str, path: str) -> Model:
+        if not path:
+            raise InvalidArgument("required: the absolute path of a Hugging Face-format model directory", field="path")
+        with self.db.session() as s:
+            return registry.register_model(s, account_id, name, path)
+
+    def list_models(self, account_id: str) -> list[Model]:
+        with self.db.session() as s:
+            return registry.visible_models(s, account_id)
+
+    def get_model(self, account_id: str, name: str) -> Model:
+        with self.db.session() as s:
+            m = registry.find_model(s, account_id, name) if name else None
+            if m is None:
+                raise not_found("model", name)
+            return m
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+    def list_checkpoints(self, account_id: str, job_id: str) -> list[Checkpoint]:
+        q = select(Checkpoint).where(Checkpoint.account_id == account_id)
+        if job_id:
+            q = q.where(Checkpoint.job_id == job_id)
+        with self.db.session() as s:
+            return list(s.scalars(q.order_by(Checkpoint.created_at, Checkpoint.step)))
+
+    def get_checkpoint(self, account_id: str, checkpoint_id: str) -> Checkpoint:
+        with self.db.session() as s:
+            return registry.get_checkpoint(s, account_id, checkpoint_id)
+
+    def checkpoint_chunks(self, account_id: str, checkpoint_id: str) -> Iterator[tuple[dict, int, bytes]]:
+        """(file entry, offset, bytes) for every file of the checkpoint, in manifest order."""
+        ckpt = self.get_checkpoint(account_id, checkpoint_id)
+        for f in ckpt.files:
+            offset = 0
+            for chunk in self.blobs.read_chunks(f["sha256"], chunk_size=CHUNK):
+                yield f, offset, chunk
+                offset += len(chunk)

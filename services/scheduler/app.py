@@ -1,0 +1,126 @@
+"""The scheduler process: control-plane gRPC services, the lease reaper and shared-model registration."""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from services.common import channels
+from services.common.auth import KeyAuthenticator
+from services.common.blobstore import BlobStore
+from services.common.db import Database
+from services.common.grpcserver import Server, ServiceSpec, configure_logging
+from services.common.schema import SHARED_SCOPE
+from services.common import registry
+from services.scheduler.accounts import AccountCore
+from services.scheduler.celery_app import Dispatcher
+from services.scheduler.datasets import DatasetStore
+from services.scheduler.deployments import DeploymentCore
+from services.scheduler.jobs import JobCore
+from services.scheduler.ledger import Ledger
+from services.scheduler.servicer import (
+    AccountServicer,
+    CheckpointServicer,
+    DatasetServicer,
+    DeploymentServicer,
+    JobServicer,
+    ModelServicer,
+)
+from services.scheduler.settings import SchedulerSettings
+from trainyard.v1 import rollout_pb2, rollout_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc as rpc
+
+log = logging.getLogger("trainyard.scheduler")
+TINY_MODEL_NAME = "tiny-qwen3"
+
+
+class RolloutGateway:
+    """Calls the rollout service on the caller's behalf (their API key travels with the call)."""
+
+    def __init__(self, target: str, max_mb: int):
+        self.channel = channels.open_channel(target, max_mb)
+        self.stub = rollout_pb2_grpc.RolloutServiceStub(self.channel)
+
+    def load(self, api_key: str, deployment_id: str) -> None:
+        self.stub.LoadDeployment(rollout_pb2.LoadDeploymentRequest(deployment_id=deployment_id),
+                                 metadata=channels.auth_metadata(api_key), timeout=300)
+
+    def unload(self, api_key: str, deployment_id: str) -> None:
+        self.stub.UnloadDeployment(rollout_pb2.UnloadDeploymentRequest(deployment_id=deployment_id),
+                                   metadata=channels.auth_metadata(api_key), timeout=30)
+
+
+def register_shared_models(settings: SchedulerSettings, db: Database) -> None:
+    models = dict(settings.shared_models)
+    if settings.builtin_tiny_model:
+        from models.tiny import build_tiny_model
+
+        path = settings.data_dir / "models" / TINY_MODEL_NAME
+        if not (path / "config.json").exists():
+            build_tiny_model(path)
+        models.setdefault(TINY_MODEL_NAME, str(path))
+    for name, path in models.items():
+        with db.session() as s:
+            registry.register_model(s, SHARED_SCOPE, name, path)
+        log.info("shared model %s -> %s", name, path)
+
+
+def reaper_loop(settings: SchedulerSettings, ledger: Ledger, dispatch) -> callable:
+    def loop(stopping: threading.Event) -> None:
+        while not stopping.wait(settings.reaper_interval_s):
+            try:
+                for job_id in ledger.reap(settings.worker_lost_after_s, settings.max_job_attempts):
+                    log.warning("job %s: worker lost, dispatching again", job_id)
+                    dispatch(job_id)
+            except Exception:  # noqa: BLE001 - keep reaping through database or broker blips
+                log.exception("reaper pass failed")
+    return loop
+
+
+def build(settings: SchedulerSettings) -> Server:
+    settings.ensure_dirs()
+    db = Database(settings.database_url)
+    blobs = BlobStore(settings.blob_dir)
+    register_shared_models(settings, db)
+    ledger = Ledger(db)
+    dispatch = Dispatcher(settings)
+    rollout = RolloutGateway(settings.rollout_url, settings.grpc_max_message_mb)
+    stopping = threading.Event()
+    accounts = AccountCore(db, blobs)
+    jobs = JobCore(db, ledger, dispatch, settings.watch_poll_s, stopping)
+    deployments = DeploymentCore(db, rollout.load, rollout.unload)
+    datasets = DatasetStore(db, blobs, settings.max_dataset_mb * 1024 * 1024)
+
+    def register(server) -> None:
+        rpc.add_AccountServiceServicer_to_server(AccountServicer(accounts), server)
+        rpc.add_ModelServiceServicer_to_server(ModelServicer(accounts), server)
+        rpc.add_DatasetServiceServicer_to_server(DatasetServicer(datasets), server)
+        rpc.add_JobServiceServicer_to_server(JobServicer(jobs), server)
+        rpc.add_CheckpointServiceServicer_to_server(CheckpointServicer(accounts), server)
+        rpc.add_DeploymentServiceServicer_to_server(DeploymentServicer(deployments), server)
+
+    def shutdown() -> None:
+        rollout.channel.close()
+        db.dispose()
+
+    names = [scheduler_pb2.DESCRIPTOR.services_by_name[n].full_name for n in
+             ("AccountService", "ModelService", "DatasetService", "JobService", "CheckpointService",
+              "DeploymentService")]
+    spec = ServiceSpec(name="scheduler", register=register, service_names=names, on_shutdown=shutdown,
+                       background=[reaper_loop(settings, ledger, dispatch)])
+    server = Server(spec, port=settings.scheduler_port, host=settings.host,
+                    authenticate=KeyAuthenticator(db).authenticate, workers=settings.grpc_workers,
+                    max_message_mb=settings.grpc_max_message_mb, grace_s=settings.shutdown_grace_s)
+    # Watch streams must not hold shutdown for the whole grace period: they end with UNAVAILABLE and clients resume.
+    server.stopping = stopping
+    return server
+
+
+def main() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    settings = SchedulerSettings()
+    configure_logging(settings.log_level)
+    build(settings).serve_forever()
+
+
+if __name__ == "__main__":
+    main()

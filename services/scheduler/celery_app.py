@@ -1,0 +1,48 @@
+"""Celery wiring. The scheduler only sends task names (it never imports training code); workers run them.
+
+Broker: Redis (or any Celery broker URL) in compose and tests; the filesystem transport under data_dir for the
+embedded quickstart, so a machine with no servers still runs separate worker processes. acks_late +
+reject_on_worker_lost + prefetch 1: a message is acknowledged only when its job finished. Duplicate deliveries are
+harmless because a worker must first claim the job in the database (services/scheduler/ledger.py).
+"""
+from __future__ import annotations
+
+from celery import Celery
+
+from services.scheduler.settings import SchedulerSettings
+
+RUN_JOB = "trainyard.run_job"
+
+
+def make_celery(settings: SchedulerSettings) -> Celery:
+    app = Celery("trainyard")
+    broker = settings.broker()
+    conf = dict(
+        broker_url=broker,
+        task_default_queue=settings.celery_queue,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        task_ignore_result=True,
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+        task_publish_retry_policy={"max_retries": 2, "interval_start": 0.2, "interval_step": 0.5},
+    )
+    if broker.startswith("filesystem"):
+        folder = settings.broker_dir() / "queue"
+        processed = settings.broker_dir() / "processed"
+        folder.mkdir(parents=True, exist_ok=True)
+        processed.mkdir(parents=True, exist_ok=True)
+        conf["broker_transport_options"] = {"data_folder_in": str(folder), "data_folder_out": str(folder),
+                                            "processed_folder": str(processed), "store_processed": False}
+    app.conf.update(conf)
+    return app
+
+
+class Dispatcher:
+    def __init__(self, settings: SchedulerSettings):
+        self.app = make_celery(settings)
+        self.queue = settings.celery_queue
+
+    def __call__(self, job_id: str) -> None:
+        self.app.send_task(RUN_JOB, args=[job_id], queue=self.queue)

@@ -1,0 +1,110 @@
+"""Database rows -> API messages for the scheduler."""
+from __future__ import annotations
+
+from google.protobuf import json_format, struct_pb2
+
+from services.common import schema
+from services.common.protoconv import ts
+from services.scheduler.dataset_formats import DatasetFormat
+from trainyard.v1 import scheduler_pb2 as pb
+
+DATASET_FORMATS = {
+    DatasetFormat.SFT_CHAT: pb.DATASET_FORMAT_SFT_CHAT,
+    DatasetFormat.SFT_PROMPT_COMPLETION: pb.DATASET_FORMAT_SFT_PROMPT_COMPLETION,
+    DatasetFormat.DPO: pb.DATASET_FORMAT_DPO,
+    DatasetFormat.RFT: pb.DATASET_FORMAT_RFT,
+}
+DATASET_FORMATS_BACK = {v: k for k, v in DATASET_FORMATS.items()}
+
+JOB_STATUS = {
+    "queued": pb.JOB_STATUS_QUEUED,
+    "running": pb.JOB_STATUS_RUNNING,
+    "succeeded": pb.JOB_STATUS_SUCCEEDED,
+    "failed": pb.JOB_STATUS_FAILED,
+    "cancelled": pb.JOB_STATUS_CANCELLED,
+}
+JOB_STATUS_BACK = {v: k for k, v in JOB_STATUS.items()}
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+DEPLOYMENT_STATUS = {
+    "deploying": pb.DEPLOYMENT_STATUS_DEPLOYING,
+    "ready": pb.DEPLOYMENT_STATUS_READY,
+    "failed": pb.DEPLOYMENT_STATUS_FAILED,
+    "deleted": pb.DEPLOYMENT_STATUS_DELETED,
+}
+CHECKPOINT_KIND = {"lora_adapter": pb.CHECKPOINT_KIND_LORA_ADAPTER, "full": pb.CHECKPOINT_KIND_FULL}
+LR_SCHEDULERS = {"cosine": pb.LR_SCHEDULER_COSINE, "linear": pb.LR_SCHEDULER_LINEAR,
+                 "constant": pb.LR_SCHEDULER_CONSTANT}
+LR_SCHEDULERS_BACK = {v: k for k, v in LR_SCHEDULERS.items()}
+
+
+def account(a: schema.Account) -> pb.Account:
+    return pb.Account(id=a.id, name=a.name, created_at=ts(a.created_at))
+
+
+def api_key(k: schema.ApiKey) -> pb.ApiKey:
+    return pb.ApiKey(id=k.id, name=k.name, prefix=k.prefix, created_at=ts(k.created_at), revoked_at=ts(k.revoked_at))
+
+
+def model(m: schema.Model) -> pb.Model:
+    return pb.Model(name=m.name, path=m.path, architecture=m.architecture, num_parameters=m.num_parameters,
+                    num_layers=m.num_layers, hidden_size=m.hidden_size, vocab_size=m.vocab_size,
+                    max_position_embeddings=m.max_position_embeddings, shared=m.scope == schema.SHARED_SCOPE,
+                    created_at=ts(m.created_at), torch_dtype=m.torch_dtype)
+
+
+def dataset(d: schema.Dataset) -> pb.Dataset:
+    return pb.Dataset(id=d.id, name=d.name, format=DATASET_FORMATS[DatasetFormat(d.format)], num_rows=d.num_rows,
+                      size_bytes=d.size_bytes, sha256=d.sha256, created_at=ts(d.created_at), filename=d.filename)
+
+
+def row_struct(row: dict) -> struct_pb2.Struct:
+    s = struct_pb2.Struct()
+    json_format.ParseDict(row, s)
+    return s
+
+
+def sft_config(c: dict) -> pb.SftConfig:
+    return pb.SftConfig(
+        lora=pb.LoraConfig(rank=c["lora_rank"], alpha=c["lora_alpha"], dropout=c["lora_dropout"],
+                           target_modules=c["target_modules"]),
+        learning_rate=c["learning_rate"], epochs=c["epochs"], max_steps=c["max_steps"], batch_size=c["batch_size"],
+        gradient_accumulation_steps=c["gradient_accumulation_steps"], warmup_steps=c["warmup_steps"],
+        lr_scheduler=LR_SCHEDULERS[c["lr_scheduler"]], weight_decay=c["weight_decay"], max_seq_len=c["max_seq_len"],
+        eval_fraction=c["eval_fraction"], eval_every=c["eval_every"], checkpoint_every=c["checkpoint_every"],
+        seed=c["seed"], max_grad_norm=c["max_grad_norm"],
+    )
+
+
+def job(j: schema.Job) -> pb.Job:
+    spec = pb.JobSpec(method=pb.JOB_METHOD_SFT, base_model=j.base_model, dataset_id=j.dataset_id,
+                      display_name=j.display_name, sft=sft_config(j.config))
+    return pb.Job(
+        id=j.id, spec=spec, status=JOB_STATUS[j.status], created_at=ts(j.created_at), started_at=ts(j.started_at),
+        finished_at=ts(j.finished_at), error=j.error, step=j.step, total_steps=j.total_steps, attempts=j.attempts,
+        cancel_requested=j.cancel_requested, output_checkpoint_id=j.output_checkpoint_id,
+        latest_metrics={k: float(v) for k, v in (j.latest_metrics or {}).items()},
+    )
+
+
+def metric(m: schema.JobMetric) -> pb.MetricPoint:
+    return pb.MetricPoint(step=m.step, values={k: float(v) for k, v in m.data.items()}, time=ts(m.created_at))
+
+
+def job_log(entry: schema.JobLog) -> pb.JobLog:
+    return pb.JobLog(level=entry.level, message=entry.message, time=ts(entry.created_at))
+
+
+def checkpoint(c: schema.Checkpoint) -> pb.Checkpoint:
+    return pb.Checkpoint(
+        id=c.id, job_id=c.job_id or "", step=c.step, kind=CHECKPOINT_KIND[c.kind], base_model=c.base_model,
+        files=[pb.CheckpointFile(path=f["path"], sha256=f["sha256"], size_bytes=f["size_bytes"]) for f in c.files],
+        final=c.final, metrics={k: float(v) for k, v in (c.metrics or {}).items()}, created_at=ts(c.created_at),
+        session_id=c.session_id or "", name=c.name,
+    )
+
+
+def deployment(d: schema.Deployment, job_id: str = "") -> pb.Deployment:
+    return pb.Deployment(id=d.id, name=d.name, checkpoint_id=d.checkpoint_id, base_model=d.base_model,
+                         status=DEPLOYMENT_STATUS[d.status], error=d.error, created_at=ts(d.created_at),
+                         job_id=job_id)

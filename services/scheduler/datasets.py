@@ -1,0 +1,159 @@
+"""Dataset uploads: stream to a staging file while hashing, validate every row, then store — or store nothing.
+
+Order of an upload: header -> bytes to a staging file (size-capped, sha256 on the fly) -> full validation ->
+de-duplication against the account's live datasets -> atomic blob commit -> row insert. Any failure before the row
+insert removes the staging file, so a rejected upload leaves the store and the database as they were.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+
+from services.common.blobstore import BlobStore
+from services.common.db import Database
+from services.common.errors import FailedPrecondition, InvalidArgument, Violation, not_found
+from services.common.schema import Dataset, Job, new_id, utcnow
+from services.scheduler.dataset_formats import DatasetFormat, ValidationResult, read_rows, validate_jsonl
+
+
+@dataclass
+class UploadHeader:
+    name: str
+    format: DatasetFormat | None
+    filename: str
+
+
+@dataclass
+class Staged:
+    path: Path
+    sha256: str
+    size_bytes: int
+
+
+class DatasetStore:
+    def __init__(self, db: Database, blobs: BlobStore, max_bytes: int):
+        self.db = db
+        self.blobs = blobs
+        self.max_bytes = max_bytes
+
+    # -- upload ------------------------------------------------------------------------------------------------
+    def stage(self, chunks: Iterable[bytes]) -> Staged:
+        """Write the upload to a staging file; the caller must unlink it (commit() moves it into the store)."""
+        f, tmp = self.blobs.staging_file()
+        h = hashlib.sha256()
+        size = 0
+        try:
+            with f:
+                for chunk in chunks:
+                    size += len(chunk)
+                    if size > self.max_bytes:
+                        raise InvalidArgument(
+                            f"the file is larger than the {self.max_bytes // (1 << 20)} MB limit "
+                            "(raise TRAINYARD_MAX_DATASET_MB on the scheduler to allow it)", field="file")
+                    h.update(chunk)
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return Staged(path=tmp, sha256=h.hexdigest(), size_bytes=size)
+
+    def validate(self, header: UploadHeader, chunks: Iterable[bytes]) -> ValidationResult:
+        staged = self.stage(chunks)
+        try:
+            return validate_jsonl(staged.path, header.format)
+        finally:
+            staged.path.unlink(missing_ok=True)
+
+    def upload(self, account_id: str, header: UploadHeader, chunks: Iterable[bytes]) -> tuple[Dataset, bool]:
+        staged = self.stage(chunks)
+        try:
+            result = validate_jsonl(staged.path, header.format)
+            if not result.valid:
+                raise InvalidArgument(
+                    violations=[Violation(row=e.row, field=e.field, reason=e.reason) for e in result.errors],
+                    truncated=result.truncated)
+            existing = self._live_by_sha(account_id, staged.sha256)
+            if existing is not None:
+                return existing, True
+            self.blobs.commit(staged.path, staged.sha256)
+            row = Dataset(id=new_id("ds"), account_id=account_id, name=header.name or header.filename or "dataset",
+                          filename=header.filename, format=result.format.value, num_rows=result.num_rows,
+                          size_bytes=staged.size_bytes, sha256=staged.sha256, created_at=utcnow())
+            try:
+                with self.db.session() as s:
+                    s.add(row)
+            except IntegrityError:  # the same content raced in from another upload: that one wins
+                existing = self._live_by_sha(account_id, staged.sha256)
+                if existing is None:
+                    raise
+                return existing, True
+            return row, False
+        finally:
+            staged.path.unlink(missing_ok=True)
+
+    def _live_by_sha(self, account_id: str, sha: str) -> Dataset | None:
+        with self.db.session() as s:
+            return s.scalar(select(Dataset).where(Dataset.account_id == account_id, Dataset.sha256 == sha,
+                                                  Dataset.deleted_at.is_(None)))
+
+    # -- reads ---------------------------------------------------------------------------------------------------
+    def get(self, account_id: str, dataset_id: str) -> Dataset:
+        with self.db.session() as s:
+            d = s.get(Dataset, dataset_id) if dataset_id else None
+            if d is None or d.account_id != account_id or d.deleted_at is not None:
+                raise not_found("dataset", dataset_id)
+            return d
+
+    def list(self, account_id: str, offset: int, limit: int) -> tuple[list[Dataset], int | None]:
+        with self.db.session() as s:
+            rows = list(s.scalars(select(Dataset).where(Dataset.account_id == account_id, Dataset.deleted_at.is_(None))
+                                  .order_by(Dataset.created_at.desc(), Dataset.id).offset(offset).limit(limit + 1)))
+        more = len(rows) > limit
+        return rows[:limit], (offset + limit if more else None)
+
+    def preview(self, account_id: str, dataset_id: str, offset: int, limit: int) -> tuple[Dataset, list[dict]]:
+        if offset < 0:
+            raise InvalidArgument(f"must be >= 0, got {offset}", field="offset")
+        if limit < 0 or limit > 100:
+            raise InvalidArgument(f"must be between 0 and 100 (0 = 10), got {limit}", field="limit")
+        d = self.get(account_id, dataset_id)
+        return d, read_rows(self.blobs.path(d.sha256), offset=offset, limit=limit or 10)
+
+    def path(self, d: Dataset) -> Path:
+        return self.blobs.path(d.sha256)
+
+    def delete(self, account_id: str, dataset_id: str) -> Dataset:
+        with self.db.session() as s:
+            d = s.get(Dataset, dataset_id) if dataset_id else None
+            if d is None or d.account_id != account_id or d.deleted_at is not None:
+                raise not_found("dataset", dataset_id)
+            active = s.scalar(select(Job.id).where(Job.dataset_id == d.id, Job.status.in_(("queued", "running"))))
+            if active is not None:
+                raise FailedPrecondition(f"dataset '{d.id}' is used by job '{active}', which has not finished; "
+                                         "cancel the job or wait for it")
+            d.deleted_at = utcnow()  # the blob stays: finished jobs and checkpoints still name it
+            return d
+
+
+def chunks_after_header(requests: Iterator, header_field: str = "header") -> tuple[object, Iterator[bytes]]:
+    """Split an upload stream into its header message and an iterator over the byte chunks that follow."""
+    first = next(requests, None)
+    if first is None or first.WhichOneof("part") != header_field:
+        raise InvalidArgument("the first message of the stream must carry the header", field=header_field)
+    header = getattr(first, header_field)
+
+    def data() -> Iterator[bytes]:
+        for req in requests:
+            if req.WhichOneof("part") != "chunk":
+                raise InvalidArgument("only one header is allowed, as the first message", field=header_field)
+            yield req.chunk
+
+    return header, data()

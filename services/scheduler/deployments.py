@@ -1,0 +1,103 @@
+"""Deployments: a checkpoint served by the rollout service under a name of the account's choosing.
+
+Create: validate -> row (deploying) -> rollout.LoadDeployment on the caller's behalf -> ready | failed.
+Delete: row marked deleted first (the rollout re-checks the row on every Sample, so a deleted deployment is never
+served even if the unload call below does not reach the rollout), then rollout.UnloadDeployment.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+
+import grpc
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+
+from services.common import registry
+from services.common.db import Database
+from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, not_found
+from services.common.schema import Checkpoint, Deployment, Job, new_id, utcnow
+
+log = logging.getLogger("trainyard.deployments")
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+# (api_key, deployment_id) -> None; raises grpc.RpcError when the rollout refuses or cannot be reached.
+LoadFn = Callable[[str, str], None]
+
+
+class DeploymentCore:
+    def __init__(self, db: Database, load: LoadFn, unload: LoadFn):
+        self.db = db
+        self.load = load
+        self.unload = unload
+
+    def create(self, account_id: str, api_key: str, name: str, checkpoint_id: str, job_id: str) -> Deployment:
+        if not NAME_RE.fullmatch(name or ""):
+            raise InvalidArgument("use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit",
+                                  field="name")
+        if bool(checkpoint_id) == bool(job_id):
+            raise InvalidArgument("give exactly one of checkpoint_id and job_id", field="checkpoint_id")
+        with self.db.session() as s:
+            ckpt = self._resolve_checkpoint(s, account_id, checkpoint_id, job_id)
+            if registry.find_deployment(s, account_id, name) is not None:
+                raise AlreadyExists(f"a deployment named '{name}' already exists; delete it or choose another name")
+            dep = Deployment(id=new_id("dep"), account_id=account_id, name=name, checkpoint_id=ckpt.id,
+                             base_model=ckpt.base_model, status="deploying", created_at=utcnow(), updated_at=utcnow())
+            s.add(dep)
+            try:
+                s.flush()
+            except IntegrityError:
+                raise AlreadyExists(f"a deployment named '{name}' already exists") from None
+        try:
+            self.load(api_key, dep.id)
+        except grpc.RpcError as exc:
+            self._set(dep.id, status="failed", error=f"rollout could not load it: {exc.details()}")
+            raise
+        return self._set(dep.id, status="ready", error="")
+
+    def _resolve_checkpoint(self, s, account_id: str, checkpoint_id: str, job_id: str) -> Checkpoint:
+        if job_id:
+            job = s.get(Job, job_id)
+            if job is None or job.account_id != account_id:
+                raise not_found("job", job_id)
+            if job.status != "succeeded" or not job.output_checkpoint_id:
+                raise FailedPrecondition(f"job '{job_id}' is {job.status}; only a succeeded job can be deployed "
+                                         "(or deploy one of its checkpoints by checkpoint_id)")
+            checkpoint_id = job.output_checkpoint_id
+        return registry.get_checkpoint(s, account_id, checkpoint_id)
+
+    def _set(self, dep_id: str, **fields) -> Deployment:
+        with self.db.session() as s:
+            dep = s.get(Deployment, dep_id)
+            for k, v in fields.items():
+                setattr(dep, k, v)
+            dep.updated_at = utcnow()
+            return dep
+
+    def get(self, account_id: str, ident: str) -> Deployment:
+        with self.db.session() as s:
+            dep = registry.find_deployment(s, account_id, ident) if ident else None
+            if dep is None:
+                raise not_found("deployment", ident)
+            return dep
+
+    def list(self, account_id: str, include_deleted: bool) -> list[Deployment]:
+        q = select(Deployment).where(Deployment.account_id == account_id)
+        if not include_deleted:
+            q = q.where(Deployment.deleted_at.is_(None))
+        with self.db.session() as s:
+            return list(s.scalars(q.order_by(Deployment.created_at.desc())))
+
+    def job_of(self, dep: Deployment) -> str:
+        with self.db.session() as s:
+            return s.scalar(select(Checkpoint.job_id).where(Checkpoint.id == dep.checkpoint_id)) or ""
+
+    def delete(self, account_id: str, api_key: str, ident: str) -> Deployment:
+        dep = self.get(account_id, ident)
+        dep = self._set(dep.id, status="deleted", deleted_at=utcnow())
+        try:
+            self.unload(api_key, dep.id)
+        except grpc.RpcError as exc:  # the row is already deleted, so the rollout will not serve it anyway
+            log.warning("rollout did not unload %s: %s", dep.id, exc.details())
+        return dep

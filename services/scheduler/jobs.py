@@ -1,0 +1,147 @@
+"""Managed jobs as the user sees them: create (validate, store queued, dispatch), read, watch, cancel."""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from sqlalchemy import select
+
+from services.common import registry
+from services.common.db import Database
+from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable, not_found
+from services.common.schema import Dataset, Job, JobLog, JobMetric, new_id, utcnow
+from services.scheduler.dataset_formats import DatasetFormat
+from services.scheduler.ledger import TERMINAL, Ledger
+from services.trainer.sft_config import SftHyperparams
+
+SFT_FORMATS = (DatasetFormat.SFT_CHAT.value, DatasetFormat.SFT_PROMPT_COMPLETION.value)
+
+
+@dataclass
+class NewJob:
+    method: str
+    base_model: str
+    dataset_id: str
+    display_name: str
+    config: dict  # method config as given (None = unset), validated here
+
+
+@dataclass
+class WatchItem:
+    kind: str  # "job" | "metric" | "log"
+    row: object
+
+
+class JobCore:
+    def __init__(self, db: Database, ledger: Ledger, dispatch: Callable[[str], None], poll_s: float,
+                 stopping: threading.Event):
+        self.db = db
+        self.ledger = ledger
+        self.dispatch = dispatch
+        self.poll_s = poll_s
+        self.stopping = stopping
+
+    def create(self, account_id: str, req: NewJob) -> Job:
+        if req.method != "sft":
+            raise InvalidArgument("only SFT jobs are supported (method JOB_METHOD_SFT)", field="spec.method")
+        with self.db.session() as s:
+            model = registry.require_model(s, account_id, req.base_model, field="spec.base_model")
+            if not req.dataset_id:
+                raise InvalidArgument("required: the id of an uploaded dataset", field="spec.dataset_id")
+            ds = s.get(Dataset, req.dataset_id)
+            if ds is None or ds.account_id != account_id or ds.deleted_at is not None:
+                raise not_found("dataset", req.dataset_id)
+            if ds.format not in SFT_FORMATS:
+                raise InvalidArgument(f"dataset '{ds.id}' is in {ds.format} format; SFT needs sft_chat or "
+                                      "sft_prompt_completion rows", field="spec.dataset_id")
+            hp = SftHyperparams.from_request(req.config)
+            if hp.max_seq_len > model.max_position_embeddings:
+                raise InvalidArgument(f"must be at most the model's context length {model.max_position_embeddings}, "
+                                      f"got {hp.max_seq_len}", field="spec.sft.max_seq_len")
+            job = Job(id=new_id("job"), account_id=account_id, display_name=req.display_name[:256], method="sft",
+                      base_model=model.name, model_path=model.path, dataset_id=ds.id, config=hp.to_json(),
+                      status="queued", created_at=utcnow(), updated_at=utcnow())
+            s.add(job)
+            s.add(JobLog(job_id=job.id, level="info", message="queued", created_at=utcnow()))
+        try:
+            self.dispatch(job.id)
+        except Exception as exc:  # noqa: BLE001 - the broker's own error types vary by transport
+            self.ledger.set_fields(job.id, status="failed", finished_at=utcnow(),
+                                   error=f"could not hand the job to a worker: {exc}")
+            raise Unavailable(f"job {job.id} could not be queued: the job broker is unreachable ({exc})") from exc
+        return job
+
+    def get(self, account_id: str, job_id: str) -> Job:
+        with self.db.session() as s:
+            job = s.get(Job, job_id) if job_id else None
+            if job is None or job.account_id != account_id:
+                raise not_found("job", job_id)
+            return job
+
+    def list(self, account_id: str, status: str | None, offset: int, limit: int) -> tuple[list[Job], int | None]:
+        q = select(Job).where(Job.account_id == account_id)
+        if status:
+            q = q.where(Job.status == status)
+        with self.db.session() as s:
+            rows = list(s.scalars(q.order_by(Job.created_at.desc(), Job.id).offset(offset).limit(limit + 1)))
+        return rows[:limit], (offset + limit if len(rows) > limit else None)
+
+    def metrics(self, account_id: str, job_id: str) -> list[JobMetric]:
+        self.get(account_id, job_id)
+        with self.db.session() as s:
+            return list(s.scalars(select(JobMetric).where(JobMetric.job_id == job_id).order_by(JobMetric.id)))
+
+    def cancel(self, account_id: str, job_id: str) -> Job:
+        with self.db.session() as s:
+            job = s.get(Job, job_id, with_for_update=True) if job_id else None
+            if job is None or job.account_id != account_id:
+                raise not_found("job", job_id)
+            if job.status in ("succeeded", "failed"):
+                raise FailedPrecondition(f"job '{job_id}' already {job.status}; nothing to cancel")
+            if job.status == "queued":
+                job.status, job.finished_at = "cancelled", utcnow()
+                s.add(JobLog(job_id=job.id, level="info", message="cancelled before it started", created_at=utcnow()))
+            elif job.status == "running" and not job.cancel_requested:
+                s.add(JobLog(job_id=job.id, level="info", message="cancellation requested", created_at=utcnow()))
+            job.cancel_requested = True
+            job.updated_at = utcnow()
+            return job
+
+    def watch(self, account_id: str, job_id: str, from_step: int, is_active: Callable[[], bool]) -> Iterator[WatchItem]:
+        """The job, its metrics from from_step and its log, then live changes until the job ends.
+
+        Polls the database (every poll_s), so it follows workers in other processes with nothing but the database
+        in common. Ends when the job is terminal and everything up to then was sent, the client goes away, or the
+        server shuts down (the client reconnects with from_step).
+        """
+        if from_step < 0:
+            raise InvalidArgument(f"must be >= 0, got {from_step}", field="from_step")
+        job = self.get(account_id, job_id)
+        yield WatchItem("job", job)
+        last_metric = last_log = 0
+        last_seen = (job.status, job.step, job.updated_at, job.cancel_requested)
+        while True:
+            with self.db.session() as s:
+                job = s.get(Job, job_id)  # first: every row written before a terminal status is then visible below
+                metrics = s.scalars(select(JobMetric).where(JobMetric.job_id == job_id, JobMetric.id > last_metric,
+                                                            JobMetric.step >= from_step).order_by(JobMetric.id)).all()
+                logs = s.scalars(select(JobLog).where(JobLog.job_id == job_id, JobLog.id > last_log)
+                                 .order_by(JobLog.id)).all()
+            for m in metrics:
+                last_metric = m.id
+                yield WatchItem("metric", m)
+            for entry in logs:
+                last_log = entry.id
+                yield WatchItem("log", entry)
+            seen = (job.status, job.step, job.updated_at, job.cancel_requested)
+            if seen != last_seen:
+                last_seen = seen
+                yield WatchItem("job", job)
+            if job.status in TERMINAL and not metrics and not logs:
+                return
+            if not is_active() or self.stopping.wait(self.poll_s):
+                if self.stopping.is_set():
+                    raise Unavailable("the scheduler is shutting down; watch again to continue")
+                return

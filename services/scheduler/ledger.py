@@ -1,0 +1,159 @@
+"""The job state machine, shared by the scheduler (create, cancel, reap) and the workers (claim, progress, finish).
+
+    queued --claim--> running --finish--> succeeded | failed | cancelled
+      ^                  |
+      +----- reap -------+   (heartbeat older than worker_lost_after_s: retried, resumes from its last checkpoint)
+
+A running job is leased to one worker (worker_id). Every write a worker makes is conditional on still holding the
+lease, so a worker that was presumed lost (and whose job was handed to another) cannot overwrite the new attempt.
+Each transition is one transaction; timestamps are UTC.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import select, update
+
+from services.common.db import Database
+from services.common.schema import Checkpoint, Job, JobLog, JobMetric, new_id, utcnow
+
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+class LeaseLost(Exception):
+    """The job is no longer this worker's: it was cancelled, reaped or finished elsewhere."""
+
+
+@dataclass
+class Claim:
+    job: Job
+    attempt: int
+
+
+class Ledger:
+    def __init__(self, db: Database):
+        self.db = db
+
+    # -- scheduler side ------------------------------------------------------------------------------------------
+    def log(self, job_id: str, message: str, level: str = "info") -> None:
+        with self.db.session() as s:
+            s.add(JobLog(job_id=job_id, level=level, message=message, created_at=utcnow()))
+
+    def reap(self, lost_after_s: float, max_attempts: int) -> list[str]:
+        """Requeue running jobs whose worker stopped heartbeating. Returns the ids to dispatch again."""
+        cutoff = utcnow() - timedelta(seconds=lost_after_s)
+        requeue = []
+        with self.db.session() as s:
+            stale = s.scalars(select(Job).where(Job.status == "running", Job.heartbeat_at < cutoff)
+                              .with_for_update(skip_locked=True)).all()
+            for job in stale:
+                now = utcnow()
+                lost = job.worker_id
+                job.worker_id = ""
+                job.updated_at = now
+                if job.cancel_requested:
+                    job.status, job.finished_at = "cancelled", now
+                    msg = f"worker {lost} stopped responding; the job was cancelled"
+                elif job.attempts >= max_attempts:
+                    job.status, job.finished_at = "failed", now
+                    job.error = f"worker lost {job.attempts} times (limit {max_attempts}); giving up"
+                    msg = job.error
+                else:
+                    job.status = "queued"
+                    msg = (f"worker {lost} stopped responding; retrying (attempt {job.attempts + 1} of "
+                           f"{max_attempts}) from the last checkpoint")
+                    requeue.append(job.id)
+                s.add(JobLog(job_id=job.id, level="warning", message=msg, created_at=now))
+        return requeue
+
+    # -- worker side ---------------------------------------------------------------------------------------------
+    def claim(self, job_id: str, worker_id: str) -> Claim | None:
+        """Take a queued job. None when it is not queued (already running elsewhere, finished or cancelled)."""
+        now = utcnow()
+        with self.db.session() as s:
+            res = s.execute(update(Job).where(Job.id == job_id, Job.status == "queued", Job.cancel_requested.is_(False))
+                            .values(status="running", worker_id=worker_id, heartbeat_at=now, updated_at=now,
+                                    attempts=Job.attempts + 1))
+            if res.rowcount != 1:
+                return None
+            job = s.get(Job, job_id)
+            if job.started_at is None:
+                job.started_at = now
+            s.add(JobLog(job_id=job_id, level="info", created_at=now,
+                         message=f"started on worker {worker_id} (attempt {job.attempts})"))
+            return Claim(job=job, attempt=job.attempts)
+
+    def _owned(self, s, job_id: str, worker_id: str) -> Job:
+        job = s.get(Job, job_id, with_for_update=True)
+        if job is None or job.status != "running" or job.worker_id != worker_id:
+            raise LeaseLost(job_id)
+        return job
+
+    def heartbeat(self, job_id: str, worker_id: str) -> bool:
+        """Renew the lease; returns whether cancellation was requested. Raises LeaseLost."""
+        now = utcnow()
+        with self.db.session() as s:
+            res = s.execute(update(Job).where(Job.id == job_id, Job.status == "running", Job.worker_id == worker_id)
+                            .values(heartbeat_at=now))
+            if res.rowcount != 1:
+                raise LeaseLost(job_id)
+            return bool(s.scalar(select(Job.cancel_requested).where(Job.id == job_id)))
+
+    def progress(self, job_id: str, worker_id: str, *, step: int | None = None, total_steps: int | None = None,
+                 metrics: dict[str, float] | None = None) -> None:
+        now = utcnow()
+        with self.db.session() as s:
+            job = self._owned(s, job_id, worker_id)
+            if step is not None:
+                job.step = step
+            if total_steps is not None:
+                job.total_steps = total_steps
+            if metrics:
+                job.latest_metrics = {**(job.latest_metrics or {}), **metrics}
+                s.add(JobMetric(job_id=job_id, step=job.step if step is None else step, data=metrics,
+                                created_at=now))
+            job.updated_at = now
+            job.heartbeat_at = now
+
+    def add_checkpoint(self, job_id: str, worker_id: str, *, step: int, files: list[dict], state: list[dict],
+                       final: bool, metrics: dict[str, float], kind: str = "lora_adapter") -> Checkpoint:
+        now = utcnow()
+        with self.db.session() as s:
+            job = self._owned(s, job_id, worker_id)
+            ckpt = Checkpoint(id=new_id("ckpt"), account_id=job.account_id, job_id=job_id, step=step, kind=kind,
+                              base_model=job.base_model, model_path=job.model_path, files=files, state=state,
+                              final=final, metrics=metrics, created_at=now, name=f"{job.id}-step{step}")
+            s.add(ckpt)
+            s.add(JobLog(job_id=job_id, level="info", created_at=now,
+                         message=f"{'final ' if final else ''}checkpoint saved at step {step} ({ckpt.id})"))
+            job.updated_at = now
+            return ckpt
+
+    def latest_checkpoint(self, job_id: str) -> Checkpoint | None:
+        with self.db.session() as s:
+            return s.scalar(select(Checkpoint).where(Checkpoint.job_id == job_id)
+                            .order_by(Checkpoint.step.desc(), Checkpoint.created_at.desc()).limit(1))
+
+    def finish(self, job_id: str, worker_id: str, status: str, *, error: str = "",
+               output_checkpoint_id: str = "", message: str = "") -> None:
+        assert status in TERMINAL
+        now = utcnow()
+        with self.db.session() as s:
+            job = self._owned(s, job_id, worker_id)
+            job.status, job.finished_at, job.updated_at = status, now, now
+            job.error = error
+            job.worker_id = ""
+            if output_checkpoint_id:
+                job.output_checkpoint_id = output_checkpoint_id
+            s.add(JobLog(job_id=job_id, level="error" if status == "failed" else "info", created_at=now,
+                         message=message or (f"{status}: {error}" if error else status)))
+
+    def job(self, job_id: str) -> Job | None:
+        with self.db.session() as s:
+            return s.get(Job, job_id)
+
+    def set_fields(self, job_id: str, **fields: Any) -> None:
+        with self.db.session() as s:
+            s.execute(update(Job).where(Job.id == job_id).values(**fields, updated_at=utcnow()))

@@ -1,0 +1,200 @@
+"""gRPC adapters for the scheduler's cores. No logic and no try/except here: errors map in the interceptor."""
+from __future__ import annotations
+
+import hashlib
+
+from services.common.auth import current_caller
+from services.common.errors import InvalidArgument
+from services.common.protoconv import opt
+from services.scheduler import convert
+from services.scheduler.accounts import AccountCore
+from services.scheduler.datasets import DatasetStore, UploadHeader, chunks_after_header
+from services.scheduler.deployments import DeploymentCore
+from services.scheduler.jobs import JobCore, NewJob
+from trainyard.v1 import common_pb2, scheduler_pb2 as pb, scheduler_pb2_grpc as rpc
+
+
+def page(req: common_pb2.PageRequest) -> tuple[int, int]:
+    size = req.page_size or 50
+    if not 0 < size <= 500:
+        raise InvalidArgument(f"must be between 1 and 500, got {req.page_size}", field="page.page_size")
+    try:
+        offset = int(req.page_token or 0)
+    except ValueError:
+        raise InvalidArgument("not a token returned by a previous call", field="page.page_token") from None
+    return offset, size
+
+
+def token(next_offset: int | None) -> str:
+    return "" if next_offset is None else str(next_offset)
+
+
+class AccountServicer(rpc.AccountServiceServicer):
+    def __init__(self, core: AccountCore):
+        self.core = core
+
+    def WhoAmI(self, request, context):
+        return convert.account(self.core.account(current_caller().account_id))
+
+    def CreateApiKey(self, request, context):
+        key, secret = self.core.create_key(current_caller().account_id, request.name)
+        return pb.CreateApiKeyResponse(key=convert.api_key(key), secret=secret)
+
+    def ListApiKeys(self, request, context):
+        return pb.ListApiKeysResponse(keys=[convert.api_key(k) for k in self.core.list_keys(current_caller().account_id)])
+
+    def RevokeApiKey(self, request, context):
+        caller = current_caller()
+        return convert.api_key(self.core.revoke_key(caller.account_id, caller.key_id, request.id))
+
+
+class ModelServicer(rpc.ModelServiceServicer):
+    def __init__(self, core: AccountCore):
+        self.core = core
+
+    def ImportModel(self, request, context):
+        return convert.model(self.core.import_model(current_caller().account_id, request.name, request.path))
+
+    def ListModels(self, request, context):
+        return pb.ListModelsResponse(models=[convert.model(m) for m in self.core.list_models(current_caller().account_id)])
+
+    def GetModel(self, request, context):
+        return convert.model(self.core.get_model(current_caller().account_id, request.name))
+
+
+def _header(h: pb.UploadDatasetHeader) -> UploadHeader:
+    if h.format not in convert.DATASET_FORMATS_BACK and h.format != pb.DATASET_FORMAT_UNSPECIFIED:
+        raise InvalidArgument(f"unknown format {h.format}", field="header.format")
+    if len(h.name) > 256:
+        raise InvalidArgument("at most 256 characters", field="header.name")
+    return UploadHeader(name=h.name, format=convert.DATASET_FORMATS_BACK.get(h.format), filename=h.filename[:512])
+
+
+class DatasetServicer(rpc.DatasetServiceServicer):
+    def __init__(self, store: DatasetStore):
+        self.store = store
+
+    def UploadDataset(self, request_iterator, context):
+        header, chunks = chunks_after_header(request_iterator)
+        ds, dedup = self.store.upload(current_caller().account_id, _header(header), chunks)
+        return pb.UploadDatasetResponse(dataset=convert.dataset(ds), deduplicated=dedup)
+
+    def ValidateDataset(self, request_iterator, context):
+        current_caller()
+        header, chunks = chunks_after_header(request_iterator)
+        r = self.store.validate(_header(header), chunks)
+        return pb.ValidationReport(
+            valid=r.valid, format=convert.DATASET_FORMATS.get(r.format, pb.DATASET_FORMAT_UNSPECIFIED),
+            num_rows=r.num_rows, size_bytes=r.size_bytes, truncated=r.truncated,
+            violations=[common_pb2.FieldViolation(row=e.row, field=e.field, reason=e.reason) for e in r.errors])
+
+    def ListDatasets(self, request, context):
+        offset, size = page(request.page)
+        rows, nxt = self.store.list(current_caller().account_id, offset, size)
+        return pb.ListDatasetsResponse(datasets=[convert.dataset(d) for d in rows], next_page_token=token(nxt))
+
+    def GetDataset(self, request, context):
+        return convert.dataset(self.store.get(current_caller().account_id, request.id))
+
+    def PreviewDataset(self, request, context):
+        ds, rows = self.store.preview(current_caller().account_id, request.id, request.offset, request.limit)
+        return pb.PreviewDatasetResponse(dataset=convert.dataset(ds), rows=[convert.row_struct(r) for r in rows])
+
+    def DeleteDataset(self, request, context):
+        return convert.dataset(self.store.delete(current_caller().account_id, request.id))
+
+
+def _sft_request(c: pb.SftConfig) -> dict:
+    lora = c.lora
+    return {
+        "lora_rank": opt(lora, "rank"), "lora_alpha": opt(lora, "alpha"), "lora_dropout": opt(lora, "dropout"),
+        "target_modules": tuple(lora.target_modules) or None,
+        "learning_rate": opt(c, "learning_rate"), "epochs": opt(c, "epochs"), "max_steps": opt(c, "max_steps"),
+        "batch_size": opt(c, "batch_size"), "gradient_accumulation_steps": opt(c, "gradient_accumulation_steps"),
+        "warmup_steps": opt(c, "warmup_steps"),
+        "lr_scheduler": convert.LR_SCHEDULERS_BACK.get(c.lr_scheduler) if c.lr_scheduler else None,
+        "weight_decay": opt(c, "weight_decay"), "max_seq_len": opt(c, "max_seq_len"),
+        "eval_fraction": opt(c, "eval_fraction"), "eval_every": opt(c, "eval_every"),
+        "checkpoint_every": opt(c, "checkpoint_every"), "seed": opt(c, "seed"),
+        "max_grad_norm": opt(c, "max_grad_norm"),
+    }
+
+
+class JobServicer(rpc.JobServiceServicer):
+    def __init__(self, core: JobCore):
+        self.core = core
+
+    def CreateJob(self, request, context):
+        spec = request.spec
+        method = {pb.JOB_METHOD_SFT: "sft"}.get(spec.method, "")
+        if spec.method == pb.JOB_METHOD_SFT and spec.WhichOneof("config") not in (None, "sft"):
+            raise InvalidArgument("an SFT job takes spec.sft", field="spec.config")
+        job = self.core.create(current_caller().account_id, NewJob(
+            method=method, base_model=spec.base_model, dataset_id=spec.dataset_id, display_name=spec.display_name,
+            config=_sft_request(spec.sft)))
+        return convert.job(job)
+
+    def GetJob(self, request, context):
+        return convert.job(self.core.get(current_caller().account_id, request.id))
+
+    def ListJobs(self, request, context):
+        offset, size = page(request.page)
+        status = convert.JOB_STATUS_BACK.get(request.status) if request.status else None
+        rows, nxt = self.core.list(current_caller().account_id, status, offset, size)
+        return pb.ListJobsResponse(jobs=[convert.job(j) for j in rows], next_page_token=token(nxt))
+
+    def WatchJob(self, request, context):
+        for item in self.core.watch(current_caller().account_id, request.id, request.from_step, context.is_active):
+            if item.kind == "job":
+                yield pb.JobEvent(job=convert.job(item.row))
+            elif item.kind == "metric":
+                yield pb.JobEvent(metric=convert.metric(item.row))
+            else:
+                yield pb.JobEvent(log=convert.job_log(item.row))
+
+    def CancelJob(self, request, context):
+        return convert.job(self.core.cancel(current_caller().account_id, request.id))
+
+    def ListJobMetrics(self, request, context):
+        points = self.core.metrics(current_caller().account_id, request.id)
+        return pb.ListJobMetricsResponse(points=[convert.metric(m) for m in points])
+
+
+class CheckpointServicer(rpc.CheckpointServiceServicer):
+    def __init__(self, core: AccountCore):
+        self.core = core
+
+    def ListCheckpoints(self, request, context):
+        rows = self.core.list_checkpoints(current_caller().account_id, request.job_id)
+        return pb.ListCheckpointsResponse(checkpoints=[convert.checkpoint(c) for c in rows])
+
+    def GetCheckpoint(self, request, context):
+        return convert.checkpoint(self.core.get_checkpoint(current_caller().account_id, request.id))
+
+    def DownloadCheckpoint(self, request, context):
+        for f, offset, data in self.core.checkpoint_chunks(current_caller().account_id, request.id):
+            yield common_pb2.FileChunk(path=f["path"], offset=offset, data=data, file_size=f["size_bytes"],
+                                       sha256=hashlib.sha256(data).hexdigest())
+
+
+class DeploymentServicer(rpc.DeploymentServiceServicer):
+    def __init__(self, core: DeploymentCore):
+        self.core = core
+
+    def CreateDeployment(self, request, context):
+        caller = current_caller()
+        dep = self.core.create(caller.account_id, caller.api_key, request.name, request.checkpoint_id, request.job_id)
+        return convert.deployment(dep, self.core.job_of(dep))
+
+    def ListDeployments(self, request, context):
+        deps = self.core.list(current_caller().account_id, request.include_deleted)
+        return pb.ListDeploymentsResponse(deployments=[convert.deployment(d, self.core.job_of(d)) for d in deps])
+
+    def GetDeployment(self, request, context):
+        dep = self.core.get(current_caller().account_id, request.id)
+        return convert.deployment(dep, self.core.job_of(dep))
+
+    def DeleteDeployment(self, request, context):
+        caller = current_caller()
+        dep = self.core.delete(caller.account_id, caller.api_key, request.id)
+        return convert.deployment(dep, self.core.job_of(dep))

@@ -1,0 +1,28 @@
+"""Scheduler and worker settings (env TRAINYARD_*, see services/common/config.py)."""
+from __future__ import annotations
+
+from pydantic import Field
+
+from services.common.config import TrainyardSettings
+
+
+class SchedulerSettings(TrainyardSettings):
+    broker_url: str = Field(default="", description="Celery broker; default: filesystem broker under data_dir")
+    celery_queue: str = "trainyard"
+    max_dataset_mb: int = Field(default=2048, ge=1)
+    # Job leases: a worker heartbeats every heartbeat_s; a running job silent for worker_lost_after_s is retried.
+    heartbeat_s: float = Field(default=2.0, gt=0)
+    worker_lost_after_s: float = Field(default=30.0, gt=0)
+    reaper_interval_s: float = Field(default=5.0, gt=0)
+    max_job_attempts: int = Field(default=3, ge=1)
+    watch_poll_s: float = Field(default=0.5, gt=0)
+    # Models every account can use, registered at scheduler start: {"name": "/path/to/hf/dir"}.
+    shared_models: dict[str, str] = Field(default_factory=dict)
+    # Build (once) and share the tiny demo model as "tiny-qwen3".
+    builtin_tiny_model: bool = True
+
+    def broker(self) -> str:
+        return self.broker_url or "filesystem://"
+
+    def broker_dir(self):
+        return self.data_dir / "broker"

@@ -1,0 +1,25 @@
+"""Celery worker entry point: ``celery -A services.scheduler.worker worker --pool solo -Q trainyard``.
+
+One job at a time per worker process (a worker owns its accelerators); the job itself runs in
+services/trainer/managed.py.
+"""
+from __future__ import annotations
+
+import os
+
+from services.common.grpcserver import configure_logging
+from services.scheduler.celery_app import RUN_JOB, make_celery
+from services.scheduler.settings import SchedulerSettings
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+settings = SchedulerSettings()
+settings.ensure_dirs()
+configure_logging(settings.log_level)
+app = make_celery(settings)
+
+
+@app.task(name=RUN_JOB)
+def run_job(job_id: str) -> None:
+    from services.trainer.managed import run_managed_job
+
+    run_managed_job(job_id, settings)

@@ -1,0 +1,3 @@
+from services.trainer.app import main
+
+main()

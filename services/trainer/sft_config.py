@@ -1,0 +1,91 @@
+"""Hyperparameters of a managed SFT job: defaults, bounds and the messages a user sees when one is wrong.
+
+The scheduler validates a request with ``SftHyperparams.from_request`` (violations name the request field, e.g.
+"spec.sft.learning_rate") and stores ``to_json()``; the worker rebuilds the same object with ``from_json``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from services.common.errors import InvalidArgument, Violation
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LR_SCHEDULERS = ("cosine", "linear", "constant")
+
+
+@dataclass(frozen=True)
+class SftHyperparams:
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    target_modules: tuple[str, ...] = LORA_TARGETS
+    learning_rate: float = 1e-4
+    epochs: int = 1
+    max_steps: int = 0  # 0: derived from epochs
+    batch_size: int = 4
+    gradient_accumulation_steps: int = 1
+    warmup_steps: int = 0
+    lr_scheduler: str = "cosine"
+    weight_decay: float = 0.0
+    max_seq_len: int = 2048
+    eval_fraction: float = 0.1
+    eval_every: int = 0  # 0: at each checkpoint
+    checkpoint_every: int = 50
+    seed: int = 0
+    max_grad_norm: float = 1.0  # 0: no clipping
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["target_modules"] = list(self.target_modules)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "SftHyperparams":
+        d = dict(d)
+        d["target_modules"] = tuple(d.get("target_modules", LORA_TARGETS))
+        return cls(**d)
+
+    @classmethod
+    def from_request(cls, given: dict[str, Any], *, prefix: str = "spec.sft.") -> "SftHyperparams":
+        """Fill defaults for the keys not given and check every value; raises InvalidArgument naming each field."""
+        v: list[Violation] = []
+
+        def check(name: str, ok: bool, reason: str) -> None:
+            if not ok:
+                v.append(Violation(field=prefix + name, reason=reason))
+
+        d = {k: val for k, val in given.items() if val is not None}
+        rank = d.get("lora_rank", cls.lora_rank)
+        check("lora.rank", isinstance(rank, int) and 1 <= rank <= 1024, f"must be between 1 and 1024, got {rank}")
+        if "lora_alpha" not in d:
+            d["lora_alpha"] = float(2 * rank) if rank >= 1 else cls.lora_alpha
+        check("lora.alpha", d["lora_alpha"] > 0, f"must be > 0, got {d['lora_alpha']}")
+        dropout = d.get("lora_dropout", 0.0)
+        check("lora.dropout", 0 <= dropout < 1, f"must be in [0, 1), got {dropout}")
+        targets = tuple(d.get("target_modules") or LORA_TARGETS)
+        unknown = [t for t in targets if t not in LORA_TARGETS]
+        check("lora.target_modules", not unknown,
+              f"unknown module(s) {unknown}; choose from {', '.join(LORA_TARGETS)}")
+        d["target_modules"] = targets
+        lr = d.get("learning_rate", cls.learning_rate)
+        check("learning_rate", lr > 0 and lr < 1, f"must be > 0 and < 1, got {lr}")
+        for name, lo, hi in (("epochs", 1, 1000), ("batch_size", 1, 1024), ("gradient_accumulation_steps", 1, 1024),
+                             ("checkpoint_every", 1, 10**7), ("max_seq_len", 16, 1 << 20)):
+            val = d.get(name, getattr(cls, name))
+            check(name, lo <= val <= hi, f"must be between {lo} and {hi}, got {val}")
+        for name in ("max_steps", "warmup_steps", "eval_every"):
+            val = d.get(name, 0)
+            check(name, 0 <= val <= 10**7, f"must be >= 0, got {val}")
+        sched = d.get("lr_scheduler", "cosine")
+        check("lr_scheduler", sched in LR_SCHEDULERS, f"must be one of {', '.join(LR_SCHEDULERS)}, got {sched!r}")
+        wd = d.get("weight_decay", 0.0)
+        check("weight_decay", 0 <= wd < 1, f"must be in [0, 1), got {wd}")
+        ef = d.get("eval_fraction", cls.eval_fraction)
+        check("eval_fraction", 0 <= ef < 0.5, f"must be in [0, 0.5), got {ef}")
+        gn = d.get("max_grad_norm", cls.max_grad_norm)
+        check("max_grad_norm", gn >= 0, f"must be >= 0 (0 disables clipping), got {gn}")
+        if v:
+            raise InvalidArgument(violations=v)
+        return cls(**d)

@@ -1,0 +1,3 @@
+from services.weightsync.app import main
+
+main()

@@ -1,0 +1,82 @@
+"""The weight-sync process: versioned weights over gRPC (python -m services.weightsync)."""
+from __future__ import annotations
+
+from services.common.auth import KeyAuthenticator, current_caller
+from services.common.blobstore import BlobStore
+from services.common.config import TrainyardSettings
+from services.common.db import Database
+from services.common.errors import InvalidArgument
+from services.common.grpcserver import Server, ServiceSpec, configure_logging
+from services.common.protoconv import ts
+from services.weightsync.store import Chunk, FileSpec, PublishHeader, WeightStore
+from trainyard.v1 import common_pb2, weightsync_pb2 as pb, weightsync_pb2_grpc as rpc
+
+KINDS = {pb.WEIGHT_KIND_LORA_ADAPTER: "lora_adapter", pb.WEIGHT_KIND_FULL: "full"}
+KINDS_BACK = {v: k for k, v in KINDS.items()}
+
+
+def version_pb(v) -> pb.WeightVersion:
+    return pb.WeightVersion(id=v.id, lineage=v.lineage, version=v.version, parent_id=v.parent_id,
+                            kind=KINDS_BACK[v.kind], base_model=v.base_model,
+                            files=[pb.WeightFile(path=f["path"], sha256=f["sha256"], size_bytes=f["size_bytes"])
+                                   for f in v.files],
+                            metadata=v.meta, created_at=ts(v.created_at))
+
+
+class WeightSyncServicer(rpc.WeightSyncServiceServicer):
+    def __init__(self, store: WeightStore):
+        self.store = store
+
+    def PublishVersion(self, request_iterator, context):
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("part") != "header":
+            raise InvalidArgument("the first message must carry the header", field="header")
+        h = first.header
+        header = PublishHeader(lineage=h.lineage, parent_id=h.parent_id, kind=KINDS.get(h.kind, ""),
+                               base_model=h.base_model, metadata=dict(h.metadata),
+                               files=[FileSpec(f.path, f.sha256, f.size_bytes) for f in h.files])
+
+        def chunks():
+            for req in request_iterator:
+                if req.WhichOneof("part") != "chunk":
+                    raise InvalidArgument("only one header is allowed", field="header")
+                c = req.chunk
+                yield Chunk(path=c.path, offset=c.offset, data=c.data, sha256=c.sha256)
+
+        return version_pb(self.store.publish(current_caller().account_id, header, chunks()))
+
+    def GetVersion(self, request, context):
+        return version_pb(self.store.get(current_caller().account_id, request.id))
+
+    def ListVersions(self, request, context):
+        rows = self.store.list(current_caller().account_id, request.lineage)
+        return pb.ListVersionsResponse(versions=[version_pb(v) for v in rows])
+
+    def FetchVersion(self, request, context):
+        for c in self.store.fetch(current_caller().account_id, request.id, request.from_path, request.from_offset):
+            yield common_pb2.FileChunk(path=c.path, offset=c.offset, data=c.data, sha256=c.sha256)
+
+
+def build(settings: TrainyardSettings) -> Server:
+    settings.ensure_dirs()
+    db = Database(settings.database_url)
+    store = WeightStore(db, BlobStore(settings.blob_dir))
+    spec = ServiceSpec(
+        name="weightsync",
+        register=lambda server: rpc.add_WeightSyncServiceServicer_to_server(WeightSyncServicer(store), server),
+        service_names=[pb.DESCRIPTOR.services_by_name["WeightSyncService"].full_name],
+        on_shutdown=db.dispose,
+    )
+    return Server(spec, port=settings.weightsync_port, host=settings.host,
+                  authenticate=KeyAuthenticator(db).authenticate, workers=settings.grpc_workers,
+                  max_message_mb=settings.grpc_max_message_mb, grace_s=settings.shutdown_grace_s)
+
+
+def main() -> None:
+    settings = TrainyardSettings()
+    configure_logging(settings.log_level)
+    build(settings).serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Versioned weight store.
+
+A lineage (for example one Training API session) is a chain of versions 1, 2, 3, ... Publishing names the parent it
+was computed from; the parent must be the lineage's latest version, so two writers cannot fork a lineage silently.
+Every file of a version is a content-addressed blob with its sha256 and size in the version's row.
+
+Publish ordering: header (declares files and checksums) -> chunks of each file in declared order, offsets contiguous,
+each chunk's own sha256 checked on arrival -> every file's sha256 and size checked -> blobs committed -> row inserted
+(version = parent's + 1). Anything failing before the insert leaves no version and no partial blob.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+
+from services.common.blobstore import CHUNK, BlobStore
+from services.common.db import Database
+from services.common.errors import FailedPrecondition, InvalidArgument, not_found
+from services.common.schema import WeightVersion, new_id, utcnow
+
+LINEAGE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
+KINDS = ("lora_adapter", "full")
+
+
+@dataclass
+class FileSpec:
+    path: str
+    sha256: str
+    size_bytes: int
+
+
+@dataclass
+class PublishHeader:
+    lineage: str
+    parent_id: str
+    kind: str
+    base_model: str
+    files: list[FileSpec]
+    metadata: dict[str, str]
+
+
+@dataclass
+class Chunk:
+    path: str
+    offset: int
+    data: bytes
+    sha256: str
+
+
+def check_header(h: PublishHeader) -> None:
+    if not LINEAGE_RE.fullmatch(h.lineage or ""):
+        raise InvalidArgument("use 1-128 letters, digits, '.', '_', '-' or '/'", field="header.lineage")
+    if h.kind not in KINDS:
+        raise InvalidArgument(f"must be one of {', '.join(KINDS)}", field="header.kind")
+    if not h.files:
+        raise InvalidArgument("a version needs at least one file", field="header.files")
+    seen = set()
+    for i, f in enumerate(h.files):
+        p = Path(f.path)
+        if not f.path or p.is_absolute() or ".." in p.parts or f.path in seen:
+            raise InvalidArgument(f"bad or repeated relative path {f.path!r}", field=f"header.files[{i}].path")
+        if not re.fullmatch(r"[0-9a-f]{64}", f.sha256):
+            raise InvalidArgument("must be a lowercase hex sha256", field=f"header.files[{i}].sha256")
+        if f.size_bytes < 0:
+            raise InvalidArgument("must be >= 0", field=f"header.files[{i}].size_bytes")
+        seen.add(f.path)
+
+
+class WeightStore:
+    def __init__(self, db: Database, blobs: BlobStore):
+        self.db = db
+        self.blobs = blobs
+
+    def latest(self, account_id: str, lineage: str) -> WeightVersion | None:
+        with self.db.session() as s:
+            return s.scalar(select(WeightVersion).where(WeightVersion.account_id == account_id,
+                                                        WeightVersion.lineage == lineage)
+                            .order_by(WeightVersion.version.desc()).limit(1))
+
+    def publish(self, account_id: str, header: PublishHeader, chunks: Iterable[Chunk]) -> WeightVersion:
+        check_header(header)
+        parent = self._check_parent(account_id, header)
+        staged: list[tuple[FileSpec, Path]] = []
+        try:
+            it = iter(chunks)
+            for spec in header.files:
+                f, tmp = self.blobs.staging_file()
+                staged.append((spec, tmp))
+                h = hashlib.sha256()
+                received = 0
+                with f:
+                    while received < spec.size_bytes:
+                        chunk = next(it, None)
+                        if chunk is None:
+                            raise InvalidArgument(f"stream ended after {received} of {spec.size_bytes} bytes of "
+                                                  f"{spec.path}", field="chunk")
+                        self._check_chunk(chunk, spec, received)
+                        h.update(chunk.data)
+                        f.write(chunk.data)
+                        received += len(chunk.data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                if received != spec.size_bytes or h.hexdigest() != spec.sha256:
+                    raise InvalidArgument(f"{spec.path}: received {received} bytes with sha256 {h.hexdigest()}, "
+                                          f"header says {spec.size_bytes} bytes with {spec.sha256}", field="chunk")
+            extra = next(it, None)
+            if extra is not None:
+                raise InvalidArgument(f"unexpected data after the declared files (path {extra.path!r})", field="chunk")
+            for spec, tmp in staged:
+                self.blobs.commit(tmp, spec.sha256)
+        finally:
+            for _, tmp in staged:
+                tmp.unlink(missing_ok=True)
+        row = WeightVersion(id=new_id("wv"), account_id=account_id, lineage=header.lineage,
+                            version=(parent.version + 1) if parent else 1, parent_id=parent.id if parent else "",
+                            kind=header.kind, base_model=header.base_model,
+                            files=[{"path": f.path, "sha256": f.sha256, "size_bytes": f.size_bytes}
+                                   for f in header.files], meta=dict(header.metadata), created_at=utcnow())
+        try:
+            with self.db.session() as s:
+                s.add(row)
+        except IntegrityError:
+            raise FailedPrecondition(f"lineage '{header.lineage}' gained version {row.version} while this one was "
+                                     "uploading; publish again on top of the latest version") from None
+        return row
+
+    def _check_parent(self, account_id: str, header: PublishHeader) -> WeightVersion | None:
+        parent = self.latest(account_id, header.lineage)
+        latest_id = parent.id if parent else ""
+        if header.parent_id != latest_id:
+            where = f"version {parent.version} ({parent.id})" if parent else "no version yet"
+            raise FailedPrecondition(f"stale parent {header.parent_id or '(none)'!r}: lineage '{header.lineage}' is at "
+                                     f"{where}")
+        return parent
+
+    @staticmethod
+    def _check_chunk(chunk: Chunk, spec: FileSpec, received: int) -> None:
+        if chunk.path != spec.path:
+            raise InvalidArgument(f"expected a chunk of {spec.path}, got {chunk.path!r}", field="chunk.path")
+        if chunk.offset != received:
+            raise InvalidArgument(f"{spec.path}: expected offset {received}, got {chunk.offset}", field="chunk.offset")
+        if hashlib.sha256(chunk.data).hexdigest() != chunk.sha256:
+            raise InvalidArgument(f"{spec.path}: chunk at offset {chunk.offset} failed its checksum",
+                                  field="chunk.sha256")
+        if received + len(chunk.data) > spec.size_bytes:
+            raise InvalidArgument(f"{spec.path}: more bytes than the declared {spec.size_bytes}", field="chunk")
+
+    def get(self, account_id: str, version_id: str) -> WeightVersion:
+        with self.db.session() as s:
+            v = s.get(WeightVersion, version_id) if version_id else None
+            if v is None or v.account_id != account_id:
+                raise not_found("weight version", version_id)
+            return v
+
+    def list(self, account_id: str, lineage: str) -> list[WeightVersion]:
+        q = select(WeightVersion).where(WeightVersion.account_id == account_id)
+        if lineage:
+            q = q.where(WeightVersion.lineage == lineage)
+        with self.db.session() as s:
+            return list(s.scalars(q.order_by(WeightVersion.lineage, WeightVersion.version)))
+
+    def fetch(self, account_id: str, version_id: str, from_path: str = "", from_offset: int = 0) -> Iterator[Chunk]:
+        v = self.get(account_id, version_id)
+        paths = [f["path"] for f in v.files]
+        if from_path and from_path not in paths:
+            raise InvalidArgument(f"version {version_id} has no file {from_path!r}", field="from_path")
+        if from_offset < 0:
+            raise InvalidArgument("must be >= 0", field="from_offset")
+        start = paths.index(from_path) if from_path else 0
+        for i, f in enumerate(v.files[start:]):
+            offset = from_offset if i == 0 else 0
+            if offset > f["size_bytes"]:
+                raise InvalidArgument(f"beyond the end of {f['path']} ({f['size_bytes']} bytes)", field="from_offset")
+            for data in self.blobs.read_chunks(f["sha256"], offset=offset, chunk_size=CHUNK):
+                yield Chunk(path=f["path"], offset=offset, data=data, sha256=hashlib.sha256(data).hexdigest())
+                offset += len(data)

@@ -1,0 +1,91 @@
+"""Shared fixtures: a fresh Postgres database per session, Redis, and the service stack from docker-compose.yml."""
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parents[1]
+PG_ADMIN_URL = os.environ.get("TRAINYARD_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+REDIS_URL = os.environ.get("TRAINYARD_TEST_REDIS", "redis://127.0.0.1:6379/0")
+
+
+def _admin(sql: str) -> None:
+    import psycopg
+
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        conn.execute(sql)
+
+
+@pytest.fixture(scope="session")
+def pg_url():
+    """A new, empty Postgres database for this test session (dropped afterwards)."""
+    name = f"trainyard_test_{secrets.token_hex(4)}"
+    _admin(f'CREATE DATABASE "{name}"')
+    base = PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
+    yield f"{base}/{name}"
+    _admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    import redis
+
+    redis.Redis.from_url(REDIS_URL).ping()
+    return REDIS_URL
+
+
+def create_account(env: dict, name: str) -> str:
+    """`trainyard admin create-account` as an operator runs it; returns the printed API key."""
+    out = subprocess.run([sys.executable, "-m", "trainyard.cli.main", "admin", "create-account", name, "--quiet"],
+                         env=env, cwd=ROOT, capture_output=True, text=True, check=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory, pg_url, redis_url):
+    """Every application service of docker-compose.yml running as a local process, on Postgres and Redis."""
+    from tests.harness import Stack
+
+    s = Stack(tmp_path_factory.mktemp("stack"), database_url=pg_url, broker_url=redis_url, extra_env={
+        "TRAINYARD_HEARTBEAT_S": "0.5", "TRAINYARD_WORKER_LOST_AFTER_S": "6", "TRAINYARD_REAPER_INTERVAL_S": "1",
+        "TRAINYARD_SHUTDOWN_GRACE_S": "20",
+    })
+    try:
+        s.up()
+        yield s
+    finally:
+        s.down()
+
+
+@pytest.fixture(scope="session")
+def api_key(stack):
+    return create_account(stack.env_for("scheduler"), "alice")
+
+
+@pytest.fixture(scope="session")
+def other_api_key(stack):
+    return create_account(stack.env_for("scheduler"), "mallory")
+
+
+@pytest.fixture()
+def client(stack, api_key):
+    from trainyard import Client
+
+    with Client(url=stack.url("scheduler"), rollout_url=stack.url("rollout"), api_key=api_key) as c:
+        yield c
+
+
+@pytest.fixture()
+def other_client(stack, other_api_key):
+    from trainyard import Client
+
+    with Client(url=stack.url("scheduler"), rollout_url=stack.url("rollout"), api_key=other_api_key) as c:
+        yield c

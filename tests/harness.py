@@ -1,0 +1,197 @@
+"""Start the platform's services as local processes from docker-compose.yml.
+
+There is no container engine on the test machines, so the integration tests run each compose service's own `command`
+with its own `environment`, changing only what must differ outside containers: host names become 127.0.0.1 with free
+ports, the database and broker URLs point at the test Postgres database and Redis, and the data volume is a temporary
+directory. Everything else — entry points, flags, variables — comes from the file, so it cannot drift from what runs.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE = ROOT / "docker-compose.yml"
+GRPC_SERVICES = ("scheduler", "trainer", "rollout", "weightsync")
+INFRA = ("postgres", "redis")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def compose_services() -> dict[str, dict]:
+    return yaml.safe_load(COMPOSE.read_text())["services"]
+
+
+@dataclass
+class Proc:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    popen: subprocess.Popen | None = None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+@dataclass
+class Stack:
+    work_dir: Path
+    database_url: str
+    broker_url: str
+    extra_env: dict[str, str] = field(default_factory=dict)
+    ports: dict[str, int] = field(default_factory=dict)
+    procs: dict[str, Proc] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.services = compose_services()
+        self.data_dir = self.work_dir / "data"
+        self.log_dir = self.work_dir / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for name, svc in self.services.items():
+            for mapping in svc.get("ports", []):
+                self.ports[f"{name}:{str(mapping).split(':')[-1]}"] = free_port()
+        self.queue = f"trainyard-test-{os.getpid()}-{time.monotonic_ns()}"
+
+    # -- translation of compose service -> local process ---------------------------------------------------------
+    def _local(self, value: str) -> str:
+        """Rewrite '<service>:<container port>' to the local address of that service."""
+        def sub(m: re.Match) -> str:
+            key = f"{m.group(1)}:{m.group(2)}"
+            return f"127.0.0.1:{self.ports[key]}" if key in self.ports else m.group(0)
+        return re.sub(r"\b([a-z][a-z0-9_-]*):(\d+)\b", sub, value)
+
+    def env_for(self, name: str) -> dict[str, str]:
+        svc = self.services[name]
+        env = {k: os.environ[k] for k in ("PATH", "HOME", "LANG", "TMPDIR", "VIRTUAL_ENV") if k in os.environ}
+        env["PYTHONPATH"] = str(ROOT)
+        for k, v in (svc.get("environment") or {}).items():
+            env[k] = self._local(str(v))
+        if "TRAINYARD_DATABASE_URL" in env:
+            env["TRAINYARD_DATABASE_URL"] = self.database_url
+        if "TRAINYARD_BROKER_URL" in env:
+            env["TRAINYARD_BROKER_URL"] = self.broker_url
+            env["TRAINYARD_CELERY_QUEUE"] = self.queue
+        if "TRAINYARD_DATA_DIR" in env:
+            env["TRAINYARD_DATA_DIR"] = str(self.data_dir)
+        env["TRAINYARD_HOST"] = "127.0.0.1"
+        for svc_name in GRPC_SERVICES:
+            key = f"{svc_name}:{self._container_port(svc_name)}"
+            if key in self.ports:
+                env[f"TRAINYARD_{svc_name.upper()}_PORT"] = str(self.ports[key])
+        env.update(self.extra_env)
+        return env
+
+    def _container_port(self, name: str) -> str:
+        ports = self.services[name].get("ports", [])
+        return str(ports[0]).split(":")[-1] if ports else ""
+
+    def argv_for(self, name: str) -> list[str]:
+        cmd = list(self.services[name]["command"])
+        bindir = Path(sys.executable).parent
+        if cmd[0] == "python":
+            cmd[0] = sys.executable
+        elif (bindir / cmd[0]).exists():
+            cmd[0] = str(bindir / cmd[0])
+        port = self._container_port(name)
+        if port:  # a port passed on the command line (e.g. streamlit's --server.port)
+            cmd = [str(self.ports[f"{name}:{port}"]) if a == port else a for a in cmd]
+        return cmd
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+    def url(self, name: str) -> str:
+        return f"127.0.0.1:{self.ports[f'{name}:{self._container_port(name)}']}"
+
+    def run_once(self, name: str, timeout_s: float = 120) -> str:
+        proc = subprocess.run(self.argv_for(name), env=self.env_for(name), cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout_s)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{name} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+        return proc.stdout
+
+    def start(self, name: str) -> Proc:
+        proc = Proc(name, self.argv_for(name), self.env_for(name), self.log_dir / f"{name}.log")
+        log = open(proc.log_path, "ab")
+        proc.popen = subprocess.Popen(proc.argv, env=proc.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+        self.procs[name] = proc
+        return proc
+
+    def wait_ready(self, name: str, timeout_s: float = 90) -> None:
+        from services.common.channels import wait_healthy
+
+        proc = self.procs[name]
+        deadline = time.monotonic() + timeout_s
+        if name in GRPC_SERVICES:
+            while time.monotonic() < deadline:
+                self._check_alive(proc)
+                try:
+                    wait_healthy(self.url(name), timeout_s=2)
+                    return
+                except TimeoutError:
+                    continue
+        elif name == "worker":
+            while time.monotonic() < deadline:
+                self._check_alive(proc)
+                if " ready." in proc.log():
+                    return
+                time.sleep(0.2)
+        elif name == "dashboard":
+            while time.monotonic() < deadline:
+                self._check_alive(proc)
+                try:
+                    with urllib.request.urlopen(f"http://{self.url(name)}/_stcore/health", timeout=2) as r:
+                        if r.status == 200:
+                            return
+                except OSError:
+                    time.sleep(0.3)
+        raise TimeoutError(f"{name} not ready after {timeout_s}s; log:\n{proc.log()[-4000:]}")
+
+    @staticmethod
+    def _check_alive(proc: Proc) -> None:
+        if proc.popen.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}; log:\n{proc.log()[-4000:]}")
+
+    def up(self, *names: str) -> "Stack":
+        """migrate, then the named services (default: every app service), each waited for."""
+        self.run_once("migrate")
+        names = names or tuple(n for n in self.services if n not in INFRA and n != "migrate")
+        for name in names:
+            self.start(name)
+        for name in names:
+            self.wait_ready(name)
+        return self
+
+    def stop(self, name: str, timeout_s: float = 60) -> int:
+        proc = self.procs.pop(name)
+        if proc.popen.poll() is None:
+            os.killpg(proc.popen.pid, signal.SIGTERM)
+            try:
+                proc.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.popen.pid, signal.SIGKILL)
+                proc.popen.wait()
+        return proc.popen.returncode
+
+    def kill(self, name: str) -> None:
+        proc = self.procs.pop(name)
+        os.killpg(proc.popen.pid, signal.SIGKILL)
+        proc.popen.wait()
+
+    def down(self) -> None:
+        for name in list(self.procs)[::-1]:
+            self.stop(name)

@@ -1,0 +1,201 @@
+"""LoRA in PEFT format, checked against the peft library (the named reference).
+
+Tolerance: float32 logits max abs diff <= 1e-5 between our model with an adapter and
+peft.PeftModel over transformers' model with the same adapter, in both directions.
+"""
+
+import json
+
+import peft
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import nn
+
+from models import load_pretrained
+from models.lora import (
+    DEFAULT_TARGETS,
+    LoraConfig,
+    LoRALinear,
+    adapter_names,
+    apply_lora,
+    load_peft_adapter,
+    lora_state_dict,
+    merge_adapter,
+    remove_adapter,
+    save_peft_adapter,
+    set_active_adapter,
+    unmerge_adapter,
+)
+
+PEFT_ATOL = 1e-5
+# transformers warns about its own deprecated attribute when peft wraps a model; not ours to fix.
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+
+
+def _ids(seed: int = 0, shape=(2, 16)) -> torch.Tensor:
+    return torch.randint(3, 1024, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _train(model, params, steps: int = 5) -> list[float]:
+    """A few AdamW steps of next-token loss on a fixed batch, so the adapter's B matrices move away from zero."""
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    ids = _ids(seed=10, shape=(4, 24))
+    losses = []
+    model.train()
+    for _ in range(steps):
+        logits = model(ids)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _hf_model(tiny_model_dir):
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def test_trained_adapter_loads_in_peft_with_identical_logits(tiny_model_dir, tmp_path):
+    model = load_pretrained(tiny_model_dir)
+    cfg = LoraConfig(rank=8, alpha=16.0)
+    params = apply_lora(model, cfg, seed=0)
+    assert len(params) == 2 * len(DEFAULT_TARGETS) * model.args.num_layers
+    assert all(p.requires_grad for p in params)
+    trainable = {id(p) for p in params}
+    assert not any(p.requires_grad for p in model.parameters() if id(p) not in trainable)
+
+    losses = _train(model, params)
+    assert losses[-1] < losses[0]
+    save_peft_adapter(model, cfg, tmp_path, base_model_name_or_path=str(tiny_model_dir))
+
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM"
+    assert config["r"] == 8 and config["lora_alpha"] == 16 and config["target_modules"] == sorted(DEFAULT_TARGETS)
+    peft_model = peft.PeftModel.from_pretrained(_hf_model(tiny_model_dir), tmp_path).eval()
+
+    model.eval()
+    ids = _ids(seed=1)
+    with torch.no_grad():
+        ours, ref = model(ids), peft_model(ids).logits
+        set_active_adapter(model, None)
+        base = model(ids)
+    diff = (ours - ref).abs().max().item()
+    print(f"our LoRA vs peft.PeftModel: max abs logits diff {diff:.3g}")
+    assert diff <= PEFT_ATOL
+    assert (ours - base).abs().max().item() > 1e-3  # the adapter really changes the model
+
+
+def test_load_peft_written_adapter_matches_peft(tiny_model_dir, tmp_path):
+    torch.manual_seed(0)
+    peft_cfg = peft.LoraConfig(
+        r=4, lora_alpha=12, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False,
+        task_type="CAUSAL_LM",
+    )
+    peft_model = peft.get_peft_model(_hf_model(tiny_model_dir), peft_cfg).eval()
+    peft_model.save_pretrained(tmp_path)
+
+    model = load_pretrained(tiny_model_dir)
+    cfg = load_peft_adapter(model, tmp_path, adapter_name="ext")
+    assert cfg == LoraConfig(rank=4, alpha=12.0, dropout=0.0, target_modules=cfg.target_modules)
+    assert sorted(cfg.target_modules) == ["down_proj", "q_proj", "v_proj"]
+    ids = _ids(seed=2)
+    with torch.no_grad():
+        diff = (model(ids) - peft_model(ids).logits).abs().max().item()
+    print(f"load_peft_adapter vs peft.PeftModel: max abs logits diff {diff:.3g}")
+    assert diff <= PEFT_ATOL
+
+
+def _randomize_adapter(model, name: str, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for tensor in lora_state_dict(model, name).values():
+            tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.1)
+
+
+def test_merge_unmerge_is_exact_within_fp_tolerance(tiny_model_dir):
+    model = load_pretrained(tiny_model_dir)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    apply_lora(model, LoraConfig(rank=4), seed=0)
+    _randomize_adapter(model, "default", seed=1)
+    ids = _ids(seed=3)
+    with torch.no_grad():
+        unmerged = model(ids)
+        merge_adapter(model, "default")
+        merged = model(ids)
+        with pytest.raises(ValueError, match="already merged"):
+            merge_adapter(model, "default")
+        with pytest.raises(ValueError, match="merged into the weights"):
+            set_active_adapter(model, None)
+        unmerge_adapter(model, "default")
+        after = model(ids)
+    torch.testing.assert_close(merged, unmerged, atol=1e-5, rtol=0)
+    torch.testing.assert_close(after, unmerged, atol=1e-5, rtol=0)
+    state = model.state_dict()
+    for key, value in original.items():
+        torch.testing.assert_close(state[key], value, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="is not merged"):
+        unmerge_adapter(model, "default")
+
+
+def test_several_adapters_switch_and_remove(tiny_model_dir):
+    model = load_pretrained(tiny_model_dir)
+    base_keys = set(model.state_dict())
+    ids = _ids(seed=4)
+    with torch.no_grad():
+        base = model(ids)
+    apply_lora(model, LoraConfig(rank=4, target_modules=("q_proj", "v_proj")), adapter_name="a", seed=0)
+    apply_lora(model, LoraConfig(rank=2, target_modules=("o_proj", "down_proj")), adapter_name="b", seed=1)
+    assert adapter_names(model) == ["a", "b"]
+    _randomize_adapter(model, "a", seed=5)
+    _randomize_adapter(model, "b", seed=6)
+    with torch.no_grad():
+        set_active_adapter(model, "a")
+        out_a = model(ids)
+        set_active_adapter(model, "b")
+        out_b = model(ids)
+        set_active_adapter(model, None)
+        assert torch.equal(model(ids), base)
+        assert (out_a - out_b).abs().max() > 1e-3
+        remove_adapter(model, "a")
+        set_active_adapter(model, "b")
+        assert torch.equal(model(ids), out_b)
+        with pytest.raises(ValueError, match=r"No LoRA adapter named 'a'; loaded adapters: \['b'\]"):
+            set_active_adapter(model, "a")
+        remove_adapter(model, "b")
+        assert torch.equal(model(ids), base)
+    assert not any(isinstance(m, LoRALinear) for m in model.modules())
+    assert isinstance(model.model.layers[0].self_attn.o_proj, nn.Linear)
+    assert set(model.state_dict()) == base_keys
+
+
+def test_bad_targets_and_bad_adapter_files(tiny_model_dir, tmp_path):
+    model = load_pretrained(tiny_model_dir)
+    with pytest.raises(ValueError, match=r"Unknown LoRA target_modules \['qproj'\]; valid module names are .*'q_proj'"):
+        apply_lora(model, LoraConfig(target_modules=("qproj",)))
+    with pytest.raises(ValueError, match="lm_head"):  # tied to the embeddings, so not a valid target here
+        apply_lora(model, LoraConfig(target_modules=("lm_head",)))
+
+    good = tmp_path / "good"
+    apply_lora(model, LoraConfig(rank=4, target_modules=("q_proj",)), adapter_name="x", seed=0)
+    save_peft_adapter(model, LoraConfig(rank=4, target_modules=("q_proj",)), good, "tiny", adapter_name="x")
+    with pytest.raises(ValueError, match="does not match the rank"):
+        save_peft_adapter(model, LoraConfig(rank=8, target_modules=("q_proj",)), tmp_path / "bad_rank", "tiny", "x")
+
+    fresh = load_pretrained(tiny_model_dir)
+    with pytest.raises(ValueError, match="No adapter_config.json"):
+        load_peft_adapter(fresh, tmp_path / "nowhere")
+    config = json.loads((good / "adapter_config.json").read_text())
+    (good / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(ValueError, match="unsupported LoRA options are set: use_dora"):
+        load_peft_adapter(fresh, good)
+    (good / "adapter_config.json").write_text(json.dumps({**config, "r": 8}))
+    with pytest.raises(ValueError, match=r"lora_A\.weight: file \(4, 128\) vs model \(8, 128\)"):
+        load_peft_adapter(fresh, good)
+    assert adapter_names(fresh) == []  # a failed load leaves the model as it was
+    (good / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["q_proj", "k_proj"]}))
+    with pytest.raises(ValueError, match="missing keys.*k_proj"):
+        load_peft_adapter(fresh, good)
+    assert adapter_names(fresh) == []

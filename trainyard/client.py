@@ -1,0 +1,348 @@
+"""Python client for the platform's control plane (scheduler) and sampling (rollout) services.
+
+    from trainyard import Client
+    c = Client()                                  # TRAINYARD_URL / TRAINYARD_API_KEY or `trainyard login`
+    ds, _ = c.upload_dataset("train.jsonl")
+    job = c.create_sft_job("tiny-qwen3", ds.id, learning_rate=3e-3, max_steps=100)
+    for event in c.watch_job(job.id): ...
+    c.create_deployment("my-model", job_id=job.id)
+    print(c.sample("my-model", messages=[{"role": "user", "content": "Hi"}]).sequences[0].text)
+
+Methods return the API's protobuf messages; failures raise trainyard.errors.TrainyardError with the status code, the
+message and any field/row violations.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+import grpc
+from google.protobuf import json_format
+
+from trainyard.config import ClientConfig
+from trainyard.errors import TrainyardError, translate, translate_iter
+from trainyard.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, scheduler_pb2 as pb, scheduler_pb2_grpc as rpc
+
+UPLOAD_CHUNK = 1 << 20  # 1 MiB: far below the default 4 MiB message limit
+TERMINAL = (pb.JOB_STATUS_SUCCEEDED, pb.JOB_STATUS_FAILED, pb.JOB_STATUS_CANCELLED)
+
+DATASET_FORMATS = {
+    "auto": pb.DATASET_FORMAT_UNSPECIFIED, "sft_chat": pb.DATASET_FORMAT_SFT_CHAT,
+    "sft_prompt_completion": pb.DATASET_FORMAT_SFT_PROMPT_COMPLETION, "dpo": pb.DATASET_FORMAT_DPO,
+    "rft": pb.DATASET_FORMAT_RFT,
+}
+LR_SCHEDULERS = {"cosine": pb.LR_SCHEDULER_COSINE, "linear": pb.LR_SCHEDULER_LINEAR,
+                 "constant": pb.LR_SCHEDULER_CONSTANT}
+SFT_FIELDS = ("learning_rate", "epochs", "max_steps", "batch_size", "gradient_accumulation_steps", "warmup_steps",
+              "weight_decay", "max_seq_len", "eval_fraction", "eval_every", "checkpoint_every", "seed",
+              "max_grad_norm")
+
+
+def status_name(status: int) -> str:
+    return pb.JobStatus.Name(status).removeprefix("JOB_STATUS_").lower()
+
+
+def format_name(fmt: int) -> str:
+    return pb.DatasetFormat.Name(fmt).removeprefix("DATASET_FORMAT_").lower()
+
+
+def deployment_status_name(status: int) -> str:
+    return pb.DeploymentStatus.Name(status).removeprefix("DEPLOYMENT_STATUS_").lower()
+
+
+def _channel(target: str) -> grpc.Channel:
+    size = 64 * 1024 * 1024
+    return grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", size),
+                                                  ("grpc.max_send_message_length", size),
+                                                  ("grpc.enable_http_proxy", 0)])
+
+
+class Client:
+    def __init__(self, url: str | None = None, api_key: str | None = None, rollout_url: str | None = None,
+                 timeout_s: float = 60.0):
+        self.config = ClientConfig.resolve(url, rollout_url, api_key)
+        self.timeout_s = timeout_s
+        self._channel = _channel(self.config.url)
+        self._rollout_channel = _channel(self.config.rollout_url)
+        self.accounts = rpc.AccountServiceStub(self._channel)
+        self.models = rpc.ModelServiceStub(self._channel)
+        self.datasets = rpc.DatasetServiceStub(self._channel)
+        self.jobs = rpc.JobServiceStub(self._channel)
+        self.checkpoints = rpc.CheckpointServiceStub(self._channel)
+        self.deployments = rpc.DeploymentServiceStub(self._channel)
+        self.rollout = rollout_pb2_grpc.RolloutServiceStub(self._rollout_channel)
+
+    def close(self) -> None:
+        self._channel.close()
+        self._rollout_channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def _md(self) -> tuple:
+        if not self.config.api_key:
+            return ()
+        return (("authorization", f"Bearer {self.config.api_key}"),)
+
+    def _kw(self, timeout: float | None = None) -> dict:
+        return {"metadata": self._md, "timeout": timeout or self.timeout_s}
+
+    # -- accounts ------------------------------------------------------------------------------------------------
+    @translate
+    def whoami(self) -> pb.Account:
+        return self.accounts.WhoAmI(pb.WhoAmIRequest(), **self._kw())
+
+    @translate
+    def create_api_key(self, name: str = "") -> pb.CreateApiKeyResponse:
+        return self.accounts.CreateApiKey(pb.CreateApiKeyRequest(name=name), **self._kw())
+
+    @translate
+    def list_api_keys(self) -> list[pb.ApiKey]:
+        return list(self.accounts.ListApiKeys(pb.ListApiKeysRequest(), **self._kw()).keys)
+
+    @translate
+    def revoke_api_key(self, key_id: str) -> pb.ApiKey:
+        return self.accounts.RevokeApiKey(pb.RevokeApiKeyRequest(id=key_id), **self._kw())
+
+    # -- models --------------------------------------------------------------------------------------------------
+    @translate
+    def import_model(self, name: str, path: str | os.PathLike) -> pb.Model:
+        return self.models.ImportModel(pb.ImportModelRequest(name=name, path=str(Path(path).absolute())),
+                                       **self._kw())
+
+    @translate
+    def list_models(self) -> list[pb.Model]:
+        return list(self.models.ListModels(pb.ListModelsRequest(), **self._kw()).models)
+
+    @translate
+    def get_model(self, name: str) -> pb.Model:
+        return self.models.GetModel(pb.GetModelRequest(name=name), **self._kw())
+
+    # -- datasets ------------------------------------------------------------------------------------------------
+    def _upload_stream(self, source: str | os.PathLike | bytes | BinaryIO, name: str, fmt: str,
+                       progress: Callable[[int], None] | None) -> Iterator[pb.UploadDatasetRequest]:
+        if fmt not in DATASET_FORMATS:
+            raise ValueError(f"unknown dataset format {fmt!r}; choose from {', '.join(DATASET_FORMATS)}")
+        filename = Path(source).name if isinstance(source, (str, os.PathLike)) else getattr(source, "name", "")
+        yield pb.UploadDatasetRequest(header=pb.UploadDatasetHeader(
+            name=name or Path(filename).stem, format=DATASET_FORMATS[fmt], filename=Path(filename).name))
+        if isinstance(source, bytes):
+            chunks: Iterable[bytes] = (source[i:i + UPLOAD_CHUNK] for i in range(0, len(source), UPLOAD_CHUNK))
+            yield from self._chunks(chunks, progress)
+        elif isinstance(source, (str, os.PathLike)):
+            with open(source, "rb") as f:
+                yield from self._chunks(iter(lambda: f.read(UPLOAD_CHUNK), b""), progress)
+        else:
+            yield from self._chunks(iter(lambda: source.read(UPLOAD_CHUNK), b""), progress)
+
+    @staticmethod
+    def _chunks(chunks: Iterable[bytes], progress) -> Iterator[pb.UploadDatasetRequest]:
+        for chunk in chunks:
+            yield pb.UploadDatasetRequest(chunk=chunk)
+            if progress:
+                progress(len(chunk))
+
+    @translate
+    def upload_dataset(self, source: str | os.PathLike | bytes | BinaryIO, name: str = "", format: str = "auto",
+                       progress: Callable[[int], None] | None = None) -> tuple[pb.Dataset, bool]:
+        """Upload a JSONL file (path, bytes or binary file). Returns (dataset, deduplicated)."""
+        resp = self.datasets.UploadDataset(self._upload_stream(source, name, format, progress), **self._kw(3600))
+        return resp.dataset, resp.deduplicated
+
+    @translate
+    def validate_dataset(self, source, format: str = "auto") -> pb.ValidationReport:
+        return self.datasets.ValidateDataset(self._upload_stream(source, "", format, None), **self._kw(3600))
+
+    @translate
+    def list_datasets(self) -> list[pb.Dataset]:
+        out, tok = [], ""
+        while True:
+            resp = self.datasets.ListDatasets(pb.ListDatasetsRequest(page=common_pb2.PageRequest(page_size=500,
+                                                                                        page_token=tok)), **self._kw())
+            out.extend(resp.datasets)
+            tok = resp.next_page_token
+            if not tok:
+                return out
+
+    @translate
+    def get_dataset(self, dataset_id: str) -> pb.Dataset:
+        return self.datasets.GetDataset(pb.GetDatasetRequest(id=dataset_id), **self._kw())
+
+    @translate
+    def preview_dataset(self, dataset_id: str, offset: int = 0, limit: int = 10) -> list[dict]:
+        resp = self.datasets.PreviewDataset(pb.PreviewDatasetRequest(id=dataset_id, offset=offset, limit=limit),
+                                            **self._kw())
+        return [json_format.MessageToDict(r) for r in resp.rows]
+
+    @translate
+    def delete_dataset(self, dataset_id: str) -> pb.Dataset:
+        return self.datasets.DeleteDataset(pb.DeleteDatasetRequest(id=dataset_id), **self._kw())
+
+    # -- jobs ----------------------------------------------------------------------------------------------------
+    @translate
+    def create_sft_job(self, base_model: str, dataset_id: str, display_name: str = "", *, lora_rank: int | None = None,
+                       lora_alpha: float | None = None, lora_dropout: float | None = None,
+                       target_modules: list[str] | None = None, lr_scheduler: str | None = None,
+                       **hyperparameters) -> pb.Job:
+        """Create a LoRA SFT job. hyperparameters: any SftConfig field (learning_rate, max_steps, batch_size...)."""
+        unknown = set(hyperparameters) - set(SFT_FIELDS)
+        if unknown:
+            raise ValueError(f"unknown hyperparameter(s) {sorted(unknown)}; known: {', '.join(SFT_FIELDS)}")
+        lora = pb.LoraConfig(target_modules=target_modules or [])
+        if lora_rank is not None:
+            lora.rank = lora_rank
+        if lora_alpha is not None:
+            lora.alpha = lora_alpha
+        if lora_dropout is not None:
+            lora.dropout = lora_dropout
+        sft = pb.SftConfig(lora=lora, **{k: v for k, v in hyperparameters.items() if v is not None})
+        if lr_scheduler is not None:
+            if lr_scheduler not in LR_SCHEDULERS:
+                raise ValueError(f"lr_scheduler must be one of {', '.join(LR_SCHEDULERS)}")
+            sft.lr_scheduler = LR_SCHEDULERS[lr_scheduler]
+        spec = pb.JobSpec(method=pb.JOB_METHOD_SFT, base_model=base_model, dataset_id=dataset_id,
+                          display_name=display_name, sft=sft)
+        return self.jobs.CreateJob(pb.CreateJobRequest(spec=spec), **self._kw())
+
+    @translate
+    def get_job(self, job_id: str) -> pb.Job:
+        return self.jobs.GetJob(pb.GetJobRequest(id=job_id), **self._kw())
+
+    @translate
+    def list_jobs(self, status: str | None = None) -> list[pb.Job]:
+        st = getattr(pb, f"JOB_STATUS_{status.upper()}") if status else pb.JOB_STATUS_UNSPECIFIED
+        out, tok = [], ""
+        while True:
+            resp = self.jobs.ListJobs(pb.ListJobsRequest(page=common_pb2.PageRequest(page_size=500, page_token=tok),
+                                                         status=st), **self._kw())
+            out.extend(resp.jobs)
+            tok = resp.next_page_token
+            if not tok:
+                return out
+
+    @translate
+    def cancel_job(self, job_id: str) -> pb.Job:
+        return self.jobs.CancelJob(pb.CancelJobRequest(id=job_id), **self._kw())
+
+    @translate
+    def job_metrics(self, job_id: str) -> list[pb.MetricPoint]:
+        return list(self.jobs.ListJobMetrics(pb.ListJobMetricsRequest(id=job_id), **self._kw()).points)
+
+    def watch_job(self, job_id: str, from_step: int = 0, reconnect_s: float = 120.0) -> Iterator[pb.JobEvent]:
+        """Events until the job ends. Reconnects (resuming from the last metric step) if the stream drops."""
+        last_step = from_step
+        deadline = None
+        while True:
+            try:
+                for ev in translate_iter(self.jobs.WatchJob(pb.WatchJobRequest(id=job_id, from_step=last_step),
+                                                            metadata=self._md)):
+                    deadline = None
+                    if ev.HasField("metric"):
+                        last_step = ev.metric.step + 1
+                    yield ev
+                    if ev.HasField("job") and ev.job.status in TERMINAL:
+                        return
+                return
+            except TrainyardError as exc:
+                if exc.code != "UNAVAILABLE":
+                    raise
+                deadline = deadline or time.monotonic() + reconnect_s
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
+
+    def wait_job(self, job_id: str, timeout_s: float = 3600.0) -> pb.Job:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            job = self.get_job(job_id)
+            if job.status in TERMINAL:
+                return job
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} still {status_name(job.status)} after {timeout_s:.0f}s")
+            time.sleep(0.5)
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+    @translate
+    def list_checkpoints(self, job_id: str = "") -> list[pb.Checkpoint]:
+        return list(self.checkpoints.ListCheckpoints(pb.ListCheckpointsRequest(job_id=job_id),
+                                                     **self._kw()).checkpoints)
+
+    @translate
+    def get_checkpoint(self, checkpoint_id: str) -> pb.Checkpoint:
+        return self.checkpoints.GetCheckpoint(pb.GetCheckpointRequest(id=checkpoint_id), **self._kw())
+
+    @translate
+    def download_checkpoint(self, checkpoint_id: str, dest: str | os.PathLike) -> Path:
+        """Write the checkpoint's files under dest, checking each chunk's sha256."""
+        dest = Path(dest)
+        dest.mkdir(parents=True, exist_ok=True)
+        handles: dict[str, BinaryIO] = {}
+        try:
+            for chunk in self.checkpoints.DownloadCheckpoint(pb.DownloadCheckpointRequest(id=checkpoint_id),
+                                                             **self._kw(3600)):
+                if hashlib.sha256(chunk.data).hexdigest() != chunk.sha256:
+                    raise TrainyardError("DATA_LOSS", f"chunk of {chunk.path} at {chunk.offset} failed its checksum")
+                target = (dest / chunk.path).resolve()
+                if not target.is_relative_to(dest.resolve()):
+                    raise TrainyardError("DATA_LOSS", f"refusing to write outside {dest}: {chunk.path}")
+                if chunk.path not in handles:
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    handles[chunk.path] = open(target, "wb")
+                handles[chunk.path].seek(chunk.offset)
+                handles[chunk.path].write(chunk.data)
+        finally:
+            for h in handles.values():
+                h.close()
+        return dest
+
+    # -- deployments ---------------------------------------------------------------------------------------------
+    @translate
+    def create_deployment(self, name: str, *, job_id: str = "", checkpoint_id: str = "") -> pb.Deployment:
+        return self.deployments.CreateDeployment(
+            pb.CreateDeploymentRequest(name=name, job_id=job_id, checkpoint_id=checkpoint_id), **self._kw(600))
+
+    @translate
+    def list_deployments(self, include_deleted: bool = False) -> list[pb.Deployment]:
+        return list(self.deployments.ListDeployments(pb.ListDeploymentsRequest(include_deleted=include_deleted),
+                                                     **self._kw()).deployments)
+
+    @translate
+    def get_deployment(self, name_or_id: str) -> pb.Deployment:
+        return self.deployments.GetDeployment(pb.GetDeploymentRequest(id=name_or_id), **self._kw())
+
+    @translate
+    def delete_deployment(self, name_or_id: str) -> pb.Deployment:
+        return self.deployments.DeleteDeployment(pb.DeleteDeploymentRequest(id=name_or_id), **self._kw())
+
+    # -- sampling ------------------------------------------------------------------------------------------------
+    @translate
+    def sample(self, model: str, prompt: str | None = None, *, messages: list[dict] | None = None,
+               tokens: list[int] | None = None, temperature: float | None = None, top_p: float | None = None,
+               top_k: int | None = None, max_tokens: int | None = None, stop: list[str] | None = None,
+               stop_token_ids: list[int] | None = None, seed: int | None = None,
+               n: int | None = None) -> rollout_pb2.SampleResponse:
+        """Sample from a deployment (by name) or a base model. Give exactly one of prompt, messages, tokens."""
+        if sum(x is not None for x in (prompt, messages, tokens)) != 1:
+            raise ValueError("give exactly one of prompt, messages and tokens")
+        params = rollout_pb2.SamplingParams(stop=stop or [], stop_token_ids=stop_token_ids or [])
+        for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
+                            ("max_tokens", max_tokens), ("seed", seed), ("n", n)):
+            if value is not None:
+                setattr(params, name, value)
+        req = rollout_pb2.SampleRequest(model=model, params=params)
+        if prompt is not None:
+            req.text = prompt
+        elif tokens is not None:
+            req.tokens.tokens.extend(tokens)
+        else:
+            req.messages.messages.extend(common_pb2.ChatMessage(role=m["role"], content=m["content"])
+                                         for m in messages)
+        return self.rollout.Sample(req, **self._kw(600))

@@ -1,0 +1,46 @@
+"""Where the SDK and CLI connect, and with which key.
+
+Precedence: explicit arguments > environment (TRAINYARD_URL, TRAINYARD_ROLLOUT_URL, TRAINYARD_API_KEY) > the file
+written by `trainyard login` (TRAINYARD_CLIENT_CONFIG or ~/.config/trainyard/client.json) > local defaults.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+DEFAULT_URL = "127.0.0.1:50051"
+DEFAULT_ROLLOUT_URL = "127.0.0.1:50053"
+
+
+def config_path() -> Path:
+    return Path(os.environ.get("TRAINYARD_CLIENT_CONFIG") or Path.home() / ".config" / "trainyard" / "client.json")
+
+
+@dataclass
+class ClientConfig:
+    url: str = DEFAULT_URL
+    rollout_url: str = DEFAULT_ROLLOUT_URL
+    api_key: str = ""
+
+    @classmethod
+    def resolve(cls, url: str | None = None, rollout_url: str | None = None, api_key: str | None = None) -> "ClientConfig":
+        saved: dict = {}
+        path = config_path()
+        if path.is_file():
+            saved = json.loads(path.read_text())
+        return cls(
+            url=url or os.environ.get("TRAINYARD_URL") or saved.get("url") or DEFAULT_URL,
+            rollout_url=rollout_url or os.environ.get("TRAINYARD_ROLLOUT_URL") or saved.get("rollout_url")
+            or DEFAULT_ROLLOUT_URL,
+            api_key=api_key or os.environ.get("TRAINYARD_API_KEY") or saved.get("api_key") or "",
+        )
+
+    def save(self) -> Path:
+        path = config_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # holds a secret
+        with os.fdopen(fd, "w") as f:
+            json.dump(asdict(self), f, indent=2)
+        return path

@@ -1,0 +1,604 @@
+import datetime
+
+from google.protobuf import struct_pb2 as _struct_pb2
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from trainyard.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DatasetFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DATASET_FORMAT_UNSPECIFIED: _ClassVar[DatasetFormat]
+    DATASET_FORMAT_SFT_CHAT: _ClassVar[DatasetFormat]
+    DATASET_FORMAT_SFT_PROMPT_COMPLETION: _ClassVar[DatasetFormat]
+    DATASET_FORMAT_DPO: _ClassVar[DatasetFormat]
+    DATASET_FORMAT_RFT: _ClassVar[DatasetFormat]
+
+class JobMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JOB_METHOD_UNSPECIFIED: _ClassVar[JobMethod]
+    JOB_METHOD_SFT: _ClassVar[JobMethod]
+
+class JobStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JOB_STATUS_UNSPECIFIED: _ClassVar[JobStatus]
+    JOB_STATUS_QUEUED: _ClassVar[JobStatus]
+    JOB_STATUS_RUNNING: _ClassVar[JobStatus]
+    JOB_STATUS_SUCCEEDED: _ClassVar[JobStatus]
+    JOB_STATUS_FAILED: _ClassVar[JobStatus]
+    JOB_STATUS_CANCELLED: _ClassVar[JobStatus]
+
+class LrScheduler(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LR_SCHEDULER_UNSPECIFIED: _ClassVar[LrScheduler]
+    LR_SCHEDULER_COSINE: _ClassVar[LrScheduler]
+    LR_SCHEDULER_LINEAR: _ClassVar[LrScheduler]
+    LR_SCHEDULER_CONSTANT: _ClassVar[LrScheduler]
+
+class CheckpointKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CHECKPOINT_KIND_UNSPECIFIED: _ClassVar[CheckpointKind]
+    CHECKPOINT_KIND_LORA_ADAPTER: _ClassVar[CheckpointKind]
+    CHECKPOINT_KIND_FULL: _ClassVar[CheckpointKind]
+
+class DeploymentStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DEPLOYMENT_STATUS_UNSPECIFIED: _ClassVar[DeploymentStatus]
+    DEPLOYMENT_STATUS_DEPLOYING: _ClassVar[DeploymentStatus]
+    DEPLOYMENT_STATUS_READY: _ClassVar[DeploymentStatus]
+    DEPLOYMENT_STATUS_FAILED: _ClassVar[DeploymentStatus]
+    DEPLOYMENT_STATUS_DELETED: _ClassVar[DeploymentStatus]
+DATASET_FORMAT_UNSPECIFIED: DatasetFormat
+DATASET_FORMAT_SFT_CHAT: DatasetFormat
+DATASET_FORMAT_SFT_PROMPT_COMPLETION: DatasetFormat
+DATASET_FORMAT_DPO: DatasetFormat
+DATASET_FORMAT_RFT: DatasetFormat
+JOB_METHOD_UNSPECIFIED: JobMethod
+JOB_METHOD_SFT: JobMethod
+JOB_STATUS_UNSPECIFIED: JobStatus
+JOB_STATUS_QUEUED: JobStatus
+JOB_STATUS_RUNNING: JobStatus
+JOB_STATUS_SUCCEEDED: JobStatus
+JOB_STATUS_FAILED: JobStatus
+JOB_STATUS_CANCELLED: JobStatus
+LR_SCHEDULER_UNSPECIFIED: LrScheduler
+LR_SCHEDULER_COSINE: LrScheduler
+LR_SCHEDULER_LINEAR: LrScheduler
+LR_SCHEDULER_CONSTANT: LrScheduler
+CHECKPOINT_KIND_UNSPECIFIED: CheckpointKind
+CHECKPOINT_KIND_LORA_ADAPTER: CheckpointKind
+CHECKPOINT_KIND_FULL: CheckpointKind
+DEPLOYMENT_STATUS_UNSPECIFIED: DeploymentStatus
+DEPLOYMENT_STATUS_DEPLOYING: DeploymentStatus
+DEPLOYMENT_STATUS_READY: DeploymentStatus
+DEPLOYMENT_STATUS_FAILED: DeploymentStatus
+DEPLOYMENT_STATUS_DELETED: DeploymentStatus
+
+class Account(_message.Message):
+    __slots__ = ("id", "name", "created_at")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    created_at: _timestamp_pb2.Timestamp
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class ApiKey(_message.Message):
+    __slots__ = ("id", "name", "prefix", "created_at", "revoked_at")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_AT_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    prefix: str
+    created_at: _timestamp_pb2.Timestamp
+    revoked_at: _timestamp_pb2.Timestamp
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., prefix: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., revoked_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class WhoAmIRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CreateApiKeyRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class CreateApiKeyResponse(_message.Message):
+    __slots__ = ("key", "secret")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    key: ApiKey
+    secret: str
+    def __init__(self, key: _Optional[_Union[ApiKey, _Mapping]] = ..., secret: _Optional[str] = ...) -> None: ...
+
+class ListApiKeysRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListApiKeysResponse(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedCompositeFieldContainer[ApiKey]
+    def __init__(self, keys: _Optional[_Iterable[_Union[ApiKey, _Mapping]]] = ...) -> None: ...
+
+class RevokeApiKeyRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class Model(_message.Message):
+    __slots__ = ("name", "path", "architecture", "num_parameters", "num_layers", "hidden_size", "vocab_size", "max_position_embeddings", "shared", "created_at", "torch_dtype")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    TORCH_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    architecture: str
+    num_parameters: int
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    shared: bool
+    created_at: _timestamp_pb2.Timestamp
+    torch_dtype: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., architecture: _Optional[str] = ..., num_parameters: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., shared: _Optional[bool] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., torch_dtype: _Optional[str] = ...) -> None: ...
+
+class ImportModelRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[Model]
+    def __init__(self, models: _Optional[_Iterable[_Union[Model, _Mapping]]] = ...) -> None: ...
+
+class GetModelRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class Dataset(_message.Message):
+    __slots__ = ("id", "name", "format", "num_rows", "size_bytes", "sha256", "created_at", "filename")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    FILENAME_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    format: DatasetFormat
+    num_rows: int
+    size_bytes: int
+    sha256: str
+    created_at: _timestamp_pb2.Timestamp
+    filename: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., format: _Optional[_Union[DatasetFormat, str]] = ..., num_rows: _Optional[int] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., filename: _Optional[str] = ...) -> None: ...
+
+class UploadDatasetHeader(_message.Message):
+    __slots__ = ("name", "format", "filename")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    FILENAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    format: DatasetFormat
+    filename: str
+    def __init__(self, name: _Optional[str] = ..., format: _Optional[_Union[DatasetFormat, str]] = ..., filename: _Optional[str] = ...) -> None: ...
+
+class UploadDatasetRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: UploadDatasetHeader
+    chunk: bytes
+    def __init__(self, header: _Optional[_Union[UploadDatasetHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class UploadDatasetResponse(_message.Message):
+    __slots__ = ("dataset", "deduplicated")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    DEDUPLICATED_FIELD_NUMBER: _ClassVar[int]
+    dataset: Dataset
+    deduplicated: bool
+    def __init__(self, dataset: _Optional[_Union[Dataset, _Mapping]] = ..., deduplicated: _Optional[bool] = ...) -> None: ...
+
+class ValidationReport(_message.Message):
+    __slots__ = ("valid", "format", "num_rows", "size_bytes", "violations", "truncated")
+    VALID_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    VIOLATIONS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    valid: bool
+    format: DatasetFormat
+    num_rows: int
+    size_bytes: int
+    violations: _containers.RepeatedCompositeFieldContainer[_common_pb2.FieldViolation]
+    truncated: bool
+    def __init__(self, valid: _Optional[bool] = ..., format: _Optional[_Union[DatasetFormat, str]] = ..., num_rows: _Optional[int] = ..., size_bytes: _Optional[int] = ..., violations: _Optional[_Iterable[_Union[_common_pb2.FieldViolation, _Mapping]]] = ..., truncated: _Optional[bool] = ...) -> None: ...
+
+class ListDatasetsRequest(_message.Message):
+    __slots__ = ("page",)
+    PAGE_FIELD_NUMBER: _ClassVar[int]
+    page: _common_pb2.PageRequest
+    def __init__(self, page: _Optional[_Union[_common_pb2.PageRequest, _Mapping]] = ...) -> None: ...
+
+class ListDatasetsResponse(_message.Message):
+    __slots__ = ("datasets", "next_page_token")
+    DATASETS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    datasets: _containers.RepeatedCompositeFieldContainer[Dataset]
+    next_page_token: str
+    def __init__(self, datasets: _Optional[_Iterable[_Union[Dataset, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class GetDatasetRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class PreviewDatasetRequest(_message.Message):
+    __slots__ = ("id", "offset", "limit")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    offset: int
+    limit: int
+    def __init__(self, id: _Optional[str] = ..., offset: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class PreviewDatasetResponse(_message.Message):
+    __slots__ = ("dataset", "rows")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    dataset: Dataset
+    rows: _containers.RepeatedCompositeFieldContainer[_struct_pb2.Struct]
+    def __init__(self, dataset: _Optional[_Union[Dataset, _Mapping]] = ..., rows: _Optional[_Iterable[_Union[_struct_pb2.Struct, _Mapping]]] = ...) -> None: ...
+
+class DeleteDatasetRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class LoraConfig(_message.Message):
+    __slots__ = ("rank", "alpha", "dropout", "target_modules")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    DROPOUT_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    alpha: float
+    dropout: float
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., dropout: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SftConfig(_message.Message):
+    __slots__ = ("lora", "learning_rate", "epochs", "max_steps", "batch_size", "gradient_accumulation_steps", "warmup_steps", "lr_scheduler", "weight_decay", "max_seq_len", "eval_fraction", "eval_every", "checkpoint_every", "seed", "max_grad_norm")
+    LORA_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_ACCUMULATION_STEPS_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LR_SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    EVAL_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    EVAL_EVERY_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    lora: LoraConfig
+    learning_rate: float
+    epochs: int
+    max_steps: int
+    batch_size: int
+    gradient_accumulation_steps: int
+    warmup_steps: int
+    lr_scheduler: LrScheduler
+    weight_decay: float
+    max_seq_len: int
+    eval_fraction: float
+    eval_every: int
+    checkpoint_every: int
+    seed: int
+    max_grad_norm: float
+    def __init__(self, lora: _Optional[_Union[LoraConfig, _Mapping]] = ..., learning_rate: _Optional[float] = ..., epochs: _Optional[int] = ..., max_steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., gradient_accumulation_steps: _Optional[int] = ..., warmup_steps: _Optional[int] = ..., lr_scheduler: _Optional[_Union[LrScheduler, str]] = ..., weight_decay: _Optional[float] = ..., max_seq_len: _Optional[int] = ..., eval_fraction: _Optional[float] = ..., eval_every: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., seed: _Optional[int] = ..., max_grad_norm: _Optional[float] = ...) -> None: ...
+
+class JobSpec(_message.Message):
+    __slots__ = ("method", "base_model", "dataset_id", "display_name", "sft")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    DATASET_ID_FIELD_NUMBER: _ClassVar[int]
+    DISPLAY_NAME_FIELD_NUMBER: _ClassVar[int]
+    SFT_FIELD_NUMBER: _ClassVar[int]
+    method: JobMethod
+    base_model: str
+    dataset_id: str
+    display_name: str
+    sft: SftConfig
+    def __init__(self, method: _Optional[_Union[JobMethod, str]] = ..., base_model: _Optional[str] = ..., dataset_id: _Optional[str] = ..., display_name: _Optional[str] = ..., sft: _Optional[_Union[SftConfig, _Mapping]] = ...) -> None: ...
+
+class Job(_message.Message):
+    __slots__ = ("id", "spec", "status", "created_at", "started_at", "finished_at", "error", "step", "total_steps", "attempts", "cancel_requested", "output_checkpoint_id", "latest_metrics")
+    class LatestMetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    LATEST_METRICS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    spec: JobSpec
+    status: JobStatus
+    created_at: _timestamp_pb2.Timestamp
+    started_at: _timestamp_pb2.Timestamp
+    finished_at: _timestamp_pb2.Timestamp
+    error: str
+    step: int
+    total_steps: int
+    attempts: int
+    cancel_requested: bool
+    output_checkpoint_id: str
+    latest_metrics: _containers.ScalarMap[str, float]
+    def __init__(self, id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., status: _Optional[_Union[JobStatus, str]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., error: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., attempts: _Optional[int] = ..., cancel_requested: _Optional[bool] = ..., output_checkpoint_id: _Optional[str] = ..., latest_metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class CreateJobRequest(_message.Message):
+    __slots__ = ("spec",)
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    spec: JobSpec
+    def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ...) -> None: ...
+
+class GetJobRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class ListJobsRequest(_message.Message):
+    __slots__ = ("page", "status")
+    PAGE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    page: _common_pb2.PageRequest
+    status: JobStatus
+    def __init__(self, page: _Optional[_Union[_common_pb2.PageRequest, _Mapping]] = ..., status: _Optional[_Union[JobStatus, str]] = ...) -> None: ...
+
+class ListJobsResponse(_message.Message):
+    __slots__ = ("jobs", "next_page_token")
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[Job]
+    next_page_token: str
+    def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class WatchJobRequest(_message.Message):
+    __slots__ = ("id", "from_step")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_STEP_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    from_step: int
+    def __init__(self, id: _Optional[str] = ..., from_step: _Optional[int] = ...) -> None: ...
+
+class MetricPoint(_message.Message):
+    __slots__ = ("step", "values", "time")
+    class ValuesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    values: _containers.ScalarMap[str, float]
+    time: _timestamp_pb2.Timestamp
+    def __init__(self, step: _Optional[int] = ..., values: _Optional[_Mapping[str, float]] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class JobLog(_message.Message):
+    __slots__ = ("level", "message", "time")
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    level: str
+    message: str
+    time: _timestamp_pb2.Timestamp
+    def __init__(self, level: _Optional[str] = ..., message: _Optional[str] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class JobEvent(_message.Message):
+    __slots__ = ("job", "metric", "log")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    METRIC_FIELD_NUMBER: _ClassVar[int]
+    LOG_FIELD_NUMBER: _ClassVar[int]
+    job: Job
+    metric: MetricPoint
+    log: JobLog
+    def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ..., metric: _Optional[_Union[MetricPoint, _Mapping]] = ..., log: _Optional[_Union[JobLog, _Mapping]] = ...) -> None: ...
+
+class CancelJobRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class ListJobMetricsRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class ListJobMetricsResponse(_message.Message):
+    __slots__ = ("points",)
+    POINTS_FIELD_NUMBER: _ClassVar[int]
+    points: _containers.RepeatedCompositeFieldContainer[MetricPoint]
+    def __init__(self, points: _Optional[_Iterable[_Union[MetricPoint, _Mapping]]] = ...) -> None: ...
+
+class CheckpointFile(_message.Message):
+    __slots__ = ("path", "sha256", "size_bytes")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    sha256: str
+    size_bytes: int
+    def __init__(self, path: _Optional[str] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class Checkpoint(_message.Message):
+    __slots__ = ("id", "job_id", "step", "kind", "base_model", "files", "final", "metrics", "created_at", "session_id", "name")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    job_id: str
+    step: int
+    kind: CheckpointKind
+    base_model: str
+    files: _containers.RepeatedCompositeFieldContainer[CheckpointFile]
+    final: bool
+    metrics: _containers.ScalarMap[str, float]
+    created_at: _timestamp_pb2.Timestamp
+    session_id: str
+    name: str
+    def __init__(self, id: _Optional[str] = ..., job_id: _Optional[str] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[CheckpointKind, str]] = ..., base_model: _Optional[str] = ..., files: _Optional[_Iterable[_Union[CheckpointFile, _Mapping]]] = ..., final: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., session_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class ListCheckpointsRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class ListCheckpointsResponse(_message.Message):
+    __slots__ = ("checkpoints",)
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    checkpoints: _containers.RepeatedCompositeFieldContainer[Checkpoint]
+    def __init__(self, checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ...) -> None: ...
+
+class GetCheckpointRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class DownloadCheckpointRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class Deployment(_message.Message):
+    __slots__ = ("id", "name", "checkpoint_id", "base_model", "status", "error", "created_at", "job_id")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    checkpoint_id: str
+    base_model: str
+    status: DeploymentStatus
+    error: str
+    created_at: _timestamp_pb2.Timestamp
+    job_id: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., checkpoint_id: _Optional[str] = ..., base_model: _Optional[str] = ..., status: _Optional[_Union[DeploymentStatus, str]] = ..., error: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., job_id: _Optional[str] = ...) -> None: ...
+
+class CreateDeploymentRequest(_message.Message):
+    __slots__ = ("name", "checkpoint_id", "job_id")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    checkpoint_id: str
+    job_id: str
+    def __init__(self, name: _Optional[str] = ..., checkpoint_id: _Optional[str] = ..., job_id: _Optional[str] = ...) -> None: ...
+
+class ListDeploymentsRequest(_message.Message):
+    __slots__ = ("include_deleted",)
+    INCLUDE_DELETED_FIELD_NUMBER: _ClassVar[int]
+    include_deleted: bool
+    def __init__(self, include_deleted: _Optional[bool] = ...) -> None: ...
+
+class ListDeploymentsResponse(_message.Message):
+    __slots__ = ("deployments",)
+    DEPLOYMENTS_FIELD_NUMBER: _ClassVar[int]
+    deployments: _containers.RepeatedCompositeFieldContainer[Deployment]
+    def __init__(self, deployments: _Optional[_Iterable[_Union[Deployment, _Mapping]]] = ...) -> None: ...
+
+class GetDeploymentRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class DeleteDeploymentRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...

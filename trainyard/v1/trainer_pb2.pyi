@@ -1,0 +1,213 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SessionLora(_message.Message):
+    __slots__ = ("rank", "alpha", "target_modules")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    alpha: float
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CreateSessionRequest(_message.Message):
+    __slots__ = ("base_model", "lora", "seed")
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    base_model: str
+    lora: SessionLora
+    seed: int
+    def __init__(self, base_model: _Optional[str] = ..., lora: _Optional[_Union[SessionLora, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class Session(_message.Message):
+    __slots__ = ("id", "base_model", "lora_rank", "lora_alpha", "target_modules", "next_seq_id", "optim_steps", "closed", "error", "created_at", "num_trainable_parameters")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    LORA_ALPHA_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    OPTIM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    NUM_TRAINABLE_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    base_model: str
+    lora_rank: int
+    lora_alpha: float
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    next_seq_id: int
+    optim_steps: int
+    closed: bool
+    error: str
+    created_at: _timestamp_pb2.Timestamp
+    num_trainable_parameters: int
+    def __init__(self, id: _Optional[str] = ..., base_model: _Optional[str] = ..., lora_rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., next_seq_id: _Optional[int] = ..., optim_steps: _Optional[int] = ..., closed: _Optional[bool] = ..., error: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., num_trainable_parameters: _Optional[int] = ...) -> None: ...
+
+class GetSessionRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class TensorData(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        DTYPE_UNSPECIFIED: _ClassVar[TensorData.DType]
+        DTYPE_FLOAT32: _ClassVar[TensorData.DType]
+        DTYPE_INT64: _ClassVar[TensorData.DType]
+    DTYPE_UNSPECIFIED: TensorData.DType
+    DTYPE_FLOAT32: TensorData.DType
+    DTYPE_INT64: TensorData.DType
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: TensorData.DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[_Union[TensorData.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class Datum(_message.Message):
+    __slots__ = ("tokens", "loss_fn_inputs")
+    class LossFnInputsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: TensorData
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[TensorData, _Mapping]] = ...) -> None: ...
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FN_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    loss_fn_inputs: _containers.MessageMap[str, TensorData]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., loss_fn_inputs: _Optional[_Mapping[str, TensorData]] = ...) -> None: ...
+
+class ForwardRequest(_message.Message):
+    __slots__ = ("session_id", "seq_id", "data", "loss_fn")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FN_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    seq_id: int
+    data: _containers.RepeatedCompositeFieldContainer[Datum]
+    loss_fn: str
+    def __init__(self, session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., data: _Optional[_Iterable[_Union[Datum, _Mapping]]] = ..., loss_fn: _Optional[str] = ...) -> None: ...
+
+class ForwardBackwardRequest(_message.Message):
+    __slots__ = ("session_id", "seq_id", "data", "loss_fn")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FN_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    seq_id: int
+    data: _containers.RepeatedCompositeFieldContainer[Datum]
+    loss_fn: str
+    def __init__(self, session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., data: _Optional[_Iterable[_Union[Datum, _Mapping]]] = ..., loss_fn: _Optional[str] = ...) -> None: ...
+
+class DatumOutput(_message.Message):
+    __slots__ = ("loss_fn_outputs",)
+    class LossFnOutputsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: TensorData
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[TensorData, _Mapping]] = ...) -> None: ...
+    LOSS_FN_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    loss_fn_outputs: _containers.MessageMap[str, TensorData]
+    def __init__(self, loss_fn_outputs: _Optional[_Mapping[str, TensorData]] = ...) -> None: ...
+
+class ForwardResponse(_message.Message):
+    __slots__ = ("outputs", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[DatumOutput]
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[DatumOutput, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class AdamParams(_message.Message):
+    __slots__ = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    GRAD_CLIP_NORM_FIELD_NUMBER: _ClassVar[int]
+    learning_rate: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    grad_clip_norm: float
+    def __init__(self, learning_rate: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., grad_clip_norm: _Optional[float] = ...) -> None: ...
+
+class OptimStepRequest(_message.Message):
+    __slots__ = ("session_id", "seq_id", "adam")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    ADAM_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    seq_id: int
+    adam: AdamParams
+    def __init__(self, session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., adam: _Optional[_Union[AdamParams, _Mapping]] = ...) -> None: ...
+
+class OptimStepResponse(_message.Message):
+    __slots__ = ("step", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, step: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class SaveWeightsRequest(_message.Message):
+    __slots__ = ("session_id", "seq_id", "name")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    seq_id: int
+    name: str
+    def __init__(self, session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+
+class SaveWeightsResponse(_message.Message):
+    __slots__ = ("checkpoint_id", "version_id")
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_ID_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: str
+    version_id: str
+    def __init__(self, checkpoint_id: _Optional[str] = ..., version_id: _Optional[str] = ...) -> None: ...
