@@ -56,7 +56,7 @@ def stack(tmp_path_factory, pg_url, redis_url):
 
     s = Stack(tmp_path_factory.mktemp("stack"), database_url=pg_url, broker_url=redis_url, extra_env={
         "TRAINYARD_HEARTBEAT_S": "0.5", "TRAINYARD_WORKER_LOST_AFTER_S": "6", "TRAINYARD_REAPER_INTERVAL_S": "1",
-        "TRAINYARD_SHUTDOWN_GRACE_S": "20",
+        "TRAINYARD_SHUTDOWN_GRACE_S": "20", "TRAINYARD_TORCH_THREADS": "1",
     })
     try:
         s.up()

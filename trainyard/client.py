@@ -248,9 +248,7 @@ class Client:
                     if ev.HasField("metric"):
                         last_step = ev.metric.step + 1
                     yield ev
-                    if ev.HasField("job") and ev.job.status in TERMINAL:
-                        return
-                return
+                return  # the server ends the stream once the job has ended and its history was sent
             except TrainyardError as exc:
                 if exc.code != "UNAVAILABLE":
                     raise

@@ -57,6 +57,9 @@ class TrainyardSettings(BaseSettings):
     grpc_workers: int = Field(default=16, ge=1, description="Threads serving RPCs per service.")
     grpc_max_message_mb: int = Field(default=64, ge=4, le=2047)
     shutdown_grace_s: float = Field(default=30.0, ge=0, description="How long SIGTERM waits for in-flight calls.")
+    # CPU threads for torch in this process (0 = torch's default). Several processes sharing few cores run far
+    # faster with 1 each than with every process spinning up a full thread pool.
+    torch_threads: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _fill_derived(self) -> "TrainyardSettings":
@@ -82,6 +85,12 @@ class TrainyardSettings(BaseSettings):
         if path is not None:
             sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
         return tuple(sources)
+
+    def apply_torch_threads(self) -> None:
+        if self.torch_threads:
+            import torch
+
+            torch.set_num_threads(self.torch_threads)
 
     def ensure_dirs(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)

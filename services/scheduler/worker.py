@@ -14,6 +14,7 @@ from services.scheduler.settings import SchedulerSettings
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 settings = SchedulerSettings()
 settings.ensure_dirs()
+settings.apply_torch_threads()
 configure_logging(settings.log_level)
 app = make_celery(settings)
 

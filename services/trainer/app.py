@@ -21,7 +21,6 @@ from trainyard.v1 import trainer_pb2 as pb, trainer_pb2_grpc as rpc, weightsync_
 class TrainerSettings(TrainyardSettings):
     # How long a call waits for the calls with lower seq_id on its session before giving up.
     order_timeout_s: float = Field(default=600.0, gt=0)
-    torch_threads: int = Field(default=0, ge=0, description="0 = torch's default")
 
 
 ADAM_DEFAULTS = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
@@ -75,11 +74,8 @@ class TrainerServicer(rpc.TrainerServiceServicer):
 
 
 def build(settings: TrainerSettings) -> Server:
-    import torch
-
     settings.ensure_dirs()
-    if settings.torch_threads:
-        torch.set_num_threads(settings.torch_threads)
+    settings.apply_torch_threads()
     db = Database(settings.database_url)
     channel = channels.open_channel(settings.weightsync_url, settings.grpc_max_message_mb)
     weightsync = weightsync_pb2_grpc.WeightSyncServiceStub(channel)

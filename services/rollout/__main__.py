@@ -1,0 +1,3 @@
+from services.rollout.app import main
+
+main()

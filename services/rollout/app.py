@@ -1,0 +1,47 @@
+"""The rollout process: the sampling engine behind RolloutService."""
+from __future__ import annotations
+
+import os
+
+from services.common.auth import KeyAuthenticator
+from services.common.blobstore import BlobStore
+from services.common.db import Database
+from services.common.grpcserver import Server, ServiceSpec, configure_logging
+from services.rollout.core import RolloutCore
+from services.rollout.engine import Engine
+from services.rollout.servicer import RolloutServicer
+from services.rollout.settings import RolloutSettings
+from trainyard.v1 import rollout_pb2, rollout_pb2_grpc as rpc
+
+
+def build(settings: RolloutSettings) -> Server:
+    settings.ensure_dirs()
+    settings.apply_torch_threads()
+    db = Database(settings.database_url)
+    engine = Engine(max_loaded_adapters=settings.max_loaded_adapters, dtype=settings.torch_dtype(),
+                    device=settings.device)
+    core = RolloutCore(db, BlobStore(settings.blob_dir), engine, settings.adapters_dir())
+
+    def register(server) -> None:
+        rpc.add_RolloutServiceServicer_to_server(RolloutServicer(core), server)
+
+    def shutdown() -> None:
+        engine.close()
+        db.dispose()
+
+    spec = ServiceSpec(name="rollout", register=register, on_shutdown=shutdown,
+                       service_names=[rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name])
+    return Server(spec, port=settings.rollout_port, host=settings.host,
+                  authenticate=KeyAuthenticator(db).authenticate, workers=settings.grpc_workers,
+                  max_message_mb=settings.grpc_max_message_mb, grace_s=settings.shutdown_grace_s)
+
+
+def main() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    settings = RolloutSettings()
+    configure_logging(settings.log_level)
+    build(settings).serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""The rollout service's transport-agnostic core: which weights a request names, and the prompt as token ids.
+
+A SampleRequest.model is resolved for the caller's account on every call, against the database:
+1. a live deployment of the account with that name (status ready or deploying) -> its checkpoint's LoRA adapter on
+   the checkpoint's base model. The row is read on every Sample, so a deleted deployment is never served, even while
+   its weights are still loaded (the scheduler marks the row deleted before it asks for the unload);
+2. else a base model visible to the account (its own, then shared) -> the base weights alone;
+3. else NotFound.
+
+A deployment's checkpoint files are laid out from the object store under <adapters_dir>/<deployment_id>/ once
+(hard links, renamed into place whole) and handed to the engine by that directory; deployment ids are global, so
+they double as the engine's adapter ids.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import select
+
+from models.chat import encode_chat_prompt
+from services.common import registry
+from services.common.blobstore import BlobStore, StoredFile
+from services.common.db import Database
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, not_found
+from services.common.schema import Checkpoint, Deployment
+from services.rollout import sampling
+from services.rollout.engine import Engine
+from services.rollout.sampling import SampledSequence, SamplingParams
+
+log = logging.getLogger("trainyard.rollout")
+
+SERVABLE_STATUSES = ("ready", "deploying")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Exactly one of the three is set."""
+
+    text: str | None = None
+    tokens: tuple[int, ...] | None = None
+    messages: tuple[tuple[str, str], ...] | None = None  # (role, content)
+
+
+@dataclass(frozen=True)
+class LoadedInfo:
+    name: str
+    base_model: str
+    deployment_id: str = ""
+    checkpoint_id: str = ""
+
+
+@dataclass
+class SampleResult:
+    model: str
+    prompt_tokens: list[int]
+    sequences: list[SampledSequence]
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Resolved weights: a base model directory and, for a deployment, its adapter."""
+
+    info: LoadedInfo
+    model_dir: str
+    adapter_files: tuple[StoredFile, ...] = ()
+
+    @property
+    def adapter_id(self) -> str | None:
+        return self.info.deployment_id or None
+
+
+class RolloutCore:
+    def __init__(self, db: Database, blobs: BlobStore, engine: Engine, adapters_dir: Path):
+        self.db = db
+        self.blobs = blobs
+        self.engine = engine
+        self.adapters_dir = adapters_dir
+        self._materialize_lock = threading.Lock()
+
+    def sample(self, account_id: str, model: str, prompt: Prompt, params: SamplingParams) -> SampleResult:
+        sampling.validate_params(params)  # before anything is loaded for a request that cannot run
+        target = self._resolve(account_id, model)
+        if target.adapter_id is not None:
+            self.engine.load_adapter(target.adapter_id, target.model_dir, self._adapter_dir(target), eager=False)
+        prompt_ids = self._encode(self.engine.base(target.model_dir).tokenizer, prompt)
+        sequences = self.engine.generate(target.model_dir, target.adapter_id, prompt_ids, params)
+        return SampleResult(model=model, prompt_tokens=prompt_ids, sequences=sequences)
+
+    def load_deployment(self, account_id: str, deployment_id: str) -> LoadedInfo:
+        with self.db.session() as s:
+            dep = registry.find_deployment(s, account_id, deployment_id) if deployment_id else None
+            if dep is None:
+                raise not_found("deployment", deployment_id)
+            target = self._deployment_target(s, account_id, dep)
+        self.engine.load_adapter(target.adapter_id, target.model_dir, self._adapter_dir(target))
+        log.info("deployment %s (%s) loaded on %s", dep.id, dep.name, target.model_dir)
+        return target.info
+
+    def unload_deployment(self, account_id: str, deployment_id: str) -> bool:
+        """Free a deployment's weights and files. Deleted deployments count: the scheduler unloads after deleting."""
+        with self.db.session() as s:
+            dep = s.get(Deployment, deployment_id) if deployment_id else None
+            if dep is None or dep.account_id != account_id:
+                raise not_found("deployment", deployment_id)
+        unloaded = self.engine.unload_adapter(dep.id)
+        with self._materialize_lock:
+            shutil.rmtree(self.adapters_dir / dep.id, ignore_errors=True)
+        return unloaded
+
+    def list_loaded(self, account_id: str) -> list[LoadedInfo]:
+        """The account's live deployments whose weights are loaded, then loaded base models it can see."""
+        adapter_ids = self.engine.loaded_adapters()
+        model_dirs = set(self.engine.loaded_models())
+        with self.db.session() as s:
+            deps = s.scalars(select(Deployment).where(
+                Deployment.account_id == account_id, Deployment.deleted_at.is_(None),
+                Deployment.id.in_(adapter_ids)).order_by(Deployment.name)).all() if adapter_ids else []
+            out = [LoadedInfo(name=d.name, base_model=d.base_model, deployment_id=d.id, checkpoint_id=d.checkpoint_id)
+                   for d in deps]
+            out += [LoadedInfo(name=m.name, base_model=m.name)
+                    for m in registry.visible_models(s, account_id) if m.path in model_dirs]
+        return out
+
+    # ---- resolution ---------------------------------------------------------------------------------------------
+
+    def _resolve(self, account_id: str, name: str) -> _Target:
+        if not name:
+            raise InvalidArgument("required: a deployment name or a base model name", field="model")
+        with self.db.session() as s:
+            dep = registry.find_deployment(s, account_id, name)
+            if dep is not None:
+                return self._deployment_target(s, account_id, dep)
+            m = registry.find_model(s, account_id, name)
+            if m is not None:
+                return _Target(info=LoadedInfo(name=m.name, base_model=m.name), model_dir=m.path)
+        raise NotFound(f"model '{name}' not found: no deployment or base model with that name")
+
+    def _deployment_target(self, s, account_id: str, dep: Deployment) -> _Target:
+        if dep.status not in SERVABLE_STATUSES:
+            detail = f": {dep.error}" if dep.error else ""
+            raise FailedPrecondition(f"deployment '{dep.name}' is {dep.status}{detail}; it cannot be served")
+        ckpt: Checkpoint = registry.get_checkpoint(s, account_id, dep.checkpoint_id)
+        if ckpt.kind != "lora_adapter":
+            raise FailedPrecondition(f"deployment '{dep.name}': checkpoint {ckpt.id} is a {ckpt.kind} checkpoint; "
+                                     "only LoRA adapter checkpoints can be served")
+        model_dir = ckpt.model_path
+        if not model_dir:
+            base = registry.find_model(s, account_id, ckpt.base_model)
+            if base is None:
+                raise FailedPrecondition(f"deployment '{dep.name}': its base model '{ckpt.base_model}' is not "
+                                         "registered")
+            model_dir = base.path
+        info = LoadedInfo(name=dep.name, base_model=dep.base_model, deployment_id=dep.id, checkpoint_id=ckpt.id)
+        return _Target(info=info, model_dir=model_dir,
+                       adapter_files=tuple(StoredFile.from_json(f) for f in ckpt.files))
+
+    def _adapter_dir(self, target: _Target) -> Path:
+        """The deployment's files on disk, laid out once: a directory that exists is complete (renamed into place)."""
+        dest = self.adapters_dir / target.info.deployment_id
+        with self._materialize_lock:
+            if not dest.is_dir():
+                self.adapters_dir.mkdir(parents=True, exist_ok=True)
+                tmp = Path(tempfile.mkdtemp(dir=self.adapters_dir, prefix=f".{dest.name}-"))
+                try:
+                    self.blobs.materialize(target.adapter_files, tmp)
+                except FileNotFoundError as exc:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise FailedPrecondition(f"deployment '{target.info.name}': {exc}") from None
+                tmp.rename(dest)
+        return dest
+
+    # ---- prompts ------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _encode(tokenizer, prompt: Prompt) -> list[int]:
+        if prompt.tokens is not None:
+            return list(prompt.tokens)
+        if prompt.text is not None:
+            return encode_text(tokenizer, prompt.text)
+        if prompt.messages is not None:
+            for i, (role, _) in enumerate(prompt.messages):
+                if role not in CHAT_ROLES:
+                    raise InvalidArgument(f"must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
+                                          field=f"prompt.messages[{i}].role")
+            try:
+                return encode_chat_prompt(tokenizer, [{"role": r, "content": c} for r, c in prompt.messages])
+            except ValueError as exc:  # no chat template, or an empty conversation
+                raise InvalidArgument(str(exc), field="prompt.messages") from None
+        raise InvalidArgument("set one of text, tokens or messages", field="prompt")
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Raw text with the tokenizer's usual special tokens (e.g. Llama's BOS), but never two BOS when the text
+    already starts with one."""
+    ids = list(tokenizer(text)["input_ids"])
+    bos = tokenizer.bos_token_id
+    if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
+        ids = ids[1:]
+    return ids

@@ -1,0 +1,261 @@
+"""Managed LoRA SFT: the training loop a worker runs for one job, with checkpoints it resumes from bit-exactly.
+
+Shapes: B rows in a micro-batch, T tokens per row, V vocab.
+
+Order of one optimizer step s (0-based; `step` counts completed steps, so it becomes s + 1):
+  for each of the step's gradient_accumulation_steps micro-batches: hooks.should_stop() -> forward -> backward of
+  (summed target-token NLL / target tokens of the whole step) -> grad norm (+ clip) -> lr(s) -> AdamW step ->
+  eval if due -> hooks.on_metrics(s + 1) -> checkpoint if due (hooks.on_checkpoint, then our copy is deleted).
+
+A checkpoint at step k holds the adapter and everything step k depends on: the AdamW state, the global torch RNG
+(LoRA dropout draws from it) and k itself, which fixes both the learning rate (schedule.py) and the data position
+(data.py). Evaluation draws no random numbers. So resuming at k and running to N gives the same adapter, bit for
+bit, as running 0..N straight, as long as the kernels are deterministic (CPU with a fixed thread count, or
+torch.use_deterministic_algorithms).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from models import CausalLM, load_pretrained
+from models.lora import ADAPTER_WEIGHTS, LoraConfig, apply_lora, lora_state_dict, save_peft_adapter
+from models.tokenizer import load_tokenizer
+from services.trainer.data import IGNORE_INDEX, MicroBatch, SftData, StepSampler, batches, load_sft_data
+from services.trainer.schedule import learning_rate
+from services.trainer.sft_config import SftHyperparams
+
+STATE_FILE = "trainer_state.json"
+OPTIMIZER_FILE = "optimizer.pt"
+RNG_FILE = "rng_state.pt"
+
+
+@dataclass
+class SftCheckpoint:
+    step: int  # optimizer steps completed
+    adapter_dir: Path  # PEFT adapter files (adapter_config.json, adapter_model.safetensors)
+    state_dir: Path | None  # what resuming needs: trainer_state.json, optimizer.pt, rng_state.pt
+
+
+class SftHooks(Protocol):
+    def should_stop(self) -> bool: ...  # checked before every micro-batch; True -> return promptly
+
+    def on_start(self, total_steps: int, info: dict) -> None: ...
+
+    def on_log(self, message: str, level: str = "info") -> None: ...
+
+    def on_metrics(self, step: int, metrics: dict[str, float]) -> None: ...
+
+    def on_checkpoint(self, ckpt: SftCheckpoint, final: bool, metrics: dict[str, float]) -> None: ...
+
+
+@dataclass
+class SftOutcome:
+    step: int
+    stopped: bool  # True when should_stop() ended the run early
+    metrics: dict[str, float]
+
+
+def run_sft(
+    model_dir: Path,
+    dataset_path: Path,
+    hp: SftHyperparams,
+    hooks: SftHooks,
+    *,
+    resume: SftCheckpoint | None = None,
+    base_model_name: str = "",
+    work_dir: Path,
+) -> SftOutcome:
+    """Train a LoRA adapter on the JSONL dataset; see the module docstring for the order of events."""
+    tokenizer = load_tokenizer(model_dir)
+    data = load_sft_data(
+        Path(dataset_path), tokenizer, max_seq_len=hp.max_seq_len, eval_fraction=hp.eval_fraction, seed=hp.seed
+    )
+    if data.skipped:
+        hooks.on_log(
+            f"skipped {data.skipped} of {data.num_rows} rows with no assistant/completion token within "
+            f"max_seq_len={hp.max_seq_len}",
+            "warning",
+        )
+    run = _SftRun(model_dir, data, hp, hooks, base_model_name or str(model_dir), Path(work_dir))
+    if resume is not None:
+        run.restore(resume)
+        hooks.on_log(f"resumed at step {run.step} of {run.total_steps}")
+    else:
+        torch.manual_seed(hp.seed)
+    hooks.on_start(
+        run.total_steps,
+        {"train examples": len(data.train), "eval examples": len(data.eval), "trainable params": run.num_trainable},
+    )
+    return run.train()
+
+
+class _SftRun:
+    def __init__(self, model_dir: Path, data: SftData, hp: SftHyperparams, hooks: SftHooks, base_name: str,
+                 work_dir: Path):
+        self.hp, self.hooks, self.data, self.base_name, self.work_dir = hp, hooks, data, base_name, work_dir
+        # A bf16 base halves memory on a GPU; the LoRA weights stay float32 either way (models.lora).
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.model: CausalLM = load_pretrained(model_dir, dtype=dtype, device=self.device)
+        self.lora_cfg = LoraConfig(
+            rank=hp.lora_rank, alpha=hp.lora_alpha, dropout=hp.lora_dropout, target_modules=hp.target_modules
+        )
+        self.params = apply_lora(self.model, self.lora_cfg, seed=hp.seed)
+        self.num_trainable = sum(p.numel() for p in self.params)
+        self.optimizer = torch.optim.AdamW(self.params, lr=hp.learning_rate, weight_decay=hp.weight_decay)
+        self.sampler = StepSampler(
+            data.train, batch_size=hp.batch_size, grad_accum=hp.gradient_accumulation_steps, seed=hp.seed
+        )
+        self.total_steps = hp.max_steps or self.sampler.steps_per_epoch * hp.epochs
+        self.step = 0
+
+    def train(self) -> SftOutcome:
+        hp, start = self.hp, self.step
+        metrics: dict[str, float] = {}
+        self.model.train()
+        while self.step < self.total_steps:
+            step_metrics = self._train_step(self.step)
+            if step_metrics is None:
+                return SftOutcome(step=self.step, stopped=True, metrics=metrics)
+            self.step += 1
+            metrics = step_metrics
+            final = self.step == self.total_steps
+            checkpoint_due = final or self.step % hp.checkpoint_every == 0
+            if final or (self.step % hp.eval_every == 0 if hp.eval_every else checkpoint_due):
+                metrics |= self._evaluate()
+            self.hooks.on_metrics(self.step, metrics)
+            if checkpoint_due:
+                self._checkpoint(final, metrics)
+        if self.step == start:  # resumed from a checkpoint at (or past) the end: report and finish again
+            metrics = self._evaluate()
+            if metrics:
+                self.hooks.on_metrics(self.step, metrics)
+            self._checkpoint(True, metrics)
+        return SftOutcome(step=self.step, stopped=False, metrics=metrics)
+
+    def _nll_sum(self, mb: MicroBatch) -> torch.Tensor:
+        logits_BTV = self.model(mb.input_ids_BT.to(self.device))
+        return F.cross_entropy(
+            logits_BTV.float().flatten(0, 1), mb.targets_BT.to(self.device).flatten(),
+            ignore_index=IGNORE_INDEX, reduction="sum",
+        )
+
+    def _train_step(self, step: int) -> dict[str, float] | None:
+        """One optimizer step over its micro-batches; None when should_stop() fired before one of them."""
+        hp = self.hp
+        micro_batches = self.sampler.step_batches(step)
+        num_targets = sum(mb.num_targets for mb in micro_batches)
+        nll = torch.zeros((), device=self.device)
+        for mb in micro_batches:
+            if self.hooks.should_stop():
+                return None
+            # Dividing every micro-batch by the whole step's target count makes accumulation equal one big batch.
+            mb_nll = self._nll_sum(mb)
+            (mb_nll / num_targets).backward()
+            nll += mb_nll.detach()
+        if hp.max_grad_norm > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, hp.max_grad_norm)
+        else:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
+        lr = learning_rate(
+            step, peak_lr=hp.learning_rate, kind=hp.lr_scheduler, warmup_steps=hp.warmup_steps,
+            total_steps=self.total_steps,
+        )
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {
+            "train/loss": (nll / num_targets).item(),  # .item() syncs, once per step
+            "train/lr": lr,
+            "train/grad_norm": grad_norm.item(),
+            "train/tokens": float(num_targets),
+            "train/epoch": (step + 1) / self.sampler.steps_per_epoch,
+        }
+
+    @torch.no_grad()
+    def _evaluate(self) -> dict[str, float]:
+        """Token-weighted mean NLL over the held-out split ({} when there is none)."""
+        if not self.data.eval:
+            return {}
+        self.model.eval()
+        nll = torch.zeros((), device=self.device)
+        num_targets = 0
+        for mb in batches(self.data.eval, self.hp.batch_size):
+            nll += self._nll_sum(mb)
+            num_targets += mb.num_targets
+        self.model.train()
+        return {"eval/loss": (nll / num_targets).item()}  # .item() syncs
+
+    def _checkpoint(self, final: bool, metrics: dict[str, float]) -> None:
+        root = self.work_dir / "checkpoints" / f"step-{self.step:07d}"
+        adapter_dir, state_dir = root / "adapter", root / "state"
+        save_peft_adapter(self.model, self.lora_cfg, adapter_dir, base_model_name_or_path=self.base_name)
+        state_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(self.optimizer.state_dict(), state_dir / OPTIMIZER_FILE)
+        torch.save(_rng_state(self.device), state_dir / RNG_FILE)
+        state = {
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "epoch": self.step / self.sampler.steps_per_epoch,
+            "train_examples": len(self.data.train),
+            "eval_examples": len(self.data.eval),
+            "hyperparams": self.hp.to_json(),
+            "metrics": metrics,
+        }
+        (state_dir / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+        self.hooks.on_checkpoint(SftCheckpoint(step=self.step, adapter_dir=adapter_dir, state_dir=state_dir),
+                                 final, metrics)
+        shutil.rmtree(root)  # the hook has persisted it; a long run must not fill the worker's disk
+
+    def restore(self, ckpt: SftCheckpoint) -> None:
+        """Load the adapter, optimizer, RNG state and step of a checkpoint this function wrote."""
+        state_dir = Path(ckpt.state_dir) if ckpt.state_dir is not None else None
+        if state_dir is None or not (state_dir / STATE_FILE).is_file():
+            raise ValueError(
+                f"The checkpoint at step {ckpt.step} has no training state ({STATE_FILE}); it holds an adapter "
+                "only and cannot be resumed"
+            )
+        state = json.loads((state_dir / STATE_FILE).read_text())
+        if state["train_examples"] != len(self.data.train):
+            raise ValueError(
+                f"The checkpoint at step {ckpt.step} was trained on {state['train_examples']} examples but this run "
+                f"has {len(self.data.train)}; resume with the same dataset, max_seq_len, eval_fraction and seed"
+            )
+        _load_adapter_weights(self.model, Path(ckpt.adapter_dir))
+        self.optimizer.load_state_dict(torch.load(state_dir / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
+        _set_rng_state(torch.load(state_dir / RNG_FILE, weights_only=True), self.device)
+        self.step = state["step"]
+
+
+def _load_adapter_weights(model: CausalLM, adapter_dir: Path) -> None:
+    """Copy a saved adapter into the run's own (already created) LoRA parameters, which the optimizer holds."""
+    path = adapter_dir / ADAPTER_WEIGHTS
+    tensors = load_file(str(path))
+    targets = lora_state_dict(model)
+    if tensors.keys() != targets.keys() or any(tensors[k].shape != v.shape for k, v in targets.items()):
+        raise ValueError(f"{path} does not match this run's LoRA layout (lora rank, target_modules or base model)")
+    with torch.no_grad():
+        for key, param in targets.items():
+            param.copy_(tensors[key])
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)

@@ -1,0 +1,323 @@
+"""The dashboard's pages through Streamlit's AppTest, against the real service stack (tests/conftest.py `stack`).
+
+Each test module signs in with an account of its own, so what a page lists is exactly what the module created.
+"""
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pyarrow as pa
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from dashboard import logic
+from tests.conftest import ROOT, create_account
+from tests.harness import free_port
+from tests.integration.data import chat_rows, jsonl
+from trainyard import Client
+from trainyard.client import status_name
+
+pytestmark = pytest.mark.integration
+
+APP = str(ROOT / "dashboard" / "app.py")
+SHORT_JOB = dict(max_steps=4, batch_size=2, checkpoint_every=2, eval_fraction=0.2, learning_rate=3e-3)
+BAD_FILE = jsonl(chat_rows(2)) + b'{"messages": 3}\n{"prompt": "only a prompt"}\n'
+
+
+@pytest.fixture(scope="module")
+def key(stack) -> str:
+    return create_account(stack.env_for("scheduler"), "dashboard-apptest")
+
+
+@pytest.fixture(scope="module")
+def sdk(stack, key):
+    with Client(url=stack.url("scheduler"), rollout_url=stack.url("rollout"), api_key=key) as c:
+        yield c
+
+
+@pytest.fixture(autouse=True)
+def signed_in_env(monkeypatch, stack, key):
+    """What the sidebar is prefilled from (docker-compose sets the URLs; a user could set the key)."""
+    monkeypatch.setenv("TRAINYARD_URL", stack.url("scheduler"))
+    monkeypatch.setenv("TRAINYARD_ROLLOUT_URL", stack.url("rollout"))
+    monkeypatch.setenv("TRAINYARD_API_KEY", key)
+
+
+@pytest.fixture(scope="module")
+def dataset(sdk):
+    ds, _ = sdk.upload_dataset(jsonl(chat_rows(12)), name="addition")
+    return ds
+
+
+@pytest.fixture(scope="module")
+def finished_job(sdk, dataset):
+    job = sdk.create_sft_job("tiny-qwen3", dataset.id, "short-run", **SHORT_JOB)
+    job = sdk.wait_job(job.id, timeout_s=300)
+    assert status_name(job.status) == "succeeded", job.error
+    return job
+
+
+def open_app(page: str | None = None, **state) -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=120)
+    for k, v in state.items():
+        at.session_state[k] = v
+    at.run()
+    if page:
+        at.switch_page(page).run()
+    assert_no_exception(at)
+    return at
+
+
+def assert_no_exception(at: AppTest) -> None:
+    assert not at.exception, [e.value for e in at.exception]
+
+
+def text(elements) -> str:
+    """The visible text of markdown-ish elements (bold marks and markdown escapes removed)."""
+    return "\n".join(str(e.value) for e in elements).replace("**", "").replace("\\", "")
+
+
+def button(at: AppTest, label: str):
+    return next(b for b in at.button if b.label.startswith(label))
+
+
+def number(at: AppTest, label: str):
+    return next(n for n in at.number_input if n.label == label)
+
+
+def chart_data(at: AppTest) -> pd.DataFrame:
+    chart = at.get("vega_lite_chart")
+    assert len(chart) == 1, "expected one loss chart"
+    return pa.ipc.open_stream(chart[0].proto.datasets[0].data.data).read_pandas()
+
+
+# -- sidebar ------------------------------------------------------------------------------------------------------
+def test_sidebar_signs_in_or_says_what_is_wrong(stack, key):
+    at = open_app()
+    assert "Signed in as dashboard-apptest" in text(at.sidebar.success)
+
+    at.sidebar.text_input(key="conn_api_key").set_value("ty_not-a-real-key").run()
+    assert_no_exception(at)
+    assert "not accepted" in text(at.sidebar.error)
+    assert "Sign in first" in text(at.main.info)
+
+    at.sidebar.text_input(key="conn_api_key").set_value("").run()
+    assert "Enter your API key" in text(at.sidebar.warning)
+
+    at.sidebar.text_input(key="conn_api_key").set_value(key)
+    at.sidebar.text_input(key="conn_url").set_value(f"127.0.0.1:{free_port()}").run()
+    assert_no_exception(at)
+    assert "Cannot reach the scheduler" in text(at.sidebar.error)
+
+    at.sidebar.text_input(key="conn_url").set_value(stack.url("scheduler")).run()
+    assert "Signed in as" in text(at.sidebar.success)
+
+
+def test_pages_of_a_new_account_say_what_to_do_first(stack, monkeypatch):
+    monkeypatch.setenv("TRAINYARD_API_KEY", create_account(stack.env_for("scheduler"), "dashboard-newcomer"))
+    expected = {None: "No datasets yet", "pages_train.py": "Upload a dataset", "pages_jobs.py": "No jobs yet",
+                "pages_playground.py": "No deployments yet"}
+    for page, message in expected.items():
+        at = open_app(page)
+        assert message in text(at.main.info), page
+
+
+# -- datasets -----------------------------------------------------------------------------------------------------
+def test_upload_jsonl_stores_valid_files_only(sdk):
+    before = {d.id for d in sdk.list_datasets()}
+    bad = logic.upload_jsonl(sdk, BAD_FILE, "bad.jsonl")
+    assert not bad.ok and bad.num_rows == 4
+    assert [(row, field) for row, field, _ in bad.violations] == [(3, "messages"), (4, "")]
+    declared = logic.upload_jsonl(sdk, jsonl(chat_rows(2)), "chat.jsonl", fmt="dpo")
+    assert not declared.ok and {row for row, _, _ in declared.violations} == {1, 2}
+    assert {d.id for d in sdk.list_datasets()} == before, "a rejected file must store nothing"
+
+    rows = chat_rows(7)
+    good = logic.upload_jsonl(sdk, jsonl(rows), "seven.jsonl", fmt="sft_chat", name="seven", preview_rows=3)
+    assert good.ok and not good.deduplicated
+    assert (good.dataset.name, good.dataset.filename, good.dataset.num_rows) == ("seven", "seven.jsonl", 7)
+    assert good.preview == rows[:3]
+    again = logic.upload_jsonl(sdk, jsonl(rows), "copy.jsonl")
+    assert again.deduplicated and again.dataset.id == good.dataset.id
+
+
+def test_datasets_page_uploads_rejects_lists_and_previews(sdk):
+    at = open_app()
+    assert at.title[0].value == "Datasets"
+    rows = [{"prompt": f"{i}+{i}=", "completion": str(2 * i)} for i in range(6)]
+    at.file_uploader[0].set_value(("sums.jsonl", jsonl(rows), "application/octet-stream")).run()
+    button(at, "Validate and upload").click().run()
+    assert_no_exception(at)
+    assert "Stored sums.jsonl as dataset sums" in text(at.success)
+    ds = next(d for d in sdk.list_datasets() if d.name == "sums")
+    assert [m.value for m in at.metric] == [ds.id, "sft_prompt_completion", "6"]
+    preview = at.table[0].value
+    assert list(preview["prompt"]) == [r["prompt"] for r in rows[:5]]
+
+    before = len(sdk.list_datasets())
+    at.file_uploader[0].set_value(("broken.jsonl", BAD_FILE, "application/octet-stream")).run()
+    button(at, "Validate and upload").click().run()
+    assert_no_exception(at)
+    assert "broken.jsonl was not stored: 2 of its 4 rows have problems" in text(at.error)
+    problems = at.table[0].value
+    assert list(problems["row"]) == [3, 4] and list(problems["field"]) == ["messages", ""]
+    assert "expected a list of messages" in problems["reason"][0] and "looks like rft" in problems["reason"][1]
+    assert len(sdk.list_datasets()) == before
+
+    listed = at.dataframe[0].value
+    assert ds.id in set(listed["id"])
+    preview_box = next(s for s in at.selectbox if s.label == "Preview")
+    preview_box.set_value(ds.id).run()
+    number(at, "From row").set_value(5).run()
+    shown = at.table[-1].value
+    assert list(shown.index) == [5, 6] and list(shown["completion"]) == ["8", "10"]
+
+
+# -- train ----------------------------------------------------------------------------------------------------------
+def test_train_page_shows_field_errors_then_launches(sdk, dataset):
+    at = open_app("pages_train.py")
+    assert at.title[0].value == "Train"
+    assert next(s for s in at.selectbox if s.label == "Base model").value == "tiny-qwen3"
+    next(s for s in at.selectbox if s.label == "Dataset").set_value(dataset.id).run()
+    plan = text(at.markdown)
+    assert "Fine-tune tiny-qwen3" in plan and "LoRA adapter of rank 16" in plan
+    jobs_before = len(sdk.list_jobs())
+
+    number(at, "Learning rate").set_value(-1.0)
+    number(at, "LoRA rank").set_value(0).run()
+    button(at, "Launch training").click().run()
+    assert_no_exception(at)
+    assert "INVALID_ARGUMENT" in text(at.error)
+    errors = at.table[0].value
+    assert set(errors["setting"]) == {"Learning rate", "LoRA rank"}
+    assert set(errors["field"]) == {"spec.sft.learning_rate", "spec.sft.lora.rank"}
+    assert len(sdk.list_jobs()) == jobs_before
+
+    number(at, "Learning rate").set_value(2e-3)
+    number(at, "LoRA rank").set_value(8).run()
+    at.radio[0].set_value("Max steps").run()
+    number(at, "Max steps").set_value(3)
+    number(at, "Batch size").set_value(2)
+    next(t for t in at.text_input if t.label == "Job name").set_value("from-the-dashboard").run()
+    assert "Length: 3 steps of 2 sequences each" in text(at.markdown)
+    button(at, "Launch training").click().run()
+    assert_no_exception(at)
+    job_id = at.session_state["launched_job"]
+    assert f"Launched job {job_id}" in text(at.success)
+    job = sdk.get_job(job_id)
+    assert job.spec.display_name == "from-the-dashboard" and job.spec.dataset_id == dataset.id
+    assert (job.spec.sft.lora.rank, job.spec.sft.max_steps, job.spec.sft.batch_size) == (8, 3, 2)
+    assert job.spec.sft.learning_rate == pytest.approx(2e-3)
+
+    button(at, "Watch it").click().run()
+    assert_no_exception(at)
+    assert at.title[0].value == "Jobs"
+    assert next(s for s in at.selectbox if s.label == "Job").value == job_id
+    sdk.wait_job(job_id, timeout_s=300)
+
+
+# -- jobs -----------------------------------------------------------------------------------------------------------
+def test_jobs_page_shows_status_progress_chart_and_log(sdk, finished_job):
+    at = open_app("pages_jobs.py", job_id=finished_job.id)
+    md = text(at.markdown)
+    assert ":green-badge[succeeded]" in md
+    assert at.get("progress")[0].value == 100
+    metrics = {m.label: float(m.value) for m in at.metric}
+    assert metrics["train/loss"] == pytest.approx(finished_job.latest_metrics["train/loss"], rel=1e-3)
+
+    chart = chart_data(at)
+    points = sdk.job_metrics(finished_job.id)
+    expected = {(p.step, k): v for p in points for k, v in p.values.items() if k in ("train/loss", "eval/loss")}
+    assert {(int(r.step), r.metric): r.value for r in chart.itertuples()} == pytest.approx(expected)
+    assert set(chart.metric) == {"train/loss", "eval/loss"} and chart.step.max() == 4
+
+    log = text(at.code)
+    assert "queued" in log and "succeeded after 4 steps" in log
+    assert not [b for b in at.button if b.label == "Cancel job"], "a finished job has nothing to cancel"
+    assert "Deploy" in [b.label for b in at.button]
+
+
+def test_jobs_page_follows_and_cancels_a_running_job(sdk, dataset):
+    job = sdk.create_sft_job("tiny-qwen3", dataset.id, "long-run", max_steps=500, batch_size=1, checkpoint_every=500)
+    at = open_app("pages_jobs.py", job_id=job.id)
+    assert status_name(sdk.get_job(job.id).status) in ("queued", "running")
+    md = text(at.markdown)
+    assert ":gray-badge[queued]" in md or ":blue-badge[running]" in md
+    button(at, "Cancel job").click().run()
+    assert_no_exception(at)
+    assert sdk.get_job(job.id).cancel_requested
+    done = sdk.wait_job(job.id, timeout_s=120)
+    assert status_name(done.status) == "cancelled"
+    at.run()
+    assert ":orange-badge[cancelled]" in text(at.markdown)
+    assert not [b for b in at.button if b.label in ("Cancel job", "Deploy")]
+
+
+# -- deploy and playground -----------------------------------------------------------------------------------------
+def test_deploy_from_jobs_page_then_compare_in_playground(sdk, finished_job):
+    at = open_app("pages_jobs.py", job_id=finished_job.id)
+    name_input = next(t for t in at.text_input if t.label == "Deployment name")
+    assert name_input.value == "short-run"
+    name_input.set_value("bad name!")
+    button(at, "Deploy").click().run()
+    assert_no_exception(at)
+    assert "INVALID_ARGUMENT" in text(at.error) and list(at.table[0].value["field"]) == ["name"]
+
+    next(t for t in at.text_input if t.label == "Deployment name").set_value("adder")
+    button(at, "Deploy").click().run()
+    assert_no_exception(at)
+    assert "Deployment adder is ready" in text(at.success)
+    assert "adder" in [d.name for d in sdk.list_deployments() if d.job_id == finished_job.id]
+
+    next(t for t in at.text_input if t.label == "Deployment name").set_value("adder")
+    button(at, "Deploy").click().run()
+    assert "ALREADY_EXISTS" in text(at.error)
+
+    at.switch_page("pages_playground.py").run()
+    assert_no_exception(at)
+    assert next(s for s in at.selectbox if s.label == "Deployment").value == "adder"
+    at.text_area[0].set_value("What is 3 plus 3?")
+    number(at, "Max tokens").set_value(8)
+    next(s for s in at.slider if s.label == "Temperature").set_value(0.0).run()
+    button(at, "Generate").click().run()
+    assert_no_exception(at)
+    assert not at.error, text(at.error)
+    assert "Base model · tiny-qwen3" in text(at.markdown) and "Fine-tuned · adder" in text(at.markdown)
+    outputs = [c.value for c in at.code]
+    assert len(outputs) == 2
+    messages = [{"role": "user", "content": "What is 3 plus 3?"}]
+    expected = [sdk.sample(m, messages=messages, temperature=0.0, max_tokens=8, seed=0).sequences[0].text
+                for m in ("tiny-qwen3", "adder")]
+    assert outputs == [t for t in expected if t], "the page shows exactly what was sampled"
+    assert all("generated" in c for c in at.caption.values if "prompt tokens" in c)
+
+    at.toggle[0].set_value(False)
+    at.radio[0].set_value("Raw text").run()
+    at.text_area[0].set_value("1 plus 1 is")
+    button(at, "Generate").click().run()
+    assert_no_exception(at)
+    assert len(at.code) + at.caption.values.count("(empty output)") == 1
+    assert "Fine-tuned · adder" in text(at.markdown) and "Base model" not in text(at.markdown)
+
+
+def test_unreachable_rollout_is_a_message_not_a_traceback(stack, sdk, finished_job):
+    sdk.create_deployment("kept", job_id=finished_job.id)
+    at = open_app("pages_playground.py", deployment="kept")
+    at.sidebar.text_input(key="conn_rollout_url").set_value(f"127.0.0.1:{free_port()}").run()
+    assert "Signed in as" in text(at.sidebar.success), "the scheduler is still reachable"
+    at.text_area[0].set_value("hello")
+    button(at, "Generate").click().run()
+    assert_no_exception(at)
+    errors = [e.value for e in at.error]
+    assert len(errors) == 2 and all("UNAVAILABLE" in e for e in errors), errors
+
+
+def test_preview_frame_and_plan_are_readable():
+    frame = logic.preview_frame([{"messages": [{"role": "user", "content": "hi"},
+                                               {"role": "assistant", "content": "hello"}], "meta": {"a": 1}}], 3)
+    assert frame.loc[3, "messages"] == "user: hi | assistant: hello" and json.loads(frame.loc[3, "meta"]) == {"a": 1}
+    plan = logic.SftPlan(batch_size=3, epochs=2, eval_fraction=0.1)
+    assert plan.split(20) == (18, 2) and plan.total_steps(20) == 12
+    assert "max_steps" not in plan.job_kwargs()
+    assert logic.SftPlan(max_steps=7).total_steps(1000) == 7

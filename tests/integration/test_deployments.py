@@ -1,0 +1,102 @@
+"""Deploy a job's adapter onto the rollout service, sample it by name, undeploy."""
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.data import chat_rows, jsonl
+from trainyard import TrainyardError
+from trainyard.v1 import scheduler_pb2 as pb
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def trained_job(stack, api_key):
+    from trainyard import Client
+
+    with Client(url=stack.url("scheduler"), rollout_url=stack.url("rollout"), api_key=api_key) as c:
+        ds, _ = c.upload_dataset(jsonl(chat_rows(8)), name="deploy-me")
+        job = c.create_sft_job("tiny-qwen3", ds.id, max_steps=8, learning_rate=5e-3, checkpoint_every=4)
+        done = c.wait_job(job.id, timeout_s=300)
+        assert done.status == pb.JOB_STATUS_SUCCEEDED, done.error
+        return done
+
+
+def test_deploy_sample_undeploy(client, other_client, trained_job):
+    dep = client.create_deployment("adder", job_id=trained_job.id)
+    assert dep.status == pb.DEPLOYMENT_STATUS_READY and dep.checkpoint_id == trained_job.output_checkpoint_id
+    assert dep.base_model == "tiny-qwen3" and dep.job_id == trained_job.id
+    assert [d.name for d in client.list_deployments()].count("adder") == 1
+
+    msgs = [{"role": "user", "content": "What is 3 plus 3?"}]
+    tuned = client.sample("adder", messages=msgs, temperature=0, max_tokens=16)
+    base = client.sample("tiny-qwen3", messages=msgs, temperature=0, max_tokens=16)
+    assert tuned.model == "adder" and len(tuned.sequences) == 1
+    seq = tuned.sequences[0]
+    assert len(seq.tokens) == len(seq.logprobs) >= 1 and all(lp <= 0 for lp in seq.logprobs)
+    assert seq.tokens != base.sequences[0].tokens  # the adapter changes the model
+    again = client.sample("adder", messages=msgs, temperature=0, max_tokens=16)
+    assert again.sequences[0].tokens == seq.tokens  # greedy is deterministic
+
+    seeded = [client.sample("adder", prompt="What is", temperature=1.0, top_p=0.9, top_k=50, seed=7, n=3,
+                            max_tokens=8) for _ in range(2)]
+    assert [s.tokens for s in seeded[0].sequences] == [s.tokens for s in seeded[1].sequences]
+
+    with pytest.raises(TrainyardError) as exc:
+        other_client.sample("adder", prompt="hi")
+    assert exc.value.code == "NOT_FOUND"
+    with pytest.raises(TrainyardError) as exc:
+        other_client.delete_deployment("adder")
+    assert exc.value.code == "NOT_FOUND"
+
+    with pytest.raises(TrainyardError) as exc:
+        client.create_deployment("adder", job_id=trained_job.id)
+    assert exc.value.code == "ALREADY_EXISTS"
+
+    client.delete_deployment("adder")
+    with pytest.raises(TrainyardError) as exc:
+        client.sample("adder", prompt="hi")
+    assert exc.value.code == "NOT_FOUND"
+    assert "adder" not in [d.name for d in client.list_deployments()]
+    assert "adder" in [d.name for d in client.list_deployments(include_deleted=True)]
+    # The name can be used again, here for an intermediate checkpoint.
+    first = client.list_checkpoints(trained_job.id)[0]
+    redeployed = client.create_deployment("adder", checkpoint_id=first.id)
+    assert redeployed.checkpoint_id == first.id and redeployed.status == pb.DEPLOYMENT_STATUS_READY
+    client.delete_deployment(redeployed.id)
+
+
+def test_deploy_errors(client, trained_job):
+    with pytest.raises(TrainyardError) as exc:
+        client.create_deployment("bad name!", job_id=trained_job.id)
+    assert exc.value.code == "INVALID_ARGUMENT" and exc.value.violations[0].field == "name"
+    with pytest.raises(TrainyardError) as exc:
+        client.create_deployment("x", job_id=trained_job.id, checkpoint_id="ckpt_x")
+    assert exc.value.code == "INVALID_ARGUMENT"
+    with pytest.raises(TrainyardError) as exc:
+        client.create_deployment("x", job_id="job_missing")
+    assert exc.value.code == "NOT_FOUND"
+    with pytest.raises(TrainyardError) as exc:
+        client.create_deployment("x", checkpoint_id="ckpt_missing")
+    assert exc.value.code == "NOT_FOUND"
+    queued = client.create_sft_job("tiny-qwen3", client.list_datasets()[0].id, max_steps=1)
+    client.cancel_job(queued.id)
+    with pytest.raises(TrainyardError) as exc:
+        client.create_deployment("x", job_id=queued.id)
+    assert exc.value.code == "FAILED_PRECONDITION"
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(temperature=-1.0), "params.temperature"), (dict(top_p=0.0), "params.top_p"),
+    (dict(top_k=-1), "params.top_k"), (dict(max_tokens=0), "params.max_tokens"), (dict(n=0), "params.n"),
+])
+def test_bad_sampling_params(client, kwargs, field):
+    with pytest.raises(TrainyardError) as exc:
+        client.sample("tiny-qwen3", prompt="hello", **kwargs)
+    assert exc.value.code == "INVALID_ARGUMENT" and field in exc.value.message
+
+
+def test_unknown_model_is_not_found(client):
+    with pytest.raises(TrainyardError) as exc:
+        client.sample("no-such-model", prompt="hello")
+    assert exc.value.code == "NOT_FOUND"

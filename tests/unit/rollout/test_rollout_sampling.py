@@ -1,0 +1,165 @@
+"""Sampling and KV-cached generation against a naive full-forward loop (services/rollout/sampling.py, engine.py).
+
+Reference: the same model code run over the whole sequence without a cache; logprobs agree within 1e-5 (float32).
+"""
+import pytest
+import torch
+
+from services.common.errors import InvalidArgument
+from services.rollout import sampling
+from services.rollout.sampling import SamplingParams, SequenceBuilder
+
+from rollout_reference import naive_greedy, naive_logprobs_TV
+
+TOL = 1e-5
+
+
+def run(engine, model_dir, prompt_ids, **kw):
+    return engine.generate(str(model_dir), None, prompt_ids, SamplingParams(**kw))
+
+
+def test_greedy_matches_naive_loop_without_cache(engine, tiny_model_dir, prompt_ids):
+    base = engine.base(str(tiny_model_dir))
+    (seq,) = run(engine, tiny_model_dir, prompt_ids, temperature=0, max_tokens=24)
+    tokens, logprobs = naive_greedy(base.model, prompt_ids, 24, set(base.eos_ids))
+    assert seq.tokens == tokens
+    torch.testing.assert_close(torch.tensor(seq.logprobs), torch.tensor(logprobs), atol=TOL, rtol=0)
+    assert seq.finish_reason == ("stop" if tokens[-1] in base.eos_ids else "length")
+
+
+def test_sampled_logprobs_are_raw_log_softmax_of_naive_forward(engine, tiny_model_dir, prompt_ids):
+    """Logprobs come from the untempered, unfiltered distribution, whatever temperature/top-k/top-p sampled."""
+    base = engine.base(str(tiny_model_dir))
+    seqs = run(engine, tiny_model_dir, prompt_ids, temperature=0.7, top_k=50, top_p=0.9, n=4, max_tokens=16, seed=3)
+    for seq in seqs:
+        lp_TV = naive_logprobs_TV(base.model, prompt_ids + seq.tokens)
+        P = len(prompt_ids)
+        expected = lp_TV[P - 1:-1].gather(1, torch.tensor(seq.tokens)[:, None]).squeeze(1)
+        torch.testing.assert_close(torch.tensor(seq.logprobs), expected, atol=TOL, rtol=0)
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy(engine, tiny_model_dir, prompt_ids):
+    (greedy,) = run(engine, tiny_model_dir, prompt_ids, temperature=0, max_tokens=20)
+    for kw in (dict(top_k=1), dict(top_p=1e-6)):
+        seqs = run(engine, tiny_model_dir, prompt_ids, temperature=1.5, n=3, max_tokens=20, **kw)
+        assert all(s.tokens == greedy.tokens for s in seqs), kw
+
+
+def test_same_seed_same_tokens_different_seed_different(engine, tiny_model_dir, prompt_ids):
+    def tokens(seed):
+        return [s.tokens for s in run(engine, tiny_model_dir, prompt_ids, n=4, max_tokens=32, seed=seed)]
+
+    first = tokens(7)
+    assert tokens(7) == first
+    assert tokens(8) != first
+    assert len({tuple(t) for t in first}) == 4  # the n rows draw independently
+    assert tokens(None) != tokens(None)  # no seed: a fresh random one each time
+
+
+def test_n_samples_share_one_prefill(engine, tiny_model_dir, prompt_ids, monkeypatch):
+    model = engine.base(str(tiny_model_dir)).model
+    shapes = []
+    forward = model.forward
+
+    def recording(input_ids_BT, *args, **kwargs):
+        shapes.append(tuple(input_ids_BT.shape))
+        return forward(input_ids_BT, *args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", recording)
+    seqs = run(engine, tiny_model_dir, prompt_ids, n=6, max_tokens=5, seed=0)
+    assert shapes[0] == (1, len(prompt_ids))
+    assert all(T == 1 and B <= 6 for B, T in shapes[1:])
+    assert len(shapes) == 1 + max(len(s.tokens) for s in seqs) - 1
+
+
+def test_stop_string_cuts_text_and_keeps_the_completing_token(engine, tiny_model_dir, prompt_ids):
+    tokenizer = engine.base(str(tiny_model_dir)).tokenizer
+    (full,) = run(engine, tiny_model_dir, prompt_ids, temperature=0, max_tokens=30)
+    assert full.finish_reason == "length"
+    stop = full.text[10:13]
+    cut = full.text.index(stop)
+    (seq,) = run(engine, tiny_model_dir, prompt_ids, temperature=0, max_tokens=30, stop=[stop, "never-there"])
+    k = next(k for k in range(1, 31) if stop in tokenizer.decode(full.tokens[:k]))
+    assert seq.finish_reason == "stop"
+    assert seq.text == full.text[:cut]
+    assert seq.tokens == full.tokens[:k] and seq.logprobs == full.logprobs[:k]
+
+
+def test_stop_token_ids_and_eos(engine, tiny_model_dir, prompt_ids):
+    base = engine.base(str(tiny_model_dir))
+    (full,) = run(engine, tiny_model_dir, prompt_ids, temperature=0, max_tokens=30)
+    stop_id = full.tokens[6]
+    i = full.tokens.index(stop_id)  # its first occurrence
+    (seq,) = run(engine, tiny_model_dir, prompt_ids, temperature=0, max_tokens=30, stop_token_ids=[stop_id])
+    assert seq.finish_reason == "stop"
+    assert seq.tokens == full.tokens[:i + 1]  # the stop token is returned ...
+    assert seq.text == base.tokenizer.decode(full.tokens[:i])  # ... but is not part of the text
+    # The model's own end-of-sequence ids stop it the same way.
+    eos_ids = base.eos_ids
+    base.eos_ids = (*eos_ids, stop_id)
+    try:
+        (eos,) = run(engine, tiny_model_dir, prompt_ids, temperature=0, max_tokens=30)
+    finally:
+        base.eos_ids = eos_ids
+    assert (eos.tokens, eos.text, eos.finish_reason) == (seq.tokens, seq.text, "stop")
+
+
+def test_max_tokens_finishes_with_length(engine, tiny_model_dir, prompt_ids):
+    seqs = run(engine, tiny_model_dir, prompt_ids, n=3, max_tokens=7, seed=1)
+    for s in seqs:
+        assert len(s.tokens) == len(s.logprobs) <= 7
+        assert s.finish_reason == ("length" if len(s.tokens) == 7 and s.tokens[-1] not in (0, 2) else "stop")
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(temperature=-0.1), "params.temperature"),
+    (dict(temperature=10.5), "params.temperature"),
+    (dict(temperature=float("nan")), "params.temperature"),
+    (dict(top_p=0.0), "params.top_p"),
+    (dict(top_p=1.01), "params.top_p"),
+    (dict(top_k=-1), "params.top_k"),
+    (dict(max_tokens=0), "params.max_tokens"),
+    (dict(max_tokens=2048), "params.max_tokens"),  # context 2048 minus the prompt
+    (dict(n=0), "params.n"),
+    (dict(n=65), "params.n"),
+    (dict(stop=[""]), "params.stop"),
+])
+def test_invalid_params_name_the_field(engine, tiny_model_dir, prompt_ids, kw, field):
+    with pytest.raises(InvalidArgument) as exc:
+        run(engine, tiny_model_dir, prompt_ids, **kw)
+    assert exc.value.violations[0].field == field
+
+
+@pytest.mark.parametrize("prompt", [[], [1024], [-1], list(range(10)) * 205])
+def test_invalid_prompts(engine, tiny_model_dir, prompt):
+    with pytest.raises(InvalidArgument) as exc:
+        run(engine, tiny_model_dir, prompt, max_tokens=1)
+    assert exc.value.violations[0].field == "prompt"
+
+
+def test_filter_logits_top_k_and_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+    kept = lambda out: torch.isfinite(out[0]).nonzero().flatten().tolist()  # noqa: E731
+    assert kept(sampling.filter_logits(logits, 2, 1.0)) == [0, 1]
+    assert kept(sampling.filter_logits(logits, 0, 0.7)) == [0, 1]  # 0.5 + 0.2 reaches 0.7
+    assert kept(sampling.filter_logits(logits, 0, 0.71)) == [0, 1, 2]
+    assert kept(sampling.filter_logits(logits, 0, 1e-9)) == [0]  # always at least the top token
+    assert kept(sampling.filter_logits(logits, 3, 0.9)) == [0, 1, 2]  # top-k first, then the nucleus of what is left
+
+
+def test_incremental_text_holds_back_split_characters(engine, tiny_model_dir):
+    tokenizer = engine.base(str(tiny_model_dir)).tokenizer
+    text = "héllo wörld, the ünïcode ✓"
+    ids = tokenizer(text)["input_ids"]
+    builder = SequenceBuilder(tokenizer, SamplingParams(max_tokens=len(ids)), stop_ids=set())
+    for t in ids:
+        builder.append(t, 0.0)
+        assert "\ufffd" not in builder.seq.text
+    assert builder.seq.text == text and builder.seq.finish_reason == "length"
+    # A stop string found across a split character.
+    builder = SequenceBuilder(tokenizer, SamplingParams(max_tokens=100, stop=("ö",)), stop_ids=set())
+    for t in ids:
+        if builder.append(t, 0.0):
+            break
+    k = next(k for k in range(len(ids)) if "ö" in tokenizer.decode(ids[:k]))
+    assert (builder.seq.text, builder.seq.tokens, builder.seq.finish_reason) == ("héllo w", ids[:k], "stop")

@@ -1,0 +1,175 @@
+"""The rollout service in-process over gRPC: a temp SQLite database, the object store, and two accounts.
+
+alice owns deployment "alice-dep" (a LoRA adapter that changes the outputs); bob owns "bob-dep"; the tiny model is a
+shared base model "tiny". Checks auth, account scoping, model resolution and INVALID_ARGUMENT field reporting.
+"""
+from dataclasses import dataclass
+
+import grpc
+import pytest
+
+from services.common import registry
+from services.common.auth import create_account
+from services.common.blobstore import BlobStore
+from services.common.db import Database, migrate
+from services.common.schema import SHARED_SCOPE, Checkpoint, Deployment, new_id, utcnow
+from services.rollout.app import build
+from services.rollout.settings import RolloutSettings
+from trainyard.v1 import common_pb2, rollout_pb2 as pb, rollout_pb2_grpc as rpc
+
+GREEDY = pb.SamplingParams(temperature=0, max_tokens=12)
+
+
+@dataclass
+class Env:
+    stub: rpc.RolloutServiceStub
+    db: Database
+    alice: tuple
+    bob: tuple
+    deps: dict  # name -> deployment id
+    data_dir: object
+
+    def call(self, method: str, request, who: str | None = "alice"):
+        metadata = None if who is None else (("authorization", f"Bearer {getattr(self, who)[1]}"),)
+        return getattr(self.stub, method)(request, metadata=metadata, timeout=60)
+
+
+def _deploy(db, blobs, account_id, name, model_dir, adapter_dir) -> str:
+    files = [f.to_json() for f in blobs.put_tree(adapter_dir)]
+    with db.session() as s:
+        ckpt = Checkpoint(id=new_id("ckpt"), account_id=account_id, kind="lora_adapter", base_model="tiny",
+                          model_path=str(model_dir), files=files, final=True, created_at=utcnow())
+        s.add(ckpt)
+        s.flush()
+        dep = Deployment(id=new_id("dep"), account_id=account_id, name=name, checkpoint_id=ckpt.id,
+                         base_model="tiny", status="ready", created_at=utcnow(), updated_at=utcnow())
+        s.add(dep)
+        return dep.id
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, tiny_model_dir, adapter_dirs):
+    data_dir = tmp_path_factory.mktemp("rollout_service")
+    settings = RolloutSettings(data_dir=data_dir, host="127.0.0.1", rollout_port=0, grpc_workers=4,
+                               shutdown_grace_s=0, max_loaded_adapters=2)
+    migrate(settings.database_url)
+    db = Database(settings.database_url)
+    blobs = BlobStore(settings.blob_dir)
+    alice_acct, _, alice_key = create_account(db, "alice")
+    bob_acct, _, bob_key = create_account(db, "bob")
+    with db.session() as s:
+        registry.register_model(s, SHARED_SCOPE, "tiny", str(tiny_model_dir))
+    deps = {
+        "alice-dep": _deploy(db, blobs, alice_acct.id, "alice-dep", tiny_model_dir, adapter_dirs["a"]),
+        "bob-dep": _deploy(db, blobs, bob_acct.id, "bob-dep", tiny_model_dir, adapter_dirs["b"]),
+    }
+    server = build(settings)
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    yield Env(rpc.RolloutServiceStub(channel), db, (alice_acct.id, alice_key), (bob_acct.id, bob_key), deps,
+              data_dir)
+    channel.close()
+    server.stop()
+    db.dispose()
+
+
+def sample(env, model, who="alice", params=GREEDY, **prompt):
+    prompt = prompt or {"text": "The quick brown fox"}
+    return env.call("Sample", pb.SampleRequest(model=model, params=params, **prompt), who)
+
+
+def test_sample_base_model_and_deployment(env):
+    base = sample(env, "tiny")
+    dep = sample(env, "alice-dep")
+    assert base.model == "tiny" and dep.model == "alice-dep"
+    assert base.prompt_tokens == dep.prompt_tokens and len(base.prompt_tokens) > 0
+    (b,), (d,) = base.sequences, dep.sequences
+    assert len(b.tokens) == len(b.logprobs) and b.finish_reason in ("stop", "length")
+    assert list(d.logprobs) != list(b.logprobs)  # the adapter is applied
+    # The deployment's files were laid out under <data_dir>/rollout/adapters/<deployment id>/.
+    assert (env.data_dir / "rollout" / "adapters" / env.deps["alice-dep"] / "adapter_config.json").is_file()
+
+
+def test_prompt_forms_and_n(env):
+    text = sample(env, "tiny", text="Hello")
+    tokens = sample(env, "tiny", tokens=common_pb2.TokenList(tokens=list(text.prompt_tokens)))
+    assert tokens.sequences[0].tokens == text.sequences[0].tokens
+    chat = sample(env, "tiny", messages=common_pb2.ChatMessages(
+        messages=[common_pb2.ChatMessage(role="user", content="Hello")]))
+    assert len(chat.prompt_tokens) > len(text.prompt_tokens)  # the chat template wraps the turn
+    many = sample(env, "tiny", params=pb.SamplingParams(n=5, max_tokens=4, seed=1))
+    assert len(many.sequences) == 5
+
+
+def test_unauthenticated_without_key(env):
+    with pytest.raises(grpc.RpcError) as exc:
+        sample(env, "tiny", who=None)
+    assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_unknown_model_and_other_accounts_deployment_are_not_found(env):
+    for name in ("no-such-model", "bob-dep", env.deps["bob-dep"]):
+        with pytest.raises(grpc.RpcError) as exc:
+            sample(env, name)
+        assert exc.value.code() == grpc.StatusCode.NOT_FOUND, name
+        assert "no deployment or base model" in exc.value.details()
+    assert len(sample(env, "bob-dep", who="bob").sequences) == 1
+    with pytest.raises(grpc.RpcError) as exc:
+        env.call("LoadDeployment", pb.LoadDeploymentRequest(deployment_id=env.deps["bob-dep"]))
+    assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.parametrize("params,field", [
+    (pb.SamplingParams(temperature=-1), "params.temperature"),
+    (pb.SamplingParams(top_p=0), "params.top_p"),
+    (pb.SamplingParams(n=65), "params.n"),
+    (pb.SamplingParams(max_tokens=5000), "params.max_tokens"),
+])
+def test_bad_params_are_invalid_argument(env, params, field):
+    with pytest.raises(grpc.RpcError) as exc:
+        sample(env, "tiny", params=params)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert exc.value.details().startswith(field)
+
+
+def test_bad_prompts_are_invalid_argument(env):
+    for prompt in ({"tokens": common_pb2.TokenList(tokens=[5000])}, {"text": ""},
+                   {"messages": common_pb2.ChatMessages(messages=[common_pb2.ChatMessage(role="robot")])}):
+        with pytest.raises(grpc.RpcError) as exc:
+            sample(env, "tiny", **prompt)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, prompt
+        assert exc.value.details().startswith("prompt"), exc.value.details()
+
+
+def test_load_list_unload_and_deleted_deployments(env):
+    dep_id = env.deps["alice-dep"]
+    loaded = env.call("LoadDeployment", pb.LoadDeploymentRequest(deployment_id=dep_id))
+    assert (loaded.name, loaded.base_model, loaded.deployment_id) == ("alice-dep", "tiny", dep_id)
+    names = {m.name for m in env.call("ListLoaded", pb.ListLoadedRequest()).models}
+    assert {"alice-dep", "tiny"} <= names and "bob-dep" not in names
+    # Deleted in the database (as the scheduler does before unloading): never served, though still loaded.
+    with env.db.session() as s:
+        s.get(Deployment, dep_id).deleted_at = utcnow()
+    with pytest.raises(grpc.RpcError) as exc:
+        sample(env, "alice-dep")
+    assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "alice-dep" not in {m.name for m in env.call("ListLoaded", pb.ListLoadedRequest()).models}
+    # bob cannot unload alice's deployment; alice can, also after the delete.
+    with pytest.raises(grpc.RpcError) as exc:
+        env.call("UnloadDeployment", pb.UnloadDeploymentRequest(deployment_id=dep_id), who="bob")
+    assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+    assert env.call("UnloadDeployment", pb.UnloadDeploymentRequest(deployment_id=dep_id)).unloaded is True
+    assert env.call("UnloadDeployment", pb.UnloadDeploymentRequest(deployment_id=dep_id)).unloaded is False
+    assert not (env.data_dir / "rollout" / "adapters" / dep_id).exists()
+
+
+def test_failed_deployment_is_not_served(env, tiny_model_dir, adapter_dirs):
+    dep_id = _deploy(env.db, BlobStore(env.data_dir / "blobs"), env.alice[0], "broken", tiny_model_dir,
+                     adapter_dirs["c"])
+    with env.db.session() as s:
+        dep = s.get(Deployment, dep_id)
+        dep.status, dep.error = "failed", "rollout could not load it"
+    with pytest.raises(grpc.RpcError) as exc:
+        sample(env, "broken")
+    assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "failed" in exc.value.details()

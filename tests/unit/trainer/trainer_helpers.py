@@ -1,0 +1,70 @@
+"""Helpers shared by the trainer tests: small chat datasets and SftHooks that record every call."""
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from services.trainer.sft import SftCheckpoint
+
+
+PAIRS = [(1, 2), (3, 4), (5, 6), (7, 8), (2, 9), (4, 4), (6, 1), (8, 3), (9, 9), (5, 2)]
+
+
+def chat_row(a: int, b: int) -> dict:
+    return {
+        "messages": [
+            {"role": "user", "content": f"What is {a} plus {b}?"},
+            {"role": "assistant", "content": f"The answer is {a + b}."},
+        ]
+    }
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+class RecordingHooks:
+    """SftHooks that keep every call; checkpoints are copied (the trainer deletes its own after the hook)."""
+
+    def __init__(self, save_dir: Path, *, stop_after_step: int | None = None, stop_at_call: int | None = None):
+        self.save_dir = save_dir
+        self.stop_after_step, self.stop_at_call = stop_after_step, stop_at_call
+        self.stop_calls = 0
+        self.total_steps: int | None = None
+        self.info: dict = {}
+        self.logs: list[tuple[str, str]] = []
+        self.metrics: dict[int, dict[str, float]] = {}
+        self.checkpoints: list[tuple[SftCheckpoint, bool, dict]] = []
+
+    def should_stop(self) -> bool:
+        self.stop_calls += 1
+        after_step = self.stop_after_step is not None and max(self.metrics, default=0) >= self.stop_after_step
+        return after_step or self.stop_calls == self.stop_at_call
+
+    def on_start(self, total_steps: int, info: dict) -> None:
+        self.total_steps, self.info = total_steps, info
+
+    def on_log(self, message: str, level: str = "info") -> None:
+        self.logs.append((level, message))
+
+    def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        assert step not in self.metrics, f"metrics reported twice for step {step}"
+        self.metrics[step] = dict(metrics)
+
+    def on_checkpoint(self, ckpt: SftCheckpoint, final: bool, metrics: dict[str, float]) -> None:
+        dest = self.save_dir / f"step-{ckpt.step}{'-final' if final else ''}"
+        shutil.copytree(ckpt.adapter_dir, dest / "adapter")
+        shutil.copytree(ckpt.state_dir, dest / "state")
+        self.checkpoints.append((SftCheckpoint(ckpt.step, dest / "adapter", dest / "state"), final, dict(metrics)))
+
+    def losses(self, key: str = "train/loss") -> dict[int, float]:
+        return {step: m[key] for step, m in self.metrics.items() if key in m}
+
+    def final_adapter(self) -> dict[str, torch.Tensor]:
+        ckpt, final, _ = self.checkpoints[-1]
+        assert final
+        return load_file(str(ckpt.adapter_dir / "adapter_model.safetensors"))
