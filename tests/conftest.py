@@ -52,7 +52,7 @@ def create_account(env: dict, name: str) -> str:
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory, pg_url, redis_url):
     """Every application service of docker-compose.yml running as a local process, on Postgres and Redis."""
-    from tests.harness import Stack
+    from trainyard.localstack import Stack
 
     s = Stack(tmp_path_factory.mktemp("stack"), database_url=pg_url, broker_url=redis_url, extra_env={
         "TRAINYARD_HEARTBEAT_S": "0.5", "TRAINYARD_WORKER_LOST_AFTER_S": "6", "TRAINYARD_REAPER_INTERVAL_S": "1",

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from tests.conftest import create_account
-from tests.harness import GRPC_SERVICES, Stack, compose_services
+from trainyard.localstack import GRPC_SERVICES, Stack, compose_services
 from tests.integration.data import chat_rows, jsonl
 from trainyard import Client, TrainyardError
 

@@ -1,9 +1,10 @@
-"""Start the platform's services as local processes from docker-compose.yml.
+"""Run the platform's services as local processes, straight from docker-compose.yml.
 
-There is no container engine on the test machines, so the integration tests run each compose service's own `command`
-with its own `environment`, changing only what must differ outside containers: host names become 127.0.0.1 with free
-ports, the database and broker URLs point at the test Postgres database and Redis, and the data volume is a temporary
-directory. Everything else — entry points, flags, variables — comes from the file, so it cannot drift from what runs.
+Used where no container engine runs: by `trainyard demo` (embedded SQLite and filesystem broker) and by the
+integration tests (the real Postgres and Redis). Each compose service's own `command` runs with its own
+`environment`, changing only what must differ outside containers: host names become 127.0.0.1 with free ports, the
+database and broker URLs point where the caller says (None = the embedded default), and the data volume is a local
+directory. Entry points, flags and variables all come from the file, so it cannot drift from what runs.
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ def free_port() -> int:
 
 
 def compose_services() -> dict[str, dict]:
+    if not COMPOSE.is_file():
+        raise FileNotFoundError(f"{COMPOSE} not found: run from a checkout of the Trainyard repository")
     return yaml.safe_load(COMPOSE.read_text())["services"]
 
 
@@ -51,8 +54,8 @@ class Proc:
 @dataclass
 class Stack:
     work_dir: Path
-    database_url: str
-    broker_url: str
+    database_url: str | None  # None: the embedded SQLite default under the data directory
+    broker_url: str | None    # None: the embedded filesystem broker
     extra_env: dict[str, str] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
     procs: dict[str, Proc] = field(default_factory=dict)
@@ -65,7 +68,7 @@ class Stack:
         for name, svc in self.services.items():
             for mapping in svc.get("ports", []):
                 self.ports[f"{name}:{str(mapping).split(':')[-1]}"] = free_port()
-        self.queue = f"trainyard-test-{os.getpid()}-{time.monotonic_ns()}"
+        self.queue = f"trainyard-{os.getpid()}-{time.monotonic_ns()}"
 
     # -- translation of compose service -> local process ---------------------------------------------------------
     def _local(self, value: str) -> str:
@@ -81,10 +84,13 @@ class Stack:
         env["PYTHONPATH"] = str(ROOT)
         for k, v in (svc.get("environment") or {}).items():
             env[k] = self._local(str(v))
-        if "TRAINYARD_DATABASE_URL" in env:
-            env["TRAINYARD_DATABASE_URL"] = self.database_url
-        if "TRAINYARD_BROKER_URL" in env:
-            env["TRAINYARD_BROKER_URL"] = self.broker_url
+        for var, value in (("TRAINYARD_DATABASE_URL", self.database_url), ("TRAINYARD_BROKER_URL", self.broker_url)):
+            if var in env:
+                if value is None:
+                    del env[var]
+                else:
+                    env[var] = value
+        if "TRAINYARD_DATA_DIR" in env:
             env["TRAINYARD_CELERY_QUEUE"] = self.queue
         if "TRAINYARD_DATA_DIR" in env:
             env["TRAINYARD_DATA_DIR"] = str(self.data_dir)

@@ -1,0 +1,19 @@
+# One image for every Trainyard service (docker-compose.yml picks the command).
+FROM python:3.11-slim
+
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 HF_HUB_OFFLINE=1
+WORKDIR /app
+
+# CPU build of torch first so nothing else pulls a CUDA build; GPU images swap this index URL.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+RUN pip install torch==2.13.0 --index-url ${TORCH_INDEX_URL}
+
+COPY requirements.lock .
+RUN pip install -r requirements.lock
+
+COPY . .
+RUN pip install --no-deps -e .
+
+VOLUME ["/data"]
+EXPOSE 50051 50052 50053 50054 8501
+CMD ["python", "-m", "services.scheduler"]

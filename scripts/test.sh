@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The full test suite. Needs PostgreSQL (127.0.0.1:5432, trust auth) and Redis (127.0.0.1:6379) running;
+# TRAINYARD_TEST_PG / TRAINYARD_TEST_REDIS point elsewhere. Installs Debian's chromium for the browser test.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/bootstrap.sh || exit 1
+if ! command -v chromium >/dev/null 2>&1; then
+  echo "installing Debian's chromium for the browser test ..."
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && SUDO="sudo"
+  $SUDO apt-get install -y -q chromium >/dev/null 2>&1 \
+    || { $SUDO apt-get update -q >/dev/null 2>&1 && $SUDO apt-get install -y -q chromium >/dev/null 2>&1; } \
+    || echo "could not install chromium: the browser test will be skipped"
+fi
+.venv/bin/python -m pytest "$@"
+rc=$?
+if [ "$rc" -eq 5 ]; then
+  echo "pytest collected no tests: failing" >&2
+  exit 1
+fi
+exit "$rc"

@@ -1,0 +1,120 @@
+"""Scheduler cores in process on SQLite: upload limits, the job ledger and its reaper."""
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import update
+
+from services.common import auth
+from services.common.blobstore import BlobStore
+from services.common.db import Database, migrate
+from services.common.errors import InvalidArgument, Unavailable
+from services.common.schema import SHARED_SCOPE, Job, utcnow
+from services.common import registry
+from services.scheduler.datasets import DatasetStore, UploadHeader
+from services.scheduler.jobs import JobCore, NewJob
+from services.scheduler.ledger import LeaseLost, Ledger
+
+ROW = b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
+
+
+@pytest.fixture()
+def env(tmp_path):
+    from models.tiny import build_tiny_model
+
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    migrate(url)
+    db = Database(url)
+    account, _, _ = auth.create_account(db, "acme")
+    with db.session() as s:
+        registry.register_model(s, SHARED_SCOPE, "tiny", str(build_tiny_model(tmp_path / "tiny")))
+    blobs = BlobStore(tmp_path / "blobs")
+    yield db, blobs, account.id
+    db.dispose()
+
+
+def test_upload_over_the_size_limit_stores_nothing(env, tmp_path):
+    db, blobs, account = env
+    store = DatasetStore(db, blobs, max_bytes=1000)
+    with pytest.raises(InvalidArgument, match="larger than"):
+        store.upload(account, UploadHeader("big", None, "big.jsonl"), iter([ROW] * 50))
+    assert list((tmp_path / "blobs" / "tmp").iterdir()) == []
+    assert not (tmp_path / "blobs" / "sha256").exists()
+    ds, dedup = store.upload(account, UploadHeader("ok", None, "ok.jsonl"), iter([ROW]))
+    assert ds.num_rows == 1 and not dedup
+
+
+def _job(db, blobs, account, dispatch=lambda job_id: None) -> tuple[JobCore, str]:
+    ds, _ = DatasetStore(db, blobs, 1 << 20).upload(account, UploadHeader("d", None, ""), iter([ROW]))
+    core = JobCore(db, Ledger(db), dispatch, 0.05, threading.Event())
+    job = core.create(account, NewJob("sft", "tiny", ds.id, "", {"max_steps": 3}))
+    return core, job.id
+
+
+def test_broker_failure_marks_the_job_failed(env):
+    db, blobs, account = env
+
+    def down(job_id):
+        raise ConnectionError("redis unreachable")
+
+    with pytest.raises(Unavailable, match="broker"):
+        _job(db, blobs, account, dispatch=down)
+    with db.session() as s:
+        job = s.query(Job).one()
+        assert job.status == "failed" and "redis unreachable" in job.error
+
+
+def test_lease_claim_heartbeat_reap_and_retry_limit(env):
+    db, blobs, account = env
+    core, job_id = _job(db, blobs, account)
+    ledger = Ledger(db)
+    claim = ledger.claim(job_id, "w1")
+    assert claim.attempt == 1 and ledger.claim(job_id, "w2") is None  # one owner at a time
+    assert ledger.heartbeat(job_id, "w1") is False
+    with pytest.raises(LeaseLost):
+        ledger.heartbeat(job_id, "w2")
+    assert ledger.reap(lost_after_s=60, max_attempts=2) == []  # fresh heartbeat: left alone
+
+    def stale():
+        with db.session() as s:
+            s.execute(update(Job).where(Job.id == job_id).values(heartbeat_at=utcnow() - timedelta(seconds=120)))
+
+    stale()
+    assert ledger.reap(lost_after_s=60, max_attempts=2) == [job_id]
+    with pytest.raises(LeaseLost):
+        ledger.progress(job_id, "w1", step=5)  # the lost worker can no longer write
+    assert ledger.claim(job_id, "w2").attempt == 2
+    stale()
+    assert ledger.reap(lost_after_s=60, max_attempts=2) == []
+    job = core.get(account, job_id)
+    assert job.status == "failed" and "worker lost 2 times" in job.error
+
+
+def test_cancel_requested_on_a_lost_job_ends_cancelled(env):
+    db, blobs, account = env
+    core, job_id = _job(db, blobs, account)
+    ledger = Ledger(db)
+    ledger.claim(job_id, "w1")
+    core.cancel(account, job_id)
+    assert ledger.heartbeat(job_id, "w1") is True  # the worker learns of the cancellation on its next beat
+    with db.session() as s:
+        s.execute(update(Job).where(Job.id == job_id).values(heartbeat_at=utcnow() - timedelta(seconds=120)))
+    assert ledger.reap(lost_after_s=60, max_attempts=3) == []
+    assert core.get(account, job_id).status == "cancelled"
+
+
+def test_watch_follows_a_job_to_its_end(env):
+    db, blobs, account = env
+    core, job_id = _job(db, blobs, account)
+    ledger = Ledger(db)
+    ledger.claim(job_id, "w1")
+    for step in (1, 2, 3):
+        ledger.progress(job_id, "w1", step=step, total_steps=3, metrics={"train/loss": 1.0 / step})
+    ledger.finish(job_id, "w1", "succeeded")
+    items = list(core.watch(account, job_id, 2, lambda: True))
+    assert [i.row.step for i in items if i.kind == "metric"] == [2, 3]
+    assert items[0].kind == "job" and items[-1].kind in ("job", "log")
+    with pytest.raises(InvalidArgument, match="from_step"):
+        list(core.watch(account, job_id, -1, lambda: True))
