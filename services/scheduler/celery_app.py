@@ -29,12 +29,13 @@ def make_celery(settings: SchedulerSettings) -> Celery:
         task_publish_retry_policy={"max_retries": 2, "interval_start": 0.2, "interval_step": 0.5},
     )
     if broker.startswith("filesystem"):
-        folder = settings.broker_dir() / "queue"
-        processed = settings.broker_dir() / "processed"
-        folder.mkdir(parents=True, exist_ok=True)
-        processed.mkdir(parents=True, exist_ok=True)
-        conf["broker_transport_options"] = {"data_folder_in": str(folder), "data_folder_out": str(folder),
-                                            "processed_folder": str(processed), "store_processed": False}
+        folders = {name: settings.broker_dir() / name for name in ("queue", "processed", "control")}
+        for folder in folders.values():
+            folder.mkdir(parents=True, exist_ok=True)
+        conf["broker_transport_options"] = {
+            "data_folder_in": str(folders["queue"]), "data_folder_out": str(folders["queue"]),
+            "processed_folder": str(folders["processed"]), "control_folder": str(folders["control"]),
+            "store_processed": False}
     app.conf.update(conf)
     return app
 
