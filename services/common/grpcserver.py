@@ -184,6 +184,25 @@ class Server:
         self.stop()
 
 
+def service_server(spec: ServiceSpec, settings, port: int, db) -> Server:
+    """A Server for one service, configured from the shared settings and authenticating against db."""
+    from services.common.auth import KeyAuthenticator
+
+    return Server(spec, port=port, host=settings.host, authenticate=KeyAuthenticator(db).authenticate,
+                  workers=settings.grpc_workers, max_message_mb=settings.grpc_max_message_mb,
+                  grace_s=settings.shutdown_grace_s)
+
+
+def run_service(settings_cls, build: Callable[..., Server]) -> None:
+    """A service's main(): settings from the environment, logging, then serve until SIGTERM."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    settings = settings_cls()
+    configure_logging(settings.log_level)
+    build(settings).serve_forever()
+
+
 def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 

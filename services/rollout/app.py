@@ -1,12 +1,9 @@
 """The rollout process: the sampling engine behind RolloutService."""
 from __future__ import annotations
 
-import os
-
-from services.common.auth import KeyAuthenticator
 from services.common.blobstore import BlobStore
 from services.common.db import Database
-from services.common.grpcserver import Server, ServiceSpec, configure_logging
+from services.common.grpcserver import Server, ServiceSpec, run_service, service_server
 from services.rollout.core import RolloutCore
 from services.rollout.engine import Engine
 from services.rollout.servicer import RolloutServicer
@@ -31,16 +28,11 @@ def build(settings: RolloutSettings) -> Server:
 
     spec = ServiceSpec(name="rollout", register=register, on_shutdown=shutdown,
                        service_names=[rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name])
-    return Server(spec, port=settings.rollout_port, host=settings.host,
-                  authenticate=KeyAuthenticator(db).authenticate, workers=settings.grpc_workers,
-                  max_message_mb=settings.grpc_max_message_mb, grace_s=settings.shutdown_grace_s)
+    return service_server(spec, settings, settings.rollout_port, db)
 
 
 def main() -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    settings = RolloutSettings()
-    configure_logging(settings.log_level)
-    build(settings).serve_forever()
+    run_service(RolloutSettings, build)
 
 
 if __name__ == "__main__":

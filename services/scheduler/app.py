@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 from services.common import channels
-from services.common.auth import KeyAuthenticator
 from services.common.blobstore import BlobStore
 from services.common.db import Database
-from services.common.grpcserver import Server, ServiceSpec, configure_logging
+from services.common.grpcserver import Server, ServiceSpec, run_service, service_server
 from services.common.schema import SHARED_SCOPE
 from services.common import registry
 from services.scheduler.accounts import AccountCore
@@ -107,19 +105,14 @@ def build(settings: SchedulerSettings) -> Server:
               "DeploymentService")]
     spec = ServiceSpec(name="scheduler", register=register, service_names=names, on_shutdown=shutdown,
                        background=[reaper_loop(settings, ledger, dispatch)])
-    server = Server(spec, port=settings.scheduler_port, host=settings.host,
-                    authenticate=KeyAuthenticator(db).authenticate, workers=settings.grpc_workers,
-                    max_message_mb=settings.grpc_max_message_mb, grace_s=settings.shutdown_grace_s)
+    server = service_server(spec, settings, settings.scheduler_port, db)
     # Watch streams must not hold shutdown for the whole grace period: they end with UNAVAILABLE and clients resume.
     server.stopping = stopping
     return server
 
 
 def main() -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    settings = SchedulerSettings()
-    configure_logging(settings.log_level)
-    build(settings).serve_forever()
+    run_service(SchedulerSettings, build)
 
 
 if __name__ == "__main__":

@@ -326,7 +326,9 @@ def _check_dpo(row: dict, problems: list) -> None:
         else:
             problems.append((key, f"expected a string or a list of messages, got {_type_name(value)}"))
         ok = ok and len(problems) == before
-    if ok and row["chosen"] == row["rejected"]:
+    if ok and isinstance(row["chosen"], str) != isinstance(row["rejected"], str):
+        problems.append(("rejected", "must have the same form as 'chosen' (both strings or both lists of messages)"))
+    elif ok and row["chosen"] == row["rejected"]:
         problems.append(("rejected", "is identical to 'chosen': a preference pair needs two different responses"))
 
 

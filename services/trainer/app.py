@@ -1,16 +1,14 @@
 """The trainer process: Training API sessions over gRPC (python -m services.trainer)."""
 from __future__ import annotations
 
-import os
-
 from pydantic import Field
 
 from services.common import channels
-from services.common.auth import KeyAuthenticator, current_caller
+from services.common.auth import current_caller
 from services.common.blobstore import BlobStore
 from services.common.config import TrainyardSettings
 from services.common.db import Database
-from services.common.grpcserver import Server, ServiceSpec, configure_logging
+from services.common.grpcserver import Server, ServiceSpec, run_service, service_server
 from services.common.protoconv import ts
 from services.trainer.sessions import SessionManager
 from services.trainer.tensors import from_torch
@@ -98,16 +96,11 @@ def build(settings: TrainerSettings) -> Server:
         service_names=[pb.DESCRIPTOR.services_by_name["TrainerService"].full_name],
         on_shutdown=shutdown,
     )
-    return Server(spec, port=settings.trainer_port, host=settings.host,
-                  authenticate=KeyAuthenticator(db).authenticate, workers=settings.grpc_workers,
-                  max_message_mb=settings.grpc_max_message_mb, grace_s=settings.shutdown_grace_s)
+    return service_server(spec, settings, settings.trainer_port, db)
 
 
 def main() -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    settings = TrainerSettings()
-    configure_logging(settings.log_level)
-    build(settings).serve_forever()
+    run_service(TrainerSettings, build)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 """The weight-sync process: versioned weights over gRPC (python -m services.weightsync)."""
 from __future__ import annotations
 
-from services.common.auth import KeyAuthenticator, current_caller
+from services.common.auth import current_caller
 from services.common.blobstore import BlobStore
 from services.common.config import TrainyardSettings
 from services.common.db import Database
 from services.common.errors import InvalidArgument
-from services.common.grpcserver import Server, ServiceSpec, configure_logging
+from services.common.grpcserver import Server, ServiceSpec, run_service, service_server
 from services.common.protoconv import ts
 from services.weightsync.store import Chunk, FileSpec, PublishHeader, WeightStore
 from trainyard.v1 import common_pb2, weightsync_pb2 as pb, weightsync_pb2_grpc as rpc
@@ -67,15 +67,11 @@ def build(settings: TrainyardSettings) -> Server:
         service_names=[pb.DESCRIPTOR.services_by_name["WeightSyncService"].full_name],
         on_shutdown=db.dispose,
     )
-    return Server(spec, port=settings.weightsync_port, host=settings.host,
-                  authenticate=KeyAuthenticator(db).authenticate, workers=settings.grpc_workers,
-                  max_message_mb=settings.grpc_max_message_mb, grace_s=settings.shutdown_grace_s)
+    return service_server(spec, settings, settings.weightsync_port, db)
 
 
 def main() -> None:
-    settings = TrainyardSettings()
-    configure_logging(settings.log_level)
-    build(settings).serve_forever()
+    run_service(TrainyardSettings, build)
 
 
 if __name__ == "__main__":

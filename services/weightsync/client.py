@@ -15,6 +15,10 @@ from services.common.blobstore import CHUNK, sha256_file
 from services.common.channels import auth_metadata
 from trainyard.v1 import common_pb2, weightsync_pb2 as pb, weightsync_pb2_grpc as rpc
 
+# A cut connection or a server restart is worth resuming from the last verified byte; a refusal is not.
+RESUMABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED,
+             grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+
 
 def publish_dir(stub: rpc.WeightSyncServiceStub, api_key: str, *, lineage: str, parent_id: str, kind: int,
                 base_model: str, directory: Path, metadata: dict[str, str] | None = None,
@@ -59,7 +63,10 @@ def fetch_version(stub: rpc.WeightSyncServiceStub, api_key: str, version: pb.Wei
                     f.seek(chunk.offset)
                     f.write(chunk.data)
                 done[chunk.path] += len(chunk.data)
-        except (grpc.RpcError, IOError):
+        except grpc.RpcError as exc:
+            if attempt == max_attempts or exc.code() not in RESUMABLE:
+                raise
+        except IOError:
             if attempt == max_attempts:
                 raise
     for f in version.files:

@@ -443,7 +443,8 @@ B = [{"role": "assistant", "content": "b"}]
     (DPO, []),
     ({"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}], "chosen": A, "rejected": B},
      []),
-    ({"prompt": "p", "chosen": "a", "rejected": B}, []),
+    ({"prompt": "p", "chosen": "a", "rejected": B},
+     [("rejected", "must have the same form as 'chosen' (both strings or both lists of messages)")]),
     ({"chosen": "a", "rejected": "b"}, [("prompt", "missing required field")]),
     ({"prompt": "p", "rejected": "b"}, [("chosen", "missing required field")]),
     ({"prompt": "p", "chosen": "a"}, [("rejected", "missing required field")]),
@@ -640,3 +641,4 @@ def test_60mb_file_with_broken_last_row(large_file, tmp_path):
     assert result.num_rows == num_rows + 1
     assert [(e.row, e.field) for e in result.errors] == [(num_rows + 1, "")]
     assert result.errors[0].reason.startswith("invalid JSON: Unterminated string")
+
