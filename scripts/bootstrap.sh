@@ -8,11 +8,13 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.trainyard-installed
 if [ ! -f "$stamp" ] || [ requirements.lock -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  echo "installing Python dependencies into .venv ..."
-  .venv/bin/python -m pip install -q --upgrade pip
-  # The CPU build of torch first, so nothing else can pull a CUDA build.
-  .venv/bin/python -m pip install -q torch==2.13.0
-  .venv/bin/python -m pip install -q -r requirements.lock
-  .venv/bin/python -m pip install -q --no-deps -e .
+  echo "installing Python dependencies into .venv (log: .venv/install.log) ..."
+  {
+    .venv/bin/python -m pip install --upgrade pip &&
+    # The CPU build of torch first, so nothing else can pull a CUDA build.
+    .venv/bin/python -m pip install torch==2.13.0 &&
+    .venv/bin/python -m pip install -r requirements.lock &&
+    .venv/bin/python -m pip install --no-deps -e .
+  } > .venv/install.log 2>&1 || { tail -n 40 .venv/install.log; echo "install failed: see .venv/install.log" >&2; exit 1; }
   touch "$stamp"
 fi
