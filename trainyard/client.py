@@ -236,6 +236,12 @@ class Client:
     def job_metrics(self, job_id: str) -> list[pb.MetricPoint]:
         return list(self.jobs.ListJobMetrics(pb.ListJobMetricsRequest(id=job_id), **self._kw()).points)
 
+    @translate
+    def job_logs(self, job_id: str, after_id: int = 0, limit: int = 0) -> list[pb.JobLog]:
+        """Log lines of a job, oldest first (pass the last seen id as after_id to get only newer ones)."""
+        return list(self.jobs.ListJobLogs(pb.ListJobLogsRequest(id=job_id, after_id=after_id, limit=limit),
+                                          **self._kw()).logs)
+
     def watch_job(self, job_id: str, from_step: int = 0, reconnect_s: float = 120.0) -> Iterator[pb.JobEvent]:
         """Events until the job ends. Reconnects (resuming from the last metric step) if the stream drops."""
         last_step = from_step

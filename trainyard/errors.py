@@ -17,6 +17,15 @@ T = TypeVar("T")
 class FieldError:
     field: str
     reason: str
+    row: int = 0  # 1-based row of an uploaded file; 0 when the problem is not tied to a row
+
+
+def _field_error(field: str, reason: str) -> FieldError:
+    """The server writes row-level violations as 'row N: field' (google.rpc.BadRequest has no row)."""
+    head, sep, rest = field.partition(": ")
+    if sep and head.startswith("row ") and head[4:].isdigit():
+        return FieldError(field=rest, reason=reason, row=int(head[4:]))
+    return FieldError(field=field, reason=reason)
 
 
 class TrainyardError(Exception):
@@ -39,8 +48,8 @@ def from_rpc_error(exc: grpc.RpcError) -> TrainyardError:
         if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
             bad = error_details_pb2.BadRequest()
             detail.Unpack(bad)
-            violations = [FieldError(field=v.field, reason=v.description) for v in bad.field_violations]
-    if code == "UNAVAILABLE" and "failed to connect" in (message or "").lower():
+            violations = [_field_error(v.field, v.description) for v in bad.field_violations]
+    if code == "UNAVAILABLE" and (message or "").lower().startswith("failed to connect"):
         message = f"cannot reach the server ({message})"
     return TrainyardError(code, message or "", violations)
 

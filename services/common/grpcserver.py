@@ -119,6 +119,8 @@ class ServiceSpec:
     service_names: list[str]
     on_shutdown: Callable[[], None] | None = None
     background: list[Callable[[threading.Event], None]] = field(default_factory=list)
+    # Set when shutdown begins: background loops and long streams watch it to finish early.
+    stopping: threading.Event = field(default_factory=threading.Event)
 
 
 class Server:
@@ -142,7 +144,7 @@ class Server:
         self.port = self.server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
             raise OSError(f"{spec.name}: cannot listen on {host}:{port}")
-        self.stopping = threading.Event()
+        self.stopping = spec.stopping
         self._threads: list[threading.Thread] = []
 
     def start(self) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 from services.common import channels
 from services.common.blobstore import BlobStore
@@ -62,7 +63,7 @@ def register_shared_models(settings: SchedulerSettings, db: Database) -> None:
         log.info("shared model %s -> %s", name, path)
 
 
-def reaper_loop(settings: SchedulerSettings, ledger: Ledger, dispatch) -> callable:
+def reaper_loop(settings: SchedulerSettings, ledger: Ledger, dispatch) -> Callable[[threading.Event], None]:
     def loop(stopping: threading.Event) -> None:
         while not stopping.wait(settings.reaper_interval_s):
             try:
@@ -82,6 +83,8 @@ def build(settings: SchedulerSettings) -> Server:
     ledger = Ledger(db)
     dispatch = Dispatcher(settings)
     rollout = RolloutGateway(settings.rollout_url, settings.grpc_max_message_mb)
+    # Set at shutdown: the reaper stops, and WatchJob streams end with UNAVAILABLE (clients resume) instead of
+    # holding the process for the whole grace period.
     stopping = threading.Event()
     accounts = AccountCore(db, blobs)
     jobs = JobCore(db, ledger, dispatch, settings.watch_poll_s, stopping)
@@ -104,10 +107,8 @@ def build(settings: SchedulerSettings) -> Server:
              ("AccountService", "ModelService", "DatasetService", "JobService", "CheckpointService",
               "DeploymentService")]
     spec = ServiceSpec(name="scheduler", register=register, service_names=names, on_shutdown=shutdown,
-                       background=[reaper_loop(settings, ledger, dispatch)])
+                       background=[reaper_loop(settings, ledger, dispatch)], stopping=stopping)
     server = service_server(spec, settings, settings.scheduler_port, db)
-    # Watch streams must not hold shutdown for the whole grace period: they end with UNAVAILABLE and clients resume.
-    server.stopping = stopping
     return server
 
 

@@ -92,7 +92,7 @@ def metric(m: schema.JobMetric) -> pb.MetricPoint:
 
 
 def job_log(entry: schema.JobLog) -> pb.JobLog:
-    return pb.JobLog(level=entry.level, message=entry.message, time=ts(entry.created_at))
+    return pb.JobLog(level=entry.level, message=entry.message, time=ts(entry.created_at), id=entry.id)
 
 
 def checkpoint(c: schema.Checkpoint) -> pb.Checkpoint:

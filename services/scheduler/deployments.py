@@ -16,11 +16,22 @@ from sqlalchemy.exc import IntegrityError
 
 from services.common import registry
 from services.common.db import Database
-from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, not_found
+from services.common.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+    not_found,
+)
 from services.common.schema import Checkpoint, Deployment, Job, new_id, utcnow
 
 log = logging.getLogger("trainyard.deployments")
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+# The rollout's refusals keep their meaning; anything else (unreachable, internal) is reported as unavailable.
+ROLLOUT_ERRORS = {grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition, grpc.StatusCode.NOT_FOUND: NotFound,
+                  grpc.StatusCode.INVALID_ARGUMENT: FailedPrecondition}
 
 # (api_key, deployment_id) -> None; raises grpc.RpcError when the rollout refuses or cannot be reached.
 LoadFn = Callable[[str, str], None]
@@ -40,7 +51,11 @@ class DeploymentCore:
             raise InvalidArgument("give exactly one of checkpoint_id and job_id", field="checkpoint_id")
         with self.db.session() as s:
             ckpt = self._resolve_checkpoint(s, account_id, checkpoint_id, job_id)
-            if registry.find_deployment(s, account_id, name) is not None:
+            existing = registry.find_deployment(s, account_id, name)
+            if existing is not None and existing.status == "failed":
+                existing.status, existing.deleted_at = "deleted", utcnow()  # a failed attempt frees its name
+                s.flush()
+            elif existing is not None:
                 raise AlreadyExists(f"a deployment named '{name}' already exists; delete it or choose another name")
             dep = Deployment(id=new_id("dep"), account_id=account_id, name=name, checkpoint_id=ckpt.id,
                              base_model=ckpt.base_model, status="deploying", created_at=utcnow(), updated_at=utcnow())
@@ -52,8 +67,9 @@ class DeploymentCore:
         try:
             self.load(api_key, dep.id)
         except grpc.RpcError as exc:
-            self._set(dep.id, status="failed", error=f"rollout could not load it: {exc.details()}")
-            raise
+            error = f"the rollout service could not load it: {exc.details()}"
+            self._set(dep.id, status="failed", error=error)
+            raise ROLLOUT_ERRORS.get(exc.code(), Unavailable)(f"deployment '{name}' failed: {error}") from None
         return self._set(dep.id, status="ready", error="")
 
     def _resolve_checkpoint(self, s, account_id: str, checkpoint_id: str, job_id: str) -> Checkpoint:

@@ -92,6 +92,14 @@ class JobCore:
         with self.db.session() as s:
             return list(s.scalars(select(JobMetric).where(JobMetric.job_id == job_id).order_by(JobMetric.id)))
 
+    def logs(self, account_id: str, job_id: str, after_id: int, limit: int) -> list[JobLog]:
+        if not 0 <= limit <= 10000:
+            raise InvalidArgument(f"must be between 0 and 10000 (0 = 1000), got {limit}", field="limit")
+        self.get(account_id, job_id)
+        with self.db.session() as s:
+            return list(s.scalars(select(JobLog).where(JobLog.job_id == job_id, JobLog.id > after_id)
+                                  .order_by(JobLog.id).limit(limit or 1000)))
+
     def cancel(self, account_id: str, job_id: str) -> Job:
         with self.db.session() as s:
             job = s.get(Job, job_id, with_for_update=True) if job_id else None

@@ -159,6 +159,10 @@ class JobServicer(rpc.JobServiceServicer):
         points = self.core.metrics(current_caller().account_id, request.id)
         return pb.ListJobMetricsResponse(points=[convert.metric(m) for m in points])
 
+    def ListJobLogs(self, request, context):
+        logs = self.core.logs(current_caller().account_id, request.id, request.after_id, request.limit)
+        return pb.ListJobLogsResponse(logs=[convert.job_log(entry) for entry in logs])
+
 
 class CheckpointServicer(rpc.CheckpointServiceServicer):
     def __init__(self, core: AccountCore):

@@ -13,10 +13,10 @@ from streamlit.testing.v1 import AppTest
 
 from dashboard import logic
 from tests.conftest import ROOT, create_account
-from tests.harness import free_port
 from tests.integration.data import chat_rows, jsonl
 from trainyard import Client
 from trainyard.client import status_name
+from trainyard.localstack import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -100,7 +100,7 @@ def test_sidebar_signs_in_or_says_what_is_wrong(stack, key):
     at.sidebar.text_input(key="conn_api_key").set_value("ty_not-a-real-key").run()
     assert_no_exception(at)
     assert "not accepted" in text(at.sidebar.error)
-    assert "Sign in first" in text(at.main.info)
+    assert "Not signed in" in text(at.main.info)
 
     at.sidebar.text_input(key="conn_api_key").set_value("").run()
     assert "Enter your API key" in text(at.sidebar.warning)
@@ -239,7 +239,8 @@ def test_jobs_page_shows_status_progress_chart_and_log(sdk, finished_job):
 
 
 def test_jobs_page_follows_and_cancels_a_running_job(sdk, dataset):
-    job = sdk.create_sft_job("tiny-qwen3", dataset.id, "long-run", max_steps=500, batch_size=1, checkpoint_every=500)
+    job = sdk.create_sft_job("tiny-qwen3", dataset.id, "long-run", max_steps=5000, batch_size=1,
+                             checkpoint_every=5000)
     at = open_app("pages_jobs.py", job_id=job.id)
     assert status_name(sdk.get_job(job.id).status) in ("queued", "running")
     md = text(at.markdown)
@@ -285,7 +286,6 @@ def test_deploy_from_jobs_page_then_compare_in_playground(sdk, finished_job):
     assert not at.error, text(at.error)
     assert "Base model · tiny-qwen3" in text(at.markdown) and "Fine-tuned · adder" in text(at.markdown)
     outputs = [c.value for c in at.code]
-    assert len(outputs) == 2
     messages = [{"role": "user", "content": "What is 3 plus 3?"}]
     expected = [sdk.sample(m, messages=messages, temperature=0.0, max_tokens=8, seed=0).sequences[0].text
                 for m in ("tiny-qwen3", "adder")]
@@ -299,6 +299,13 @@ def test_deploy_from_jobs_page_then_compare_in_playground(sdk, finished_job):
     assert_no_exception(at)
     assert len(at.code) + at.caption.values.count("(empty output)") == 1
     assert "Fine-tuned · adder" in text(at.markdown) and "Base model" not in text(at.markdown)
+
+    adder = next(d for d in sdk.list_deployments() if d.name == "adder")
+    at.switch_page("pages_jobs.py").run()
+    at.button(key=f"delete-{adder.id}").click().run()
+    assert_no_exception(at)
+    assert "adder" not in [d.name for d in sdk.list_deployments()]
+    assert "adder ·" not in text(at.markdown)
 
 
 def test_unreachable_rollout_is_a_message_not_a_traceback(stack, sdk, finished_job):

@@ -100,3 +100,21 @@ def test_unknown_model_is_not_found(client):
     with pytest.raises(TrainyardError) as exc:
         client.sample("no-such-model", prompt="hello")
     assert exc.value.code == "NOT_FOUND"
+
+
+def test_rollout_down_fails_the_deployment_clearly_and_frees_the_name(stack, client, trained_job):
+    stack.stop("rollout")
+    try:
+        with pytest.raises(TrainyardError) as exc:
+            client.create_deployment("while-down", job_id=trained_job.id)
+        assert exc.value.code == "UNAVAILABLE"
+        assert exc.value.message.startswith("deployment 'while-down' failed: the rollout service could not load it")
+        failed = client.get_deployment("while-down")
+        assert failed.status == pb.DEPLOYMENT_STATUS_FAILED and failed.error
+    finally:
+        stack.start("rollout")
+        stack.wait_ready("rollout")
+    ready = client.create_deployment("while-down", job_id=trained_job.id)
+    assert ready.status == pb.DEPLOYMENT_STATUS_READY and ready.id != failed.id
+    assert client.sample("while-down", prompt="hi", max_tokens=2).sequences
+    client.delete_deployment("while-down")

@@ -35,7 +35,8 @@ class Cli(click.Group):
             headline = f"{len(exc.violations)} problem(s) found" if exc.violations else exc.message
             err_console.print(f"[bold red]error[/] {exc.code}: {headline}", highlight=False)
             for v in exc.violations[:20]:
-                err_console.print(f"  - {v.field}: {v.reason}", highlight=False)
+                where = ", ".join(x for x in (f"row {v.row}" if v.row else "", v.field) if x)
+                err_console.print(f"  - {where}: {v.reason}" if where else f"  - {v.reason}", highlight=False)
             if len(exc.violations) > 20:
                 err_console.print(f"  ... and {len(exc.violations) - 20} more", highlight=False)
             sys.exit(1)

@@ -445,14 +445,16 @@ class MetricPoint(_message.Message):
     def __init__(self, step: _Optional[int] = ..., values: _Optional[_Mapping[str, float]] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class JobLog(_message.Message):
-    __slots__ = ("level", "message", "time")
+    __slots__ = ("level", "message", "time", "id")
     LEVEL_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
     level: str
     message: str
     time: _timestamp_pb2.Timestamp
-    def __init__(self, level: _Optional[str] = ..., message: _Optional[str] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    id: int
+    def __init__(self, level: _Optional[str] = ..., message: _Optional[str] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., id: _Optional[int] = ...) -> None: ...
 
 class JobEvent(_message.Message):
     __slots__ = ("job", "metric", "log")
@@ -481,6 +483,22 @@ class ListJobMetricsResponse(_message.Message):
     POINTS_FIELD_NUMBER: _ClassVar[int]
     points: _containers.RepeatedCompositeFieldContainer[MetricPoint]
     def __init__(self, points: _Optional[_Iterable[_Union[MetricPoint, _Mapping]]] = ...) -> None: ...
+
+class ListJobLogsRequest(_message.Message):
+    __slots__ = ("id", "after_id", "limit")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_ID_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    after_id: int
+    limit: int
+    def __init__(self, id: _Optional[str] = ..., after_id: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class ListJobLogsResponse(_message.Message):
+    __slots__ = ("logs",)
+    LOGS_FIELD_NUMBER: _ClassVar[int]
+    logs: _containers.RepeatedCompositeFieldContainer[JobLog]
+    def __init__(self, logs: _Optional[_Iterable[_Union[JobLog, _Mapping]]] = ...) -> None: ...
 
 class CheckpointFile(_message.Message):
     __slots__ = ("path", "sha256", "size_bytes")

@@ -751,6 +751,11 @@ class JobServiceStub:
                 request_serializer=trainyard_dot_v1_dot_scheduler__pb2.ListJobMetricsRequest.SerializeToString,
                 response_deserializer=trainyard_dot_v1_dot_scheduler__pb2.ListJobMetricsResponse.FromString,
                 _registered_method=True)
+        self.ListJobLogs = channel.unary_unary(
+                '/trainyard.v1.JobService/ListJobLogs',
+                request_serializer=trainyard_dot_v1_dot_scheduler__pb2.ListJobLogsRequest.SerializeToString,
+                response_deserializer=trainyard_dot_v1_dot_scheduler__pb2.ListJobLogsResponse.FromString,
+                _registered_method=True)
 
 
 class JobServiceServicer:
@@ -797,6 +802,13 @@ class JobServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListJobLogs(self, request, context):
+        """The job's log lines, oldest first; after_id pages forward (0 = from the start).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JobServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -829,6 +841,11 @@ def add_JobServiceServicer_to_server(servicer, server):
                     servicer.ListJobMetrics,
                     request_deserializer=trainyard_dot_v1_dot_scheduler__pb2.ListJobMetricsRequest.FromString,
                     response_serializer=trainyard_dot_v1_dot_scheduler__pb2.ListJobMetricsResponse.SerializeToString,
+            ),
+            'ListJobLogs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListJobLogs,
+                    request_deserializer=trainyard_dot_v1_dot_scheduler__pb2.ListJobLogsRequest.FromString,
+                    response_serializer=trainyard_dot_v1_dot_scheduler__pb2.ListJobLogsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -996,6 +1013,33 @@ class JobService:
             '/trainyard.v1.JobService/ListJobMetrics',
             trainyard_dot_v1_dot_scheduler__pb2.ListJobMetricsRequest.SerializeToString,
             trainyard_dot_v1_dot_scheduler__pb2.ListJobMetricsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListJobLogs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainyard.v1.JobService/ListJobLogs',
+            trainyard_dot_v1_dot_scheduler__pb2.ListJobLogsRequest.SerializeToString,
+            trainyard_dot_v1_dot_scheduler__pb2.ListJobLogsResponse.FromString,
             options,
             channel_credentials,
             insecure,

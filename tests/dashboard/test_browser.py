@@ -1,0 +1,111 @@
+"""The dashboard in a real headless Chromium (Playwright, sync API), served by the stack's `dashboard` service.
+
+One walk through the no-code path: sign in from the sidebar, upload a good and a bad JSONL file through the real file
+input, launch a short SFT job on the shared "tiny-qwen3" and watch its status, loss chart and log appear live.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import create_account
+from tests.integration.data import chat_rows, jsonl
+
+pytestmark = [pytest.mark.browser, pytest.mark.integration]
+
+CHROMIUM = Path("/usr/bin/chromium")
+# Without the background-networking flags Chromium keeps calling home, which floods a closed network.
+CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+TIMEOUT_MS = 60_000
+
+
+@pytest.fixture()
+def page(tmp_path):
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} is missing: the browser test drives the system Chromium")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
+        try:
+            pg = browser.new_page(viewport={"width": 1400, "height": 1000})
+            pg.set_default_timeout(TIMEOUT_MS)
+            yield pg
+        finally:
+            browser.close()
+
+
+def choose_file(page, path: Path) -> None:
+    """Pick a file in the real file input and wait until it has reached the server.
+
+    The chip shows a spinner while the file is uploading; a click before it ends would rerun the app with the
+    uploader's previous file.
+    """
+    from playwright.sync_api import expect
+
+    page.get_by_test_id("stFileUploaderDropzoneInput").set_input_files(path)
+    expect(page.get_by_test_id("stFileChipName").get_by_text(path.name, exact=True)).to_be_visible()
+    expect(page.get_by_test_id("stFileChipIconSpinner")).to_have_count(0)
+    expect(page.get_by_role("button", name="Validate and upload")).to_be_enabled()
+
+
+def test_sign_in_upload_train_and_watch(stack, page, tmp_path):
+    from playwright.sync_api import expect
+
+    expect.set_options(timeout=TIMEOUT_MS)
+    key = create_account(stack.env_for("scheduler"), "dashboard-browser")
+    good, bad = tmp_path / "addition.jsonl", tmp_path / "broken.jsonl"
+    good.write_bytes(jsonl(chat_rows(12)))
+    bad.write_bytes(jsonl(chat_rows(2)) + json.dumps({"messages": 3}).encode() + b"\n")
+
+    page.goto(f"http://{stack.url('dashboard')}/")
+    expect(page.get_by_text("Enter your API key")).to_be_visible()
+    api_key = page.get_by_label("API key")
+    api_key.fill(key)
+    api_key.press("Enter")
+    expect(page.get_by_text("Signed in as")).to_be_visible()
+    expect(page.get_by_role("heading", name="Datasets", exact=True)).to_be_visible()
+
+    # A valid file: stored, with its id, format, row count and first rows.
+    upload = page.get_by_role("button", name="Validate and upload")
+    choose_file(page, good)
+    upload.click()
+    expect(page.get_by_text("as dataset").first).to_be_visible()
+    expect(page.get_by_text("sft_chat", exact=True)).to_be_visible()
+    expect(page.get_by_test_id("stTable").first.get_by_text("user: What is 1 plus 1?")).to_be_visible()
+
+    # An invalid file: nothing stored, the bad row named.
+    choose_file(page, bad)
+    upload.click()
+    expect(page.get_by_text("was not stored").first).to_be_visible()
+    problems = page.get_by_test_id("stTable").first
+    expect(problems.get_by_text("expected a list of messages, got number")).to_be_visible()
+    expect(problems.get_by_role("cell", name="3", exact=True)).to_be_visible()
+    page.screenshot(path=tmp_path / "datasets.png", full_page=True)
+
+    # Train: a short SFT job on the shared tiny model.
+    page.get_by_test_id("stSidebarNav").get_by_role("link", name="Train").click()
+    expect(page.get_by_role("heading", name="Train", exact=True)).to_be_visible()
+    expect(page.get_by_text("Fine-tune tiny-qwen3")).to_be_visible()
+    page.get_by_text("Max steps", exact=True).click()
+    for label, value in (("Max steps", "4"), ("Batch size", "2"), ("Checkpoint every", "2")):
+        field = page.get_by_role("spinbutton", name=label)
+        field.fill(value)
+        field.press("Enter")
+    expect(page.get_by_text("Length: 4 steps of 2 sequences each")).to_be_visible()
+    page.get_by_role("button", name="Launch training").click()
+    expect(page.get_by_text("Launched job")).to_be_visible()
+    page.get_by_role("button", name="Watch it on the Jobs page").click()
+
+    # Jobs: the panel refreshes itself until the job has succeeded; then the chart, the log and Deploy show.
+    expect(page.get_by_role("heading", name="Jobs", exact=True)).to_be_visible()
+    expect(page.get_by_test_id("stProgress")).to_be_visible()
+    expect(page.get_by_text("succeeded", exact=True)).to_be_visible(timeout=240_000)
+    expect(page.get_by_test_id("stVegaLiteChart")).to_be_visible()
+    expect(page.get_by_text("succeeded after 4 steps")).to_be_visible()
+    expect(page.get_by_test_id("stMain").get_by_role("button", name="Deploy")).to_be_visible()
+    page.screenshot(path=tmp_path / "job.png", full_page=True)
+    assert (tmp_path / "job.png").stat().st_size > 0
