@@ -111,9 +111,12 @@ def inspect_model_dir(path: str | Path) -> ModelInfo:
                 continue  # the same parameter as embed_tokens; counted once, as transformers does
             if name.endswith(".rotary_emb.inv_freq"):
                 continue  # a stale buffer some old checkpoints carry, not a parameter
-            numel = math.prod(meta["shape"])
+            shape = meta.get("shape") if isinstance(meta, dict) else None
+            if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+                raise ModelDirError(f"Malformed safetensors header in {file}: tensor {name!r} has no valid shape")
+            numel = math.prod(shape)
             num_parameters += numel
-            dtypes[meta["dtype"]] = dtypes.get(meta["dtype"], 0) + numel
+            dtypes[str(meta.get("dtype"))] = dtypes.get(str(meta.get("dtype")), 0) + numel
     torch_dtype = args.torch_dtype
     if torch_dtype is None and dtypes:
         torch_dtype = _SAFETENSORS_DTYPES.get(max(dtypes, key=dtypes.get))

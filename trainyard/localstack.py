@@ -62,21 +62,35 @@ class Stack:
 
     def __post_init__(self) -> None:
         self.services = compose_services()
-        self.data_dir = self.work_dir / "data"
         self.log_dir = self.work_dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        # Container paths of volumes and bind mounts -> local directories under work_dir.
+        self.volumes: dict[str, Path] = {}
         for name, svc in self.services.items():
             for mapping in svc.get("ports", []):
                 self.ports[f"{name}:{str(mapping).split(':')[-1]}"] = free_port()
+            if name in INFRA:
+                continue
+            for volume in svc.get("volumes", []):
+                source, target = str(volume).split(":")[:2]
+                self.volumes[target] = self.work_dir / "volumes" / Path(source).name
+        for path in self.volumes.values():
+            path.mkdir(parents=True, exist_ok=True)
+        self.data_dir = self.volumes["/data"]
+        self.models_dir = self.volumes["/models"]
         self.queue = f"trainyard-{os.getpid()}-{time.monotonic_ns()}"
 
     # -- translation of compose service -> local process ---------------------------------------------------------
     def _local(self, value: str) -> str:
-        """Rewrite '<service>:<container port>' to the local address of that service."""
+        """Rewrite '<service>:<container port>' to the local address of that service, and container paths of
+        volumes to their local directories."""
         def sub(m: re.Match) -> str:
             key = f"{m.group(1)}:{m.group(2)}"
             return f"127.0.0.1:{self.ports[key]}" if key in self.ports else m.group(0)
-        return re.sub(r"\b([a-z][a-z0-9_-]*):(\d+)\b", sub, value)
+        value = re.sub(r"\b([a-z][a-z0-9_-]*):(\d+)\b", sub, value)
+        for target, local in self.volumes.items():
+            value = re.sub(rf"(?<![\w/.]){re.escape(target)}(?=$|[/\"'\],])", str(local), value)
+        return value
 
     def env_for(self, name: str) -> dict[str, str]:
         svc = self.services[name]
@@ -91,9 +105,7 @@ class Stack:
                 else:
                     env[var] = value
         if "TRAINYARD_DATA_DIR" in env:
-            env["TRAINYARD_CELERY_QUEUE"] = self.queue
-        if "TRAINYARD_DATA_DIR" in env:
-            env["TRAINYARD_DATA_DIR"] = str(self.data_dir)
+            env["TRAINYARD_CELERY_QUEUE"] = self.queue  # jobs of this stack only, whatever else shares the broker
         env["TRAINYARD_HOST"] = "127.0.0.1"
         for svc_name in GRPC_SERVICES:
             key = f"{svc_name}:{self._container_port(svc_name)}"
@@ -131,9 +143,9 @@ class Stack:
 
     def start(self, name: str) -> Proc:
         proc = Proc(name, self.argv_for(name), self.env_for(name), self.log_dir / f"{name}.log")
-        log = open(proc.log_path, "ab")
-        proc.popen = subprocess.Popen(proc.argv, env=proc.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True)
+        with open(proc.log_path, "ab") as log:  # the child keeps its own descriptor
+            proc.popen = subprocess.Popen(proc.argv, env=proc.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True)
         self.procs[name] = proc
         return proc
 

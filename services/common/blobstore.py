@@ -18,6 +18,12 @@ from typing import BinaryIO
 CHUNK = 1 << 20
 
 
+class TooLarge(Exception):
+    def __init__(self, limit: int):
+        super().__init__(f"more than {limit} bytes")
+        self.limit = limit
+
+
 @dataclass(frozen=True)
 class StoredFile:
     path: str
@@ -61,24 +67,31 @@ class BlobStore:
         os.replace(tmp_path, dest)
         return dest
 
-    def put_stream(self, chunks: Iterable[bytes]) -> tuple[str, int]:
+    def stage(self, chunks: Iterable[bytes], max_bytes: int | None = None) -> tuple[Path, str, int]:
+        """Write chunks to a fsynced staging file, hashing on the way: (path, sha256, size). The caller commits
+        or unlinks it. More than max_bytes raises TooLarge and leaves nothing behind."""
         f, tmp = self.staging_file()
         h = hashlib.sha256()
         size = 0
         try:
             with f:
                 for chunk in chunks:
+                    size += len(chunk)
+                    if max_bytes is not None and size > max_bytes:
+                        raise TooLarge(max_bytes)
                     h.update(chunk)
                     f.write(chunk)
-                    size += len(chunk)
                 f.flush()
                 os.fsync(f.fileno())
-            digest = h.hexdigest()
-            self.commit(tmp, digest)
-            return digest, size
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+        return tmp, h.hexdigest(), size
+
+    def put_stream(self, chunks: Iterable[bytes]) -> tuple[str, int]:
+        tmp, digest, size = self.stage(chunks)
+        self.commit(tmp, digest)
+        return digest, size
 
     def put_file(self, src: str | os.PathLike) -> tuple[str, int]:
         with open(src, "rb") as f:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 from pydantic import Field, model_validator
 from pydantic_settings import (
@@ -54,7 +53,9 @@ class TrainyardSettings(BaseSettings):
     rollout_url: str = "127.0.0.1:50053"
     weightsync_url: str = "127.0.0.1:50054"
 
-    grpc_workers: int = Field(default=16, ge=1, description="Threads serving RPCs per service.")
+    # Threads serving RPCs per service. Long calls (WatchJob streams, ordered Training API calls waiting their turn)
+    # hold one each; beyond twice this many calls in flight a service answers RESOURCE_EXHAUSTED instead of queueing.
+    grpc_workers: int = Field(default=64, ge=1)
     grpc_max_message_mb: int = Field(default=64, ge=4, le=2047)
     shutdown_grace_s: float = Field(default=30.0, ge=0, description="How long SIGTERM waits for in-flight calls.")
     # CPU threads for torch in this process (0 = torch's default). Several processes sharing few cores run far
@@ -97,7 +98,3 @@ class TrainyardSettings(BaseSettings):
         assert self.blob_dir is not None
         self.blob_dir.mkdir(parents=True, exist_ok=True)
 
-
-def load(cls: type[TrainyardSettings] = TrainyardSettings, **overrides: Any) -> TrainyardSettings:
-    """Build a settings object, naming the offending variable when a value does not parse."""
-    return cls(**overrides)

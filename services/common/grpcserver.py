@@ -16,6 +16,7 @@ from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
+import sqlalchemy.exc
 from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -49,6 +50,9 @@ def _fail(context: grpc.ServicerContext, method: str, exc: Exception) -> None:
         _abort(context, exc)
     if context.code() not in (None, grpc.StatusCode.OK):
         raise exc  # the call was already aborted with its own status
+    if isinstance(exc, sqlalchemy.exc.OperationalError):
+        log.error("database error in %s: %s", method, exc)
+        context.abort(grpc.StatusCode.UNAVAILABLE, f"{method}: the database is unavailable; try again shortly")
     if isinstance(exc, grpc.RpcError) and isinstance(exc, grpc.Call):
         # A downstream service failed: keep its status code, say which call it was.
         context.abort(exc.code(), f"{method}: {exc.details()}")
@@ -74,8 +78,8 @@ class CallInterceptor(grpc.ServerInterceptor):
         def enter(context):
             try:
                 caller = authenticate(auth.key_from_metadata(metadata))
-            except TrainyardError as exc:
-                _abort(context, exc)
+            except Exception as exc:  # noqa: BLE001 - e.g. the database is down while checking the key
+                _fail(context, method, exc)
             return auth.set_caller(caller)
 
         def unary(fn):
@@ -132,6 +136,7 @@ class Server:
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=spec.name),
             interceptors=[CallInterceptor(authenticate)],
+            maximum_concurrent_rpcs=2 * workers,
             options=[("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),
                      ("grpc.so_reuseport", 0)],
         )

@@ -90,8 +90,8 @@ class Model(Base):
 class Dataset(Base):
     __tablename__ = "datasets"
     __table_args__ = (
-        # One live dataset per content per account (de-duplication); deleted rows do not count.
-        Index("uq_datasets_account_sha", "account_id", "sha256", unique=True,
+        # One live dataset per content and format per account (de-duplication); deleted rows do not count.
+        Index("uq_datasets_account_sha_format", "account_id", "sha256", "format", unique=True,
               postgresql_where=text("deleted_at IS NULL"), sqlite_where=text("deleted_at IS NULL")),
     )
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
@@ -130,6 +130,8 @@ class Job(Base):
     # Lease: the worker running the job and when it last proved it is alive.
     worker_id: Mapped[str] = mapped_column(String(128), default="")
     heartbeat_at: Mapped[datetime | None] = mapped_column(default=None)
+    # When the job's current attempt was handed to the broker (None: not yet, e.g. the scheduler stopped in between).
+    dispatched_at: Mapped[datetime | None] = mapped_column(default=None)
     output_checkpoint_id: Mapped[str] = mapped_column(String(32), default="")
     latest_metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
 

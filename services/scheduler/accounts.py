@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 from sqlalchemy import select
 
@@ -9,13 +10,14 @@ from services.common import auth, registry
 from services.common.blobstore import CHUNK, BlobStore
 from services.common.db import Database
 from services.common.errors import FailedPrecondition, InvalidArgument, not_found
-from services.common.schema import Account, ApiKey, Checkpoint, Model, utcnow
+from services.common.schema import Account, ApiKey, Checkpoint, Job, Model, utcnow
 
 
 class AccountCore:
-    def __init__(self, db: Database, blobs: BlobStore):
+    def __init__(self, db: Database, blobs: BlobStore, model_import_roots: list[Path]):
         self.db = db
         self.blobs = blobs
+        self.model_import_roots = [Path(r).resolve() for r in model_import_roots]
 
     # -- accounts and keys ---------------------------------------------------------------------------------------
     def account(self, account_id: str) -> Account:
@@ -45,10 +47,15 @@ class AccountCore:
 
     # -- models --------------------------------------------------------------------------------------------------
     def import_model(self, account_id: str, name: str, path: str) -> Model:
-        if not path:
-            raise InvalidArgument("required: the absolute path of a Hugging Face-format model directory", field="path")
+        if not path or not Path(path).is_absolute():
+            raise InvalidArgument("required: the absolute path of a Hugging Face-format model directory on the "
+                                  "servers", field="path")
+        resolved = Path(path).resolve()
+        if self.model_import_roots and not any(resolved.is_relative_to(r) for r in self.model_import_roots):
+            allowed = ", ".join(str(r) for r in self.model_import_roots)
+            raise InvalidArgument(f"models can be imported only from {allowed} on this platform", field="path")
         with self.db.session() as s:
-            return registry.register_model(s, account_id, name, path)
+            return registry.register_model(s, account_id, name, str(resolved))
 
     def list_models(self, account_id: str) -> list[Model]:
         with self.db.session() as s:
@@ -64,9 +71,12 @@ class AccountCore:
     # -- checkpoints ---------------------------------------------------------------------------------------------
     def list_checkpoints(self, account_id: str, job_id: str) -> list[Checkpoint]:
         q = select(Checkpoint).where(Checkpoint.account_id == account_id)
-        if job_id:
-            q = q.where(Checkpoint.job_id == job_id)
         with self.db.session() as s:
+            if job_id:
+                job = s.get(Job, job_id)
+                if job is None or job.account_id != account_id:
+                    raise not_found("job", job_id)
+                q = q.where(Checkpoint.job_id == job_id)
             return list(s.scalars(q.order_by(Checkpoint.created_at, Checkpoint.step)))
 
     def get_checkpoint(self, account_id: str, checkpoint_id: str) -> Checkpoint:

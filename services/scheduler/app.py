@@ -64,14 +64,24 @@ def register_shared_models(settings: SchedulerSettings, db: Database) -> None:
 
 
 def reaper_loop(settings: SchedulerSettings, ledger: Ledger, dispatch) -> Callable[[threading.Event], None]:
+    """Every reaper_interval_s: requeue jobs of lost workers, and send jobs whose attempt never reached the broker."""
+
     def loop(stopping: threading.Event) -> None:
         while not stopping.wait(settings.reaper_interval_s):
             try:
-                for job_id in ledger.reap(settings.worker_lost_after_s, settings.max_job_attempts):
-                    log.warning("job %s: worker lost, dispatching again", job_id)
-                    dispatch(job_id)
-            except Exception:  # noqa: BLE001 - keep reaping through database or broker blips
+                lost = ledger.reap(settings.worker_lost_after_s, settings.max_job_attempts)
+                pending = ledger.undispatched(older_than_s=settings.worker_lost_after_s)
+            except Exception:  # noqa: BLE001 - keep reaping through database blips
                 log.exception("reaper pass failed")
+                continue
+            for job_id in dict.fromkeys(lost + pending):
+                try:
+                    dispatch(job_id)
+                    ledger.mark_dispatched(job_id)
+                    log.warning("job %s dispatched again (%s)", job_id, "worker lost" if job_id in lost else
+                                "never reached the broker")
+                except Exception:  # noqa: BLE001 - this job stays undispatched; the next pass tries again
+                    log.exception("could not dispatch job %s", job_id)
     return loop
 
 
@@ -86,7 +96,7 @@ def build(settings: SchedulerSettings) -> Server:
     # Set at shutdown: the reaper stops, and WatchJob streams end with UNAVAILABLE (clients resume) instead of
     # holding the process for the whole grace period.
     stopping = threading.Event()
-    accounts = AccountCore(db, blobs)
+    accounts = AccountCore(db, blobs, settings.model_import_roots)
     jobs = JobCore(db, ledger, dispatch, settings.watch_poll_s, stopping)
     deployments = DeploymentCore(db, rollout.load, rollout.unload)
     datasets = DatasetStore(db, blobs, settings.max_dataset_mb * 1024 * 1024)

@@ -24,7 +24,6 @@ JOB_STATUS = {
     "cancelled": pb.JOB_STATUS_CANCELLED,
 }
 JOB_STATUS_BACK = {v: k for k, v in JOB_STATUS.items()}
-TERMINAL = ("succeeded", "failed", "cancelled")
 
 DEPLOYMENT_STATUS = {
     "deploying": pb.DEPLOYMENT_STATUS_DEPLOYING,

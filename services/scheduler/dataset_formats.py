@@ -21,6 +21,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+from services.common.errors import Violation
+
 MAX_ROW_BYTES = 16 * 1024 * 1024
 _DRAIN_CHUNK = 1 << 20
 _READ_BUFFER = 1 << 20
@@ -59,25 +61,12 @@ UNKNOWN_FORMAT = ("cannot tell the dataset format: expected 'messages', 'prompt'
 EMPTY_FILE = "the file is empty: no rows"
 
 
-@dataclass(frozen=True)
-class RowError:
-    row: int  # 1-based line number in the file; 0 for a problem with the whole file
-    field: str  # JSON path such as "messages[2].role"; "" for the whole row
-    reason: str
-
-    def __str__(self) -> str:
-        where = f"row {self.row}" if self.row else ""
-        if self.field:
-            where = f"{where}, field '{self.field}'" if where else f"field '{self.field}'"
-        return f"{where}: {self.reason}" if where else self.reason
-
-
 @dataclass
 class ValidationResult:
     format: DatasetFormat | None
     num_rows: int
     size_bytes: int
-    errors: list[RowError]
+    errors: list[Violation]
     truncated: bool  # more errors existed than were kept
 
     @property
@@ -96,14 +85,14 @@ def validate_jsonl(source: str | os.PathLike | BinaryIO, declared: DatasetFormat
         raise ValueError(f"max_errors must be >= 0, got {max_errors}")
     fmt = DatasetFormat(declared) if declared is not None else None
     origin = f"declared as {fmt.value}" if fmt is not None else ""
-    errors: list[RowError] = []
+    errors: list[Violation] = []
     truncated = False
     num_rows = 0
 
     def add(row: int, field: str, reason: str) -> None:
         nonlocal truncated
         if len(errors) < max_errors:
-            errors.append(RowError(row, field, reason))
+            errors.append(Violation(row=row, field=field, reason=reason))
         else:
             truncated = True
 
@@ -155,17 +144,6 @@ def read_rows(path: str | os.PathLike | BinaryIO, offset: int = 0, limit: int = 
             if len(rows) == limit:
                 break
     return rows
-
-
-def format_errors(errors: list[RowError], limit: int = 5) -> str:
-    """One line for a status message: the first `limit` errors, then how many more there are."""
-    if limit < 0:
-        raise ValueError(f"limit must be >= 0, got {limit}")
-    shown = "; ".join(str(e) for e in errors[:limit])
-    more = len(errors) - limit
-    if more > 0:
-        shown = f"{shown} (and {more} more)" if shown else f"{more} errors"
-    return shown
 
 
 def detect_format(row: dict) -> DatasetFormat | None:
@@ -305,6 +283,10 @@ def _check_sft_chat(row: dict, problems: list) -> None:
             and m["content"].strip() for m in messages):
         problems.append(("messages", "no assistant message with non-empty content: an sft_chat row needs at least "
                                      "one assistant reply to train on"))
+    elif isinstance(messages, list) and messages and isinstance(messages[0], dict) \
+            and messages[0].get("role") == "assistant":
+        problems.append(("messages[0].role", "a conversation cannot start with an assistant message: begin with a "
+                                             "system or user message"))
 
 
 def _check_prompt_completion(row: dict, problems: list) -> None:

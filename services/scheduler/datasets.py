@@ -6,18 +6,16 @@ insert removes the staging file, so a rejected upload leaves the store and the d
 """
 from __future__ import annotations
 
-import hashlib
-import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from services.common.blobstore import BlobStore
+from services.common.blobstore import BlobStore, TooLarge
 from services.common.db import Database
-from services.common.errors import FailedPrecondition, InvalidArgument, Violation, not_found
+from services.common.errors import FailedPrecondition, InvalidArgument, not_found
 from services.common.schema import Dataset, Job, new_id, utcnow
 from services.scheduler.dataset_formats import DatasetFormat, ValidationResult, read_rows, validate_jsonl
 
@@ -45,25 +43,12 @@ class DatasetStore:
     # -- upload ------------------------------------------------------------------------------------------------
     def stage(self, chunks: Iterable[bytes]) -> Staged:
         """Write the upload to a staging file; the caller must unlink it (commit() moves it into the store)."""
-        f, tmp = self.blobs.staging_file()
-        h = hashlib.sha256()
-        size = 0
         try:
-            with f:
-                for chunk in chunks:
-                    size += len(chunk)
-                    if size > self.max_bytes:
-                        raise InvalidArgument(
-                            f"the file is larger than the {self.max_bytes // (1 << 20)} MB limit "
-                            "(raise TRAINYARD_MAX_DATASET_MB on the scheduler to allow it)", field="file")
-                    h.update(chunk)
-                    f.write(chunk)
-                f.flush()
-                os.fsync(f.fileno())
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        return Staged(path=tmp, sha256=h.hexdigest(), size_bytes=size)
+            path, digest, size = self.blobs.stage(chunks, max_bytes=self.max_bytes)
+        except TooLarge:
+            raise InvalidArgument(f"the file is larger than the {self.max_bytes // (1 << 20)} MB limit (raise "
+                                  "TRAINYARD_MAX_DATASET_MB on the scheduler to allow it)", field="file") from None
+        return Staged(path=path, sha256=digest, size_bytes=size)
 
     def validate(self, header: UploadHeader, chunks: Iterable[bytes]) -> ValidationResult:
         staged = self.stage(chunks)
@@ -77,21 +62,21 @@ class DatasetStore:
         try:
             result = validate_jsonl(staged.path, header.format)
             if not result.valid:
-                raise InvalidArgument(
-                    violations=[Violation(row=e.row, field=e.field, reason=e.reason) for e in result.errors],
-                    truncated=result.truncated)
-            existing = self._live_by_sha(account_id, staged.sha256)
+                raise InvalidArgument(violations=result.errors, truncated=result.truncated)
+            fmt = result.format.value
+            existing = self._live_by_sha(account_id, staged.sha256, fmt)
             if existing is not None:
                 return existing, True
             self.blobs.commit(staged.path, staged.sha256)
-            row = Dataset(id=new_id("ds"), account_id=account_id, name=header.name or header.filename or "dataset",
-                          filename=header.filename, format=result.format.value, num_rows=result.num_rows,
+            name = (header.name or Path(header.filename).stem or "dataset")[:256]
+            row = Dataset(id=new_id("ds"), account_id=account_id, name=name,
+                          filename=header.filename, format=fmt, num_rows=result.num_rows,
                           size_bytes=staged.size_bytes, sha256=staged.sha256, created_at=utcnow())
             try:
                 with self.db.session() as s:
                     s.add(row)
             except IntegrityError:  # the same content raced in from another upload: that one wins
-                existing = self._live_by_sha(account_id, staged.sha256)
+                existing = self._live_by_sha(account_id, staged.sha256, fmt)
                 if existing is None:
                     raise
                 return existing, True
@@ -99,10 +84,10 @@ class DatasetStore:
         finally:
             staged.path.unlink(missing_ok=True)
 
-    def _live_by_sha(self, account_id: str, sha: str) -> Dataset | None:
+    def _live_by_sha(self, account_id: str, sha: str, fmt: str) -> Dataset | None:
         with self.db.session() as s:
             return s.scalar(select(Dataset).where(Dataset.account_id == account_id, Dataset.sha256 == sha,
-                                                  Dataset.deleted_at.is_(None)))
+                                                  Dataset.format == fmt, Dataset.deleted_at.is_(None)))
 
     # -- reads ---------------------------------------------------------------------------------------------------
     def get(self, account_id: str, dataset_id: str) -> Dataset:
@@ -142,18 +127,3 @@ class DatasetStore:
             d.deleted_at = utcnow()  # the blob stays: finished jobs and checkpoints still name it
             return d
 
-
-def chunks_after_header(requests: Iterator, header_field: str = "header") -> tuple[object, Iterator[bytes]]:
-    """Split an upload stream into its header message and an iterator over the byte chunks that follow."""
-    first = next(requests, None)
-    if first is None or first.WhichOneof("part") != header_field:
-        raise InvalidArgument("the first message of the stream must carry the header", field=header_field)
-    header = getattr(first, header_field)
-
-    def data() -> Iterator[bytes]:
-        for req in requests:
-            if req.WhichOneof("part") != "chunk":
-                raise InvalidArgument("only one header is allowed, as the first message", field=header_field)
-            yield req.chunk
-
-    return header, data()

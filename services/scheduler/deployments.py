@@ -70,7 +70,13 @@ class DeploymentCore:
             error = f"the rollout service could not load it: {exc.details()}"
             self._set(dep.id, status="failed", error=error)
             raise ROLLOUT_ERRORS.get(exc.code(), Unavailable)(f"deployment '{name}' failed: {error}") from None
-        return self._set(dep.id, status="ready", error="")
+        with self.db.session() as s:
+            dep = s.get(Deployment, dep.id, with_for_update=True)
+            if dep.deleted_at is None:
+                dep.status, dep.error, dep.updated_at = "ready", "", utcnow()
+                return dep
+        self._unload_quietly(api_key, dep.id)  # deleted while it was loading: do not leave it loaded
+        return dep
 
     def _resolve_checkpoint(self, s, account_id: str, checkpoint_id: str, job_id: str) -> Checkpoint:
         if job_id:
@@ -112,8 +118,11 @@ class DeploymentCore:
     def delete(self, account_id: str, api_key: str, ident: str) -> Deployment:
         dep = self.get(account_id, ident)
         dep = self._set(dep.id, status="deleted", deleted_at=utcnow())
-        try:
-            self.unload(api_key, dep.id)
-        except grpc.RpcError as exc:  # the row is already deleted, so the rollout will not serve it anyway
-            log.warning("rollout did not unload %s: %s", dep.id, exc.details())
+        self._unload_quietly(api_key, dep.id)
         return dep
+
+    def _unload_quietly(self, api_key: str, dep_id: str) -> None:
+        try:
+            self.unload(api_key, dep_id)
+        except grpc.RpcError as exc:  # the row is already deleted, so the rollout will not serve it anyway
+            log.warning("rollout did not unload %s: %s", dep_id, exc.details())

@@ -66,6 +66,7 @@ class JobCore:
             s.add(JobLog(job_id=job.id, level="info", message="queued", created_at=utcnow()))
         try:
             self.dispatch(job.id)
+            self.ledger.mark_dispatched(job.id)
         except Exception as exc:  # noqa: BLE001 - the broker's own error types vary by transport
             self.ledger.set_fields(job.id, status="failed", finished_at=utcnow(),
                                    error=f"could not hand the job to a worker: {exc}")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import delete, select, update
 
 from services.common.db import Database
 from services.common.schema import Checkpoint, Job, JobLog, JobMetric, new_id, utcnow
@@ -61,12 +61,23 @@ class Ledger:
                     job.error = f"worker lost {job.attempts} times (limit {max_attempts}); giving up"
                     msg = job.error
                 else:
-                    job.status = "queued"
+                    job.status, job.dispatched_at = "queued", None
                     msg = (f"worker {lost} stopped responding; retrying (attempt {job.attempts + 1} of "
                            f"{max_attempts}) from the last checkpoint")
                     requeue.append(job.id)
                 s.add(JobLog(job_id=job.id, level="warning", message=msg, created_at=now))
         return requeue
+
+    def undispatched(self, older_than_s: float) -> list[str]:
+        """Queued jobs whose attempt never reached the broker (the scheduler stopped between commit and send)."""
+        cutoff = utcnow() - timedelta(seconds=older_than_s)
+        with self.db.session() as s:
+            return list(s.scalars(select(Job.id).where(Job.status == "queued", Job.dispatched_at.is_(None),
+                                                       Job.updated_at < cutoff)))
+
+    def mark_dispatched(self, job_id: str) -> None:
+        with self.db.session() as s:
+            s.execute(update(Job).where(Job.id == job_id, Job.status == "queued").values(dispatched_at=utcnow()))
 
     # -- worker side ---------------------------------------------------------------------------------------------
     def claim(self, job_id: str, worker_id: str) -> Claim | None:
@@ -116,6 +127,18 @@ class Ledger:
                                 created_at=now))
             job.updated_at = now
             job.heartbeat_at = now
+
+    def rewind(self, job_id: str, worker_id: str, step: int) -> None:
+        """A new attempt restarts at step (its resume checkpoint, or 0): metrics of later steps from the lost attempt
+        are dropped, so every step keeps exactly one value (the one of the attempt that finished it)."""
+        with self.db.session() as s:
+            job = self._owned(s, job_id, worker_id)
+            dropped = s.execute(delete(JobMetric).where(JobMetric.job_id == job_id, JobMetric.step > step)).rowcount
+            job.step = step
+            job.updated_at = utcnow()
+            if dropped:
+                s.add(JobLog(job_id=job_id, level="info", created_at=utcnow(),
+                             message=f"discarded {dropped} metric points after step {step} from the lost attempt"))
 
     def add_checkpoint(self, job_id: str, worker_id: str, *, step: int, files: list[dict], state: list[dict],
                        final: bool, metrics: dict[str, float], kind: str = "lora_adapter") -> Checkpoint:

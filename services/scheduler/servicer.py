@@ -8,7 +8,8 @@ from services.common.errors import InvalidArgument
 from services.common.protoconv import opt
 from services.scheduler import convert
 from services.scheduler.accounts import AccountCore
-from services.scheduler.datasets import DatasetStore, UploadHeader, chunks_after_header
+from services.common.streams import split_header
+from services.scheduler.datasets import DatasetStore, UploadHeader
 from services.scheduler.deployments import DeploymentCore
 from services.scheduler.jobs import JobCore, NewJob
 from trainyard.v1 import common_pb2, scheduler_pb2 as pb, scheduler_pb2_grpc as rpc
@@ -21,7 +22,9 @@ def page(req: common_pb2.PageRequest) -> tuple[int, int]:
     try:
         offset = int(req.page_token or 0)
     except ValueError:
-        raise InvalidArgument("not a token returned by a previous call", field="page.page_token") from None
+        offset = -1
+    if offset < 0:
+        raise InvalidArgument("not a token returned by a previous call", field="page.page_token")
     return offset, size
 
 
@@ -67,7 +70,9 @@ def _header(h: pb.UploadDatasetHeader) -> UploadHeader:
         raise InvalidArgument(f"unknown format {h.format}", field="header.format")
     if len(h.name) > 256:
         raise InvalidArgument("at most 256 characters", field="header.name")
-    return UploadHeader(name=h.name, format=convert.DATASET_FORMATS_BACK.get(h.format), filename=h.filename[:512])
+    if len(h.filename) > 512:
+        raise InvalidArgument("at most 512 characters", field="header.filename")
+    return UploadHeader(name=h.name, format=convert.DATASET_FORMATS_BACK.get(h.format), filename=h.filename)
 
 
 class DatasetServicer(rpc.DatasetServiceServicer):
@@ -75,13 +80,13 @@ class DatasetServicer(rpc.DatasetServiceServicer):
         self.store = store
 
     def UploadDataset(self, request_iterator, context):
-        header, chunks = chunks_after_header(request_iterator)
+        header, chunks = split_header(request_iterator)
         ds, dedup = self.store.upload(current_caller().account_id, _header(header), chunks)
         return pb.UploadDatasetResponse(dataset=convert.dataset(ds), deduplicated=dedup)
 
     def ValidateDataset(self, request_iterator, context):
         current_caller()
-        header, chunks = chunks_after_header(request_iterator)
+        header, chunks = split_header(request_iterator)
         r = self.store.validate(_header(header), chunks)
         return pb.ValidationReport(
             valid=r.valid, format=convert.DATASET_FORMATS.get(r.format, pb.DATASET_FORMAT_UNSPECIFIED),
@@ -104,6 +109,15 @@ class DatasetServicer(rpc.DatasetServiceServicer):
         return convert.dataset(self.store.delete(current_caller().account_id, request.id))
 
 
+def _enum(known: dict, value: int, field: str):
+    """None for UNSPECIFIED (take the default), the mapped value if known, INVALID_ARGUMENT otherwise."""
+    if value == 0:
+        return None
+    if value not in known:
+        raise InvalidArgument(f"unknown value {value}", field=field)
+    return known[value]
+
+
 def _sft_request(c: pb.SftConfig) -> dict:
     lora = c.lora
     return {
@@ -112,7 +126,7 @@ def _sft_request(c: pb.SftConfig) -> dict:
         "learning_rate": opt(c, "learning_rate"), "epochs": opt(c, "epochs"), "max_steps": opt(c, "max_steps"),
         "batch_size": opt(c, "batch_size"), "gradient_accumulation_steps": opt(c, "gradient_accumulation_steps"),
         "warmup_steps": opt(c, "warmup_steps"),
-        "lr_scheduler": convert.LR_SCHEDULERS_BACK.get(c.lr_scheduler) if c.lr_scheduler else None,
+        "lr_scheduler": _enum(convert.LR_SCHEDULERS_BACK, c.lr_scheduler, "spec.sft.lr_scheduler"),
         "weight_decay": opt(c, "weight_decay"), "max_seq_len": opt(c, "max_seq_len"),
         "eval_fraction": opt(c, "eval_fraction"), "eval_every": opt(c, "eval_every"),
         "checkpoint_every": opt(c, "checkpoint_every"), "seed": opt(c, "seed"),
@@ -139,7 +153,7 @@ class JobServicer(rpc.JobServiceServicer):
 
     def ListJobs(self, request, context):
         offset, size = page(request.page)
-        status = convert.JOB_STATUS_BACK.get(request.status) if request.status else None
+        status = _enum(convert.JOB_STATUS_BACK, request.status, "status")
         rows, nxt = self.core.list(current_caller().account_id, status, offset, size)
         return pb.ListJobsResponse(jobs=[convert.job(j) for j in rows], next_page_token=token(nxt))
 

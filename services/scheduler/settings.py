@@ -1,6 +1,8 @@
 """Scheduler and worker settings (env TRAINYARD_*, see services/common/config.py)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field
 
 from services.common.config import TrainyardSettings
@@ -18,6 +20,9 @@ class SchedulerSettings(TrainyardSettings):
     watch_poll_s: float = Field(default=0.5, gt=0)
     # Models every account can use, registered at scheduler start: {"name": "/path/to/hf/dir"}.
     shared_models: dict[str, str] = Field(default_factory=dict)
+    # Where `trainyard models import` may read model directories from (after resolving symlinks). Empty: any absolute
+    # path the services can read, which suits a single team; a shared installation lists its model volumes here.
+    model_import_roots: list[Path] = Field(default_factory=list)
     # Build (once) and share the tiny demo model as "tiny-qwen3".
     builtin_tiny_model: bool = True
 

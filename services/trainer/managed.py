@@ -110,6 +110,8 @@ def _run(job, ledger: Ledger, blobs: BlobStore, db: Database, worker_id: str, hb
             dataset = s.get(Dataset, job.dataset_id)
         resume = None
         latest = ledger.latest_checkpoint(job.id)
+        if job.attempts > 1:
+            ledger.rewind(job.id, worker_id, latest.step if latest is not None else 0)
         if latest is not None:
             resume = SftCheckpoint(
                 step=latest.step,

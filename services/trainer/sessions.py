@@ -1,9 +1,10 @@
 """Training API sessions: a LoRA adapter over a frozen base, its optimizer, and strictly ordered calls.
 
 Ordering: every call carries seq_id; a session runs seq_id n only after n-1 finished (later ones wait, so clients may
-pipeline). A call with bad input fails with INVALID_ARGUMENT before touching any state and the session goes on; any
-other failure marks the session failed, and later calls are refused with FAILED_PRECONDITION rather than run on
-state that may be half-updated.
+pipeline). A call with bad input fails with INVALID_ARGUMENT in its turn (its seq_id is used up, so later calls do
+not wait for it) without touching any state, and the session goes on; a transient failure to publish weights is
+UNAVAILABLE and also leaves the session usable; any other failure marks the session failed, and later calls are
+refused with FAILED_PRECONDITION rather than run on state that may be half-updated.
 
 cross_entropy, per datum (as the Tinker API defines it): loss = -sum_t weights[t] * logprob(target_tokens[t] | tokens[:t+1]),
 where logprob is the model's log-softmax at position t (no temperature). Metrics: "loss:sum" over the batch and
@@ -16,16 +17,18 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import torch
 import torch.nn.functional as F
 
 from models import load_pretrained
-from models.lora import DEFAULT_TARGETS, LoraConfig, apply_lora, save_peft_adapter
+from models.lora import LoraConfig, apply_lora, save_peft_adapter
 from services.common import registry
 from services.common.blobstore import BlobStore
 from services.common.db import Database
-from services.common.errors import FailedPrecondition, InvalidArgument, TrainyardError, not_found
+from services.common.errors import FailedPrecondition, InvalidArgument, TrainyardError, Unavailable, not_found
 from services.common.schema import Checkpoint, TrainingSession, new_id, utcnow
+from services.trainer.sft_config import lora_settings
 from services.trainer.tensors import to_torch
 from trainyard.v1 import trainer_pb2 as pb
 
@@ -113,17 +116,10 @@ class SessionManager:
     # -- lifecycle -------------------------------------------------------------------------------------------------
     def create(self, account_id: str, base_model: str, rank: int | None, alpha: float | None,
                target_modules: list[str], seed: int) -> Session:
-        rank = 16 if rank is None else rank
-        if not 1 <= rank <= 1024:
-            raise InvalidArgument(f"must be between 1 and 1024, got {rank}", field="lora.rank")
-        alpha = float(2 * rank) if alpha is None else alpha
-        if alpha <= 0:
-            raise InvalidArgument(f"must be > 0, got {alpha}", field="lora.alpha")
-        targets = tuple(target_modules) or DEFAULT_TARGETS
-        unknown = [t for t in targets if t not in DEFAULT_TARGETS]
-        if unknown:
-            raise InvalidArgument(f"unknown module(s) {unknown}; choose from {', '.join(DEFAULT_TARGETS)}",
-                                  field="lora.target_modules")
+        lora, problems = lora_settings(rank, alpha, 0.0, target_modules, prefix="lora.")
+        if problems:
+            raise InvalidArgument(violations=problems)
+        rank, alpha, targets = lora["rank"], lora["alpha"], lora["target_modules"]
         with self.db.session() as s:
             model_row = registry.require_model(s, account_id, base_model, field="base_model")
             name, path = model_row.name, model_row.path
@@ -192,9 +188,9 @@ class SessionManager:
 
     def forward(self, account_id: str, session_id: str, seq_id: int, data, loss_fn: str, backward: bool):
         sess = self.get(account_id, session_id)
-        batch = parse_batch(data, loss_fn or "cross_entropy", sess.model.args.vocab_size)
 
         def run():
+            batch = parse_batch(data, loss_fn or "cross_entropy", sess.model.args.vocab_size)
             with torch.set_grad_enabled(backward):
                 logits_BTV = sess.model(batch.tokens_BT).float()
                 logprobs_BT = torch.gather(F.log_softmax(logits_BTV, dim=-1), -1,
@@ -216,11 +212,11 @@ class SessionManager:
                   ("beta2", 0 <= b2 < 1, "in [0, 1)"), ("eps", adam["eps"] >= 0, ">= 0"),
                   ("weight_decay", adam["weight_decay"] >= 0, ">= 0"),
                   ("grad_clip_norm", adam["grad_clip_norm"] >= 0, ">= 0 (0 = no clipping)"))
-        for name, ok, rule in checks:
-            if not ok:
-                raise InvalidArgument(f"must be {rule}, got {adam[name]}", field=f"adam.{name}")
 
         def run():
+            for name, ok, rule in checks:
+                if not ok:
+                    raise InvalidArgument(f"must be {rule}, got {adam[name]}", field=f"adam.{name}")
             if sess.optimizer is None:
                 sess.optimizer = torch.optim.AdamW(sess.params, lr=lr)
             for g in sess.optimizer.param_groups:
@@ -239,14 +235,18 @@ class SessionManager:
 
     def save_weights(self, account_id: str, api_key: str, session_id: str, seq_id: int, name: str):
         sess = self.get(account_id, session_id)
-        if len(name) > 256:
-            raise InvalidArgument("at most 256 characters", field="name")
 
         def run():
+            if len(name) > 256:
+                raise InvalidArgument("at most 256 characters", field="name")
             with tempfile.TemporaryDirectory(prefix="adapter-") as tmp:
                 save_peft_adapter(sess.model, sess.lora, tmp, base_model_name_or_path=sess.base_model)
                 files = [f.to_json() for f in self.blobs.put_tree(tmp)]
-                version_id = self.publish(api_key, sess, Path(tmp))
+                try:
+                    version_id = self.publish(api_key, sess, Path(tmp))
+                except grpc.RpcError as exc:  # the session's state is intact: the caller can save again
+                    raise Unavailable(f"the weights were not published to the weight-sync service: "
+                                      f"{exc.details()}") from None
             ckpt = Checkpoint(id=new_id("ckpt"), account_id=account_id, session_id=sess.id,
                               name=name or f"{sess.id}-step{sess.optim_steps}", step=sess.optim_steps,
                               kind="lora_adapter", base_model=sess.base_model, model_path=sess.model_path,

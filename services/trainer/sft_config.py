@@ -9,9 +9,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from models.lora import DEFAULT_TARGETS
 from services.common.errors import InvalidArgument, Violation
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LR_SCHEDULERS = ("cosine", "linear", "constant")
 
 
@@ -20,7 +20,7 @@ class SftHyperparams:
     lora_rank: int = 16
     lora_alpha: float = 32.0
     lora_dropout: float = 0.0
-    target_modules: tuple[str, ...] = LORA_TARGETS
+    target_modules: tuple[str, ...] = DEFAULT_TARGETS
     learning_rate: float = 1e-4
     epochs: int = 1
     max_steps: int = 0  # 0: derived from epochs
@@ -44,7 +44,7 @@ class SftHyperparams:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "SftHyperparams":
         d = dict(d)
-        d["target_modules"] = tuple(d.get("target_modules", LORA_TARGETS))
+        d["target_modules"] = tuple(d.get("target_modules", DEFAULT_TARGETS))
         return cls(**d)
 
     @classmethod
@@ -57,18 +57,11 @@ class SftHyperparams:
                 v.append(Violation(field=prefix + name, reason=reason))
 
         d = {k: val for k, val in given.items() if val is not None}
-        rank = d.get("lora_rank", cls.lora_rank)
-        check("lora.rank", isinstance(rank, int) and 1 <= rank <= 1024, f"must be between 1 and 1024, got {rank}")
-        if "lora_alpha" not in d:
-            d["lora_alpha"] = float(2 * rank) if rank >= 1 else cls.lora_alpha
-        check("lora.alpha", d["lora_alpha"] > 0, f"must be > 0, got {d['lora_alpha']}")
-        dropout = d.get("lora_dropout", 0.0)
-        check("lora.dropout", 0 <= dropout < 1, f"must be in [0, 1), got {dropout}")
-        targets = tuple(d.get("target_modules") or LORA_TARGETS)
-        unknown = [t for t in targets if t not in LORA_TARGETS]
-        check("lora.target_modules", not unknown,
-              f"unknown module(s) {unknown}; choose from {', '.join(LORA_TARGETS)}")
-        d["target_modules"] = targets
+        lora, lora_problems = lora_settings(d.get("lora_rank"), d.get("lora_alpha"), d.get("lora_dropout"),
+                                            d.get("target_modules"), prefix=prefix + "lora.")
+        v.extend(lora_problems)
+        d.update(lora_rank=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+                 target_modules=lora["target_modules"])
         lr = d.get("learning_rate", cls.learning_rate)
         check("learning_rate", lr > 0 and lr < 1, f"must be > 0 and < 1, got {lr}")
         for name, lo, hi in (("epochs", 1, 1000), ("batch_size", 1, 1024), ("gradient_accumulation_steps", 1, 1024),
@@ -89,3 +82,25 @@ class SftHyperparams:
         if v:
             raise InvalidArgument(violations=v)
         return cls(**d)
+
+
+def lora_settings(rank: int | None, alpha: float | None, dropout: float | None, targets, *,
+                  prefix: str) -> tuple[dict[str, Any], list[Violation]]:
+    """LoRA settings of a request with defaults filled (rank 16, alpha 2 x rank, dropout 0, every projection),
+    and the problems found, each naming prefix + field (e.g. "spec.sft.lora.rank")."""
+    v: list[Violation] = []
+    rank = 16 if rank is None else rank
+    if not 1 <= rank <= 1024:
+        v.append(Violation(field=prefix + "rank", reason=f"must be between 1 and 1024, got {rank}"))
+    alpha = (float(2 * rank) if rank >= 1 else 32.0) if alpha is None else alpha
+    if alpha <= 0:
+        v.append(Violation(field=prefix + "alpha", reason=f"must be > 0, got {alpha}"))
+    dropout = 0.0 if dropout is None else dropout
+    if not 0 <= dropout < 1:
+        v.append(Violation(field=prefix + "dropout", reason=f"must be in [0, 1), got {dropout}"))
+    targets = tuple(targets or DEFAULT_TARGETS)
+    unknown = [t for t in targets if t not in DEFAULT_TARGETS]
+    if unknown:
+        v.append(Violation(field=prefix + "target_modules",
+                           reason=f"unknown module(s) {unknown}; choose from {', '.join(DEFAULT_TARGETS)}"))
+    return {"rank": rank, "alpha": float(alpha), "dropout": dropout, "target_modules": targets}, v

@@ -5,9 +5,9 @@ from services.common.auth import current_caller
 from services.common.blobstore import BlobStore
 from services.common.config import TrainyardSettings
 from services.common.db import Database
-from services.common.errors import InvalidArgument
 from services.common.grpcserver import Server, ServiceSpec, run_service, service_server
 from services.common.protoconv import ts
+from services.common.streams import split_header
 from services.weightsync.store import Chunk, FileSpec, PublishHeader, WeightStore
 from trainyard.v1 import common_pb2, weightsync_pb2 as pb, weightsync_pb2_grpc as rpc
 
@@ -28,22 +28,12 @@ class WeightSyncServicer(rpc.WeightSyncServiceServicer):
         self.store = store
 
     def PublishVersion(self, request_iterator, context):
-        first = next(request_iterator, None)
-        if first is None or first.WhichOneof("part") != "header":
-            raise InvalidArgument("the first message must carry the header", field="header")
-        h = first.header
+        h, chunks = split_header(request_iterator)
         header = PublishHeader(lineage=h.lineage, parent_id=h.parent_id, kind=KINDS.get(h.kind, ""),
                                base_model=h.base_model, metadata=dict(h.metadata),
                                files=[FileSpec(f.path, f.sha256, f.size_bytes) for f in h.files])
-
-        def chunks():
-            for req in request_iterator:
-                if req.WhichOneof("part") != "chunk":
-                    raise InvalidArgument("only one header is allowed", field="header")
-                c = req.chunk
-                yield Chunk(path=c.path, offset=c.offset, data=c.data, sha256=c.sha256)
-
-        return version_pb(self.store.publish(current_caller().account_id, header, chunks()))
+        return version_pb(self.store.publish(current_caller().account_id, header, (
+            Chunk(path=c.path, offset=c.offset, data=c.data, sha256=c.sha256) for c in chunks)))
 
     def GetVersion(self, request, context):
         return version_pb(self.store.get(current_caller().account_id, request.id))

@@ -15,7 +15,7 @@ import os
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
@@ -59,18 +59,27 @@ def check_header(h: PublishHeader) -> None:
         raise InvalidArgument("use 1-128 letters, digits, '.', '_', '-' or '/'", field="header.lineage")
     if h.kind not in KINDS:
         raise InvalidArgument(f"must be one of {', '.join(KINDS)}", field="header.kind")
+    if len(h.base_model) > 128:
+        raise InvalidArgument("at most 128 characters", field="header.base_model")
+    if len(h.metadata) > 64 or any(len(k) > 128 or len(v) > 4096 for k, v in h.metadata.items()):
+        raise InvalidArgument("at most 64 entries, keys up to 128 and values up to 4096 characters",
+                              field="header.metadata")
     if not h.files:
         raise InvalidArgument("a version needs at least one file", field="header.files")
-    seen = set()
+    paths: set[PurePosixPath] = set()
     for i, f in enumerate(h.files):
-        p = Path(f.path)
-        if not f.path or p.is_absolute() or ".." in p.parts or f.path in seen:
-            raise InvalidArgument(f"bad or repeated relative path {f.path!r}", field=f"header.files[{i}].path")
+        p = PurePosixPath(f.path)
+        if (not f.path or len(f.path) > 512 or p.is_absolute() or p.as_posix() != f.path
+                or any(part in (".", "..") for part in p.parts)):
+            raise InvalidArgument(f"must be a normalized relative path, got {f.path!r}", field=f"header.files[{i}].path")
+        if p in paths or any(q in p.parents or p in q.parents for q in paths):
+            raise InvalidArgument(f"{f.path!r} repeats or nests inside another file's path",
+                                  field=f"header.files[{i}].path")
         if not re.fullmatch(r"[0-9a-f]{64}", f.sha256):
             raise InvalidArgument("must be a lowercase hex sha256", field=f"header.files[{i}].sha256")
         if f.size_bytes < 0:
             raise InvalidArgument("must be >= 0", field=f"header.files[{i}].size_bytes")
-        seen.add(f.path)
+        paths.add(p)
 
 
 class WeightStore:

@@ -32,16 +32,21 @@ def cli(stack, api_key, tmp_path):
 def test_import_own_model_directory(cli, stack, tmp_path):
     from models.tiny import build_tiny_model
 
-    mine = build_tiny_model(tmp_path / "my-model")
+    # The compose file mounts the model volume at /models and allows imports only from there; locally that volume
+    # is stack.models_dir.
+    mine = build_tiny_model(stack.models_dir / "my-model")
     out = cli("models", "import", str(mine), "--name", "my-model").stdout
     assert "imported my-model: Qwen3ForCausalLM" in out
     assert "my-model" in cli("models", "list").stdout
-    empty = tmp_path / "empty"
+    empty = stack.models_dir / "empty"
     empty.mkdir()
     bad = cli("models", "import", str(empty), ok=False)
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "config.json" in bad.stderr
-    missing = cli("models", "import", str(tmp_path / "nope"), ok=False)
+    missing = cli("models", "import", str(stack.models_dir / "nope"), ok=False)
     assert missing.returncode == 1 and "path" in missing.stderr
+    outside = build_tiny_model(tmp_path / "elsewhere")
+    refused = cli("models", "import", str(outside), ok=False)
+    assert refused.returncode == 1 and f"only from {stack.models_dir}" in refused.stderr.replace("\n", "")
 
 
 def test_upload_train_watch_download_deploy_sample(cli, client, tmp_path):

@@ -123,3 +123,14 @@ def test_unknown_dataset_id_is_not_found(client):
         with pytest.raises(TrainyardError) as exc:
             call("ds_doesnotexist")
         assert exc.value.code == "NOT_FOUND"
+
+
+def test_same_content_as_another_format_is_another_dataset(client):
+    content = jsonl(chat_rows(3) + [{"messages": [{"role": "user", "content": "x"}, {"role": "assistant",
+                                                                                     "content": "y"}],
+                                     "ground_truth": "y"}])
+    chat, _ = client.upload_dataset(content, name="as-chat")
+    rft, dedup = client.upload_dataset(content, name="as-rft", format="rft")
+    assert not dedup and rft.id != chat.id and client_format(rft) == "rft" and client_format(chat) == "sft_chat"
+    again, dedup = client.upload_dataset(content, format="rft")
+    assert dedup and again.id == rft.id

@@ -79,7 +79,8 @@ def test_deploy_errors(client, trained_job):
     with pytest.raises(TrainyardError) as exc:
         client.create_deployment("x", checkpoint_id="ckpt_missing")
     assert exc.value.code == "NOT_FOUND"
-    queued = client.create_sft_job("tiny-qwen3", client.list_datasets()[0].id, max_steps=1)
+    ds, _ = client.upload_dataset(jsonl(chat_rows(2)), name="never-trained")
+    queued = client.create_sft_job("tiny-qwen3", ds.id, max_steps=1)
     client.cancel_job(queued.id)
     with pytest.raises(TrainyardError) as exc:
         client.create_deployment("x", job_id=queued.id)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 
+import grpc
 import pytest
 
 from tests.integration.data import chat_rows, jsonl
@@ -64,8 +65,19 @@ def test_unknown_base_model_and_wrong_dataset_kind(client, dataset):
     assert len(client.list_jobs()) == before
 
 
+def test_unknown_enum_values_are_rejected(client, dataset):
+    bad = pb.JobSpec(method=pb.JOB_METHOD_SFT, base_model="tiny-qwen3", dataset_id=dataset.id,
+                     sft=pb.SftConfig(lr_scheduler=99))
+    with pytest.raises(grpc.RpcError) as exc:
+        client.jobs.CreateJob(pb.CreateJobRequest(spec=bad), metadata=client._md)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "spec.sft.lr_scheduler" in exc.value.details()
+    with pytest.raises(grpc.RpcError) as exc:
+        client.jobs.ListJobs(pb.ListJobsRequest(status=42), metadata=client._md)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "status" in exc.value.details()
+
+
 def test_unknown_job_id_is_not_found(client):
-    for call in (client.get_job, client.cancel_job, client.job_metrics):
+    for call in (client.get_job, client.cancel_job, client.job_metrics, client.list_checkpoints, client.job_logs):
         with pytest.raises(TrainyardError) as exc:
             call("job_doesnotexist")
         assert exc.value.code == "NOT_FOUND"
@@ -165,5 +177,5 @@ def test_worker_killed_mid_job_is_retried_and_resumes_from_checkpoint(stack, cli
     resumed_step = int(resumed[0].split("step ")[1].split()[0])
     assert resumed_step >= 5
     # Steps after the resume point were computed again; every step has exactly one latest value.
-    steps = {p.step for p in client.job_metrics(job.id) if "train/loss" in p.values}
-    assert steps == set(range(1, 41))
+    steps = [p.step for p in client.job_metrics(job.id) if "train/loss" in p.values]
+    assert sorted(steps) == list(range(1, 41))  # each step once: the lost attempt's later points were discarded

@@ -138,3 +138,20 @@ def test_corrupt_chunk_is_rejected_and_nothing_is_stored(weightsync):
         stub.PublishVersion(reqs, metadata=md)
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "checksum" in exc.value.details()
     assert list(stub.ListVersions(wpb.ListVersionsRequest(lineage="lin-corrupt"), metadata=md).versions) == []
+
+
+def test_a_rejected_call_uses_up_its_seq_id(trainer):
+    """A pipelined call right after a rejected one runs at once instead of waiting for the rejected seq_id."""
+    import time
+
+    stub, md = trainer
+    sess = stub.CreateSession(tpb.CreateSessionRequest(base_model="tiny-qwen3"), metadata=md)
+    bad = tpb.ForwardBackwardRequest(session_id=sess.id, seq_id=1, data=[datum([1, 2, 3])], loss_fn="nope")
+    good = tpb.ForwardBackwardRequest(session_id=sess.id, seq_id=2, data=[datum([1, 2, 3])])
+    later = stub.ForwardBackward.future(good, metadata=md)  # submitted before seq_id 1 arrives
+    time.sleep(0.5)
+    with pytest.raises(grpc.RpcError) as exc:
+        stub.ForwardBackward(bad, metadata=md)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert later.result(timeout=30).metrics["loss:sum"] > 0
+    assert stub.GetSession(tpb.GetSessionRequest(id=sess.id), metadata=md).next_seq_id == 3

@@ -118,3 +118,42 @@ def test_watch_follows_a_job_to_its_end(env):
     assert items[0].kind == "job" and items[-1].kind in ("job", "log")
     with pytest.raises(InvalidArgument, match="from_step"):
         list(core.watch(account, job_id, -1, lambda: True))
+
+
+def test_reaper_finds_jobs_that_never_reached_the_broker(env):
+    db, blobs, account = env
+    sent = []
+    core, job_id = _job(db, blobs, account, dispatch=sent.append)
+    ledger = Ledger(db)
+    assert sent == [job_id] and ledger.undispatched(older_than_s=0) == []
+    with db.session() as s:  # as if the scheduler stopped between the commit and the send
+        s.execute(update(Job).where(Job.id == job_id).values(dispatched_at=None))
+    assert ledger.undispatched(older_than_s=3600) == []  # too recent to tell apart from a send in progress
+    assert ledger.undispatched(older_than_s=0) == [job_id]
+    ledger.mark_dispatched(job_id)
+    assert ledger.undispatched(older_than_s=0) == []
+
+
+def test_page_tokens_are_checked():
+    from services.scheduler.servicer import page
+    from trainyard.v1 import common_pb2
+
+    assert page(common_pb2.PageRequest()) == (0, 50)
+    assert page(common_pb2.PageRequest(page_size=5, page_token="10")) == (10, 5)
+    for bad in ("-50", "abc"):
+        with pytest.raises(InvalidArgument, match="page.page_token"):
+            page(common_pb2.PageRequest(page_token=bad))
+    with pytest.raises(InvalidArgument, match="page.page_size"):
+        page(common_pb2.PageRequest(page_size=501))
+
+
+def test_weight_version_paths_must_be_normalized_and_distinct():
+    from services.weightsync.store import FileSpec, PublishHeader, check_header
+
+    sha = "0" * 64
+    for paths in (["a", "a/b"], ["x/../y"], ["./a"], ["/abs"], ["a", "a"], [""]):
+        with pytest.raises(InvalidArgument, match="header.files"):
+            check_header(PublishHeader("lin", "", "full", "", [FileSpec(p, sha, 1) for p in paths], {}))
+    check_header(PublishHeader("lin", "", "full", "", [FileSpec("a/b", sha, 1), FileSpec("a/c", sha, 1)], {}))
+    with pytest.raises(InvalidArgument, match="header.base_model"):
+        check_header(PublishHeader("lin", "", "full", "m" * 200, [FileSpec("a", sha, 1)], {}))
