@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from models.llama import CausalLM, ModelArgs, state_dict_adapter
+from models.families import family_for_config
 
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -91,7 +91,7 @@ def inspect_model_dir(path: str | Path) -> ModelInfo:
     model_dir = Path(path)
     config = read_config(model_dir)
     try:
-        args = ModelArgs.from_hf_config(config)
+        args = family_for_config(config).ModelArgs.from_hf_config(config)
     except (ValueError, TypeError) as e:
         raise ModelDirError(f"Cannot use the model in {str(model_dir)!r}: {e}") from None
     files = weight_files(model_dir)
@@ -139,12 +139,16 @@ def _names(keys) -> str:
 
 def load_pretrained(
     model_dir: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
-) -> CausalLM:
+) -> torch.nn.Module:
     """Build the model on the meta device and assign the checkpoint tensors, so no memory is spent on a random
-    init that would be overwritten. Returns the model in eval mode, like transformers' from_pretrained."""
-    args = ModelArgs.from_hf_config(read_config(model_dir))
+    init that would be overwritten. Returns the model (its family's CausalLM) in eval mode, like transformers'
+    from_pretrained."""
+    config = read_config(model_dir)
+    family = family_for_config(config)
+    state_dict_adapter = family.state_dict_adapter
+    args = family.ModelArgs.from_hf_config(config)
     with torch.device("meta"):
-        model = CausalLM(args)
+        model = family.CausalLM(args)
     device_str = str(torch.device(device))
     hf_state: dict[str, torch.Tensor] = {}
     for file in weight_files(model_dir):
@@ -174,13 +178,14 @@ def load_pretrained(
     return model.eval()
 
 
-def save_pretrained(model: CausalLM, out_dir: str | Path) -> None:
+def save_pretrained(model: torch.nn.Module, out_dir: str | Path) -> None:
     """Write config.json + model.safetensors that transformers' AutoModelForCausalLM.from_pretrained loads.
 
     The weights are saved as they currently are: LoRA tensors are left out (they go to a PEFT adapter), but an
     adapter merged with merge_adapter is part of the weights, which is how a merged model is exported."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    state_dict_adapter = family_for_config({"architectures": [model.args.architecture]}).state_dict_adapter
     state = state_dict_adapter.to_hf(model.state_dict(), model.args)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     config = model.args.to_hf_config()
