@@ -4,8 +4,8 @@ Each op here is the pure-torch reference; faster backends (flash-attn, triton, .
 same names and checked against these references, so callers never import a backend directly.
 """
 
-from kernels.attention import attention
+from kernels.attention import Packing, attention
 from kernels.norm import rms_norm
 from kernels.rope import SUPPORTED_ROPE_TYPES, apply_rotary, rope_cos_sin, rope_inv_freq
 
-__all__ = ["SUPPORTED_ROPE_TYPES", "apply_rotary", "attention", "rms_norm", "rope_cos_sin", "rope_inv_freq"]
+__all__ = ["Packing", "SUPPORTED_ROPE_TYPES", "apply_rotary", "attention", "rms_norm", "rope_cos_sin", "rope_inv_freq"]

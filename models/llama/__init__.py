@@ -2,6 +2,7 @@
 
 from models.llama import state_dict_adapter
 from models.llama.args import SUPPORTED_ARCHITECTURES, ModelArgs
-from models.llama.model import CausalLM, KVCache
+from models.kv_cache import KVCache
+from models.llama.model import CausalLM
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "CausalLM", "KVCache", "ModelArgs", "state_dict_adapter"]

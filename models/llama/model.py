@@ -9,60 +9,13 @@ here knows about meshes. There is no attention mask argument: attention is causa
 (trailing pads never influence earlier tokens), and with a KVCache every row shares one length.
 """
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import apply_rotary, attention, rms_norm, rope_cos_sin, rope_inv_freq
+from kernels import Packing, apply_rotary, attention, rms_norm, rope_cos_sin, rope_inv_freq
+from models.kv_cache import KVCache
 from models.llama.args import ModelArgs
-
-
-@dataclass(eq=False)
-class KVCache:
-    """Preallocated keys/values for every layer; all rows share `length` (the rollout left-aligns each batch).
-
-    `length` is a host int so that deciding where to write never syncs with the device."""
-
-    k_LBKSD: torch.Tensor
-    v_LBKSD: torch.Tensor
-    length: int = 0
-
-    @classmethod
-    def allocate(
-        cls, args: ModelArgs, batch_size: int, max_len: int, dtype: torch.dtype, device: torch.device | str
-    ) -> "KVCache":
-        shape = (args.num_layers, batch_size, args.num_kv_heads, max_len, args.head_dim)
-        return cls(
-            k_LBKSD=torch.zeros(shape, dtype=dtype, device=device),
-            v_LBKSD=torch.zeros(shape, dtype=dtype, device=device),
-        )
-
-    @property
-    def batch_size(self) -> int:
-        return self.k_LBKSD.shape[1]
-
-    @property
-    def max_len(self) -> int:
-        return self.k_LBKSD.shape[3]
-
-    def select(self, row_indices: torch.Tensor) -> "KVCache":
-        """New cache whose row i is this cache's row row_indices[i], e.g. one prompt's prefill repeated n times."""
-        return KVCache(
-            k_LBKSD=self.k_LBKSD.index_select(1, row_indices),
-            v_LBKSD=self.v_LBKSD.index_select(1, row_indices),
-            length=self.length,
-        )
-
-    def update(
-        self, layer: int, k_BKTD: torch.Tensor, v_BKTD: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the new keys/values at length..length+T and return views over everything cached so far."""
-        end = self.length + k_BKTD.shape[2]
-        self.k_LBKSD[layer, :, :, self.length : end] = k_BKTD
-        self.v_LBKSD[layer, :, :, self.length : end] = v_BKTD
-        return self.k_LBKSD[layer, :, :, :end], self.v_LBKSD[layer, :, :, :end]
 
 
 class RMSNorm(nn.Module):
@@ -92,7 +45,8 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(
-        self, x_BTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor, cache: KVCache | None
+        self, x_BTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor, cache: KVCache | None,
+        packing: Packing | None = None,
     ) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         q_BTHD = self.q_proj(x_BTD).view(B, T, self.num_heads, self.head_dim)
@@ -103,7 +57,7 @@ class Attention(nn.Module):
         q_BHTD, k_BKTD = apply_rotary(q_BTHD.transpose(1, 2), k_BTKD.transpose(1, 2), cos_BTD, sin_BTD)
         v_BKTD = v_BTKD.transpose(1, 2)
         if cache is None:
-            out_BHTD = attention(q_BHTD, k_BKTD, v_BKTD, causal=True, q_offset=0)
+            out_BHTD = attention(q_BHTD, k_BKTD, v_BKTD, causal=True, q_offset=0, packing=packing)
         else:
             k_BKSD, v_BKSD = cache.update(self.layer_idx, k_BKTD, v_BKTD)
             out_BHTD = attention(q_BHTD, k_BKSD, v_BKSD, causal=True, q_offset=cache.length)
@@ -131,9 +85,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def forward(
-        self, h_BTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor, cache: KVCache | None
+        self, h_BTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor, cache: KVCache | None,
+        packing: Packing | None = None,
     ) -> torch.Tensor:
-        h_BTD = h_BTD + self.self_attn(self.input_layernorm(h_BTD), cos_BTD, sin_BTD, cache)
+        h_BTD = h_BTD + self.self_attn(self.input_layernorm(h_BTD), cos_BTD, sin_BTD, cache, packing)
         return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
 
 
@@ -169,12 +124,17 @@ class CausalLM(nn.Module):
         positions_BT: torch.Tensor | None = None,
         cache: KVCache | None = None,
         *,
+        packing: Packing | None = None,
+        routing=None,
         return_hidden: bool = False,
     ) -> torch.Tensor:
         """Logits [B,T,V], or the final-normed hidden states [B,T,D] with return_hidden (so a caller can compute
         logprobs in chunks without materialising [B,T,V]).
 
-        With a cache the tokens are written at cache.length.. and cache.length advances by T."""
+        With a cache the tokens are written at cache.length.. and cache.length advances by T. With packing (B = 1)
+        the row holds several documents: attention stays within each, and positions restart at 0 in each unless
+        positions_BT is given. routing (router replay) concerns MoE families; a dense model has no router."""
+        del routing
         B, T = input_ids_BT.shape
         offset = 0 if cache is None else cache.length
         if cache is not None and offset + T > cache.max_len:
@@ -182,12 +142,17 @@ class CausalLM(nn.Module):
                 f"KVCache overflow: {offset} cached + {T} new tokens exceeds max_len={cache.max_len}; "
                 "allocate a larger cache"
             )
+        if packing is not None and cache is not None:
+            raise ValueError("packing is for training rows; it cannot be combined with a KV cache")
         if positions_BT is None:
-            positions_BT = torch.arange(offset, offset + T, device=input_ids_BT.device).expand(B, T)
+            if packing is not None:
+                positions_BT = packing.positions().to(input_ids_BT.device)
+            else:
+                positions_BT = torch.arange(offset, offset + T, device=input_ids_BT.device).expand(B, T)
         h_BTD = self.model.embed_tokens(input_ids_BT)
         cos_BTD, sin_BTD = rope_cos_sin(positions_BT, self._rope_inv_freq(h_BTD.device), h_BTD.dtype)
         for layer in self.model.layers:
-            h_BTD = layer(h_BTD, cos_BTD, sin_BTD, cache)
+            h_BTD = layer(h_BTD, cos_BTD, sin_BTD, cache, packing)
         if cache is not None:
             cache.length += T
         h_BTD = self.model.norm(h_BTD)

@@ -1,0 +1,58 @@
+"""Preallocated key/value cache shared by every family (the rollout decodes with it).
+
+Shapes: L layers, B rows, K kv heads, S positions, D head dim. Keys and values may have different head dims (MLA's
+keys carry the rope part, 192 = 128 + 64, its values 128): a family whose cached heads differ from
+num_kv_heads x head_dim says so with ModelArgs.kv_cache_dims = (k_dim, v_dim).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(eq=False)
+class KVCache:
+    """Preallocated keys/values for every layer; all rows share `length` (the rollout left-aligns each batch).
+
+    `length` is a host int so that deciding where to write never syncs with the device."""
+
+    k_LBKSD: torch.Tensor
+    v_LBKSD: torch.Tensor
+    length: int = 0
+
+    @classmethod
+    def allocate(
+        cls, args, batch_size: int, max_len: int, dtype: torch.dtype, device: torch.device | str
+    ) -> "KVCache":
+        """args: any family's ModelArgs (num_layers, num_kv_heads, head_dim or kv_cache_dims)."""
+        k_dim, v_dim = getattr(args, "kv_cache_dims", (args.head_dim, args.head_dim))
+        shape = (args.num_layers, batch_size, args.num_kv_heads, max_len)
+        return cls(
+            k_LBKSD=torch.zeros(*shape, k_dim, dtype=dtype, device=device),
+            v_LBKSD=torch.zeros(*shape, v_dim, dtype=dtype, device=device),
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return self.k_LBKSD.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k_LBKSD.shape[3]
+
+    def select(self, row_indices: torch.Tensor) -> "KVCache":
+        """New cache whose row i is this cache's row row_indices[i], e.g. one prompt's prefill repeated n times."""
+        return KVCache(
+            k_LBKSD=self.k_LBKSD.index_select(1, row_indices),
+            v_LBKSD=self.v_LBKSD.index_select(1, row_indices),
+            length=self.length,
+        )
+
+    def update(
+        self, layer: int, k_BKTD: torch.Tensor, v_BKTD: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new keys/values at length..length+T and return views over everything cached so far."""
+        end = self.length + k_BKTD.shape[2]
+        self.k_LBKSD[layer, :, :, self.length : end] = k_BKTD
+        self.v_LBKSD[layer, :, :, self.length : end] = v_BKTD
+        return self.k_LBKSD[layer, :, :, :end], self.v_LBKSD[layer, :, :, :end]
