@@ -7,6 +7,7 @@ access at run time), so every problem with one is reported as a ModelDirError th
 
 import json
 import math
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,12 +151,17 @@ def load_pretrained(
     with torch.device("meta"):
         model = family.CausalLM(args)
     device_str = str(torch.device(device))
+    # Tensors the family keeps in float32 whatever the load dtype (e.g. DeepSeek's router and its selection bias:
+    # rounding them to bf16 changes which experts win near ties, as transformers also avoids).
+    keep_fp32 = re.compile("|".join(getattr(state_dict_adapter, "FLOAT32_PARAMETERS", ())) or r"(?!)")
     hf_state: dict[str, torch.Tensor] = {}
     for file in weight_files(model_dir):
         with safe_open(file, framework="pt", device=device_str) as f:
             for name in f.keys():
                 tensor = f.get_tensor(name)
-                hf_state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+                if tensor.is_floating_point():
+                    tensor = tensor.to(torch.float32 if keep_fp32.search(name) else dtype)
+                hf_state[name] = tensor
     state = state_dict_adapter.from_hf(hf_state, args)
     model_state = model.state_dict()
     expected = state_dict_adapter.expected_keys(list(model_state), args)
@@ -192,3 +198,11 @@ def save_pretrained(model: torch.nn.Module, out_dir: str | Path) -> None:
     config["dtype"] = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def build_on_meta(model_dir: str | Path) -> torch.nn.Module:
+    """The model of a directory with no weights (meta device): for checking requests against its architecture."""
+    config = read_config(model_dir)
+    family = family_for_config(config)
+    with torch.device("meta"):
+        return family.CausalLM(family.ModelArgs.from_hf_config(config))

@@ -25,7 +25,7 @@ class KVCache:
         cls, args, batch_size: int, max_len: int, dtype: torch.dtype, device: torch.device | str
     ) -> "KVCache":
         """args: any family's ModelArgs (num_layers, num_kv_heads, head_dim or kv_cache_dims)."""
-        k_dim, v_dim = getattr(args, "kv_cache_dims", (args.head_dim, args.head_dim))
+        k_dim, v_dim = args.kv_cache_dims if hasattr(args, "kv_cache_dims") else (args.head_dim, args.head_dim)
         shape = (args.num_layers, batch_size, args.num_kv_heads, max_len)
         return cls(
             k_LBKSD=torch.zeros(*shape, k_dim, dtype=dtype, device=device),

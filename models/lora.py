@@ -1,147 +1,74 @@
-"""LoRA for the trainer and the rollout, stored in PEFT's on-disk format.
+"""LoRA for the trainer and the rollout, stored in PEFT's on-disk format (docs/lora.md).
 
 Numerics follow peft's `lora.Linear` exactly (y = W x + b + B(A(dropout(x))) * alpha / r, A kaiming-uniform with
-a=sqrt(5), B zeros, LoRA weights kept in float32 even on a bf16 base, as peft's autocast_adapter_dtype does), so an
-adapter trained here gives the same logits when loaded with `peft.PeftModel.from_pretrained` and vice versa.
+a=sqrt(5) or gaussian std 1/r, B zeros, LoRA weights kept in float32 even on a bf16 base, as peft's
+autocast_adapter_dtype does), so an adapter trained here gives the same logits when loaded with
+`peft.PeftModel.from_pretrained` and vice versa.
+
+Routed experts (models.moe.Experts, fused [E, F, D] tensors) take a per-expert adapter on each fused tensor:
+W_e + scaling * B_e A_e, with A [E, r, D] and B [E, F, r] computed as two grouped GEMMs next to the base one
+(ExpertsLoRA). Its tensors are stored in peft's `target_parameters` (lora.ParamWrapper) layout, so the same file
+loads in peft on transformers' MoE models.
 
 Several named adapters can live in one model (the rollout serves several deployments on one base); one or none is
 active at a time, model-wide. A merged adapter is part of the base weights until unmerged, so while one is merged it
 is the only adapter that may be active, and no other may be merged or added.
 
-The base Parameters are kept by the wrapper under the same names (`q_proj.weight`, not peft's
-`q_proj.base_layer.weight`), so base checkpoints, optimizers and tied weights are untouched by adding LoRA.
+The base Parameters are kept under the same names (`q_proj.weight`, not peft's `q_proj.base_layer.weight`;
+`experts.gate_up_proj`), so base checkpoints, optimizers and tied weights are untouched by adding LoRA.
 """
 
+import itertools
 import json
-import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from models.lora_layers import DEFAULT_TARGETS, EXPERTS_TARGET, INITS, ExpertsLoRA, LoraConfig, LoRALinear
+from models.moe import Experts
+
+__all__ = [
+    "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "DEFAULT_TARGETS", "EXPERTS_TARGET", "INITS", "TRAIN_MODES", "ExpertsLoRA",
+    "LoRALinear", "LoraConfig", "adapter_names", "apply_lora", "check_targets", "load_peft_adapter", "lora_state_dict",
+    "merge_adapter", "remove_adapter", "save_peft_adapter", "set_active_adapter", "set_trainable", "unmerge_adapter",
+]
+
+TRAIN_MODES = ("full", "lora")
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
+_ADD_ORDER = itertools.count()
 # peft options that change the math; an adapter that sets any of them would load here but compute something else.
 _UNSUPPORTED_IF_SET = (
     "use_rslora", "use_dora", "lora_bias", "fan_in_fan_out", "rank_pattern", "alpha_pattern", "modules_to_save",
-    "layers_to_transform", "layer_replication", "target_parameters", "trainable_token_indices", "use_qalora",
+    "layers_to_transform", "layer_replication", "trainable_token_indices", "use_qalora",
     "use_bdlora", "alora_invocation_tokens", "exclude_modules", "arrow_config", "velora_config",
     "monteclora_config", "kasa_config",
 )
 
 
-@dataclass
-class LoraConfig:
-    rank: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.0
-    target_modules: tuple[str, ...] = DEFAULT_TARGETS
-
-    def __post_init__(self):
-        if self.rank < 1:
-            raise ValueError(f"LoRA rank must be >= 1, got {self.rank}")
-        if self.alpha <= 0:
-            raise ValueError(f"LoRA alpha must be > 0, got {self.alpha}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
-        if isinstance(self.target_modules, str) or not self.target_modules:
-            raise ValueError(f"target_modules must be a non-empty tuple of module names, got {self.target_modules!r}")
-        self.target_modules = tuple(self.target_modules)
-
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.rank
-
-
-class LoRALinear(nn.Module):
-    """An nn.Linear's weight/bias plus any number of named low-rank adapters."""
-
-    def __init__(self, base: nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight = base.weight
-        self.bias = base.bias
-        self.lora_A = nn.ModuleDict()
-        self.lora_B = nn.ModuleDict()
-        self.lora_dropout = nn.ModuleDict()
-        self.scaling: dict[str, float] = {}
-        self.active_adapter: str | None = None
-        self.merged_adapter: str | None = None
-
-    def add_adapter(self, name: str, cfg: LoraConfig, generator: torch.Generator | None) -> list[nn.Parameter]:
-        device = self.weight.device
-        lora_A = nn.Linear(self.in_features, cfg.rank, bias=False, device=device, dtype=torch.float32)
-        lora_B = nn.Linear(cfg.rank, self.out_features, bias=False, device=device, dtype=torch.float32)
-        # Initialise on the CPU so a seed gives the same adapter on every device.
-        a_init = torch.empty(cfg.rank, self.in_features, dtype=torch.float32)
-        nn.init.kaiming_uniform_(a_init, a=math.sqrt(5), generator=generator)
-        with torch.no_grad():
-            lora_A.weight.copy_(a_init)
-            lora_B.weight.zero_()
-        self.lora_A[name], self.lora_B[name] = lora_A, lora_B
-        self.lora_dropout[name] = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
-        self.scaling[name] = cfg.scaling
-        return [lora_A.weight, lora_B.weight]
-
-    def delete_adapter(self, name: str) -> None:
-        if self.merged_adapter == name:
-            self.unmerge()
-        for container in (self.lora_A, self.lora_B, self.lora_dropout):
-            del container[name]
-        del self.scaling[name]
-        if self.active_adapter == name:
-            self.active_adapter = None
-
-    def delta_weight(self, name: str) -> torch.Tensor:
-        return (self.lora_B[name].weight @ self.lora_A[name].weight) * self.scaling[name]
-
-    @torch.no_grad()
-    def merge(self, name: str) -> None:
-        self.weight.data += self.delta_weight(name).to(self.weight.dtype)
-        self.merged_adapter = name
-
-    @torch.no_grad()
-    def unmerge(self) -> None:
-        self.weight.data -= self.delta_weight(self.merged_adapter).to(self.weight.dtype)
-        self.merged_adapter = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        result = F.linear(x, self.weight, self.bias)
-        name = self.active_adapter
-        if name is None or name == self.merged_adapter or name not in self.lora_A:
-            return result
-        result_dtype = result.dtype
-        lora_A = self.lora_A[name]
-        x = x.to(lora_A.weight.dtype)
-        result = result + self.lora_B[name](lora_A(self.lora_dropout[name](x))) * self.scaling[name]
-        return result.to(result_dtype)
-
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, adapters={list(self.lora_A)}, "
-            f"active={self.active_adapter!r}, merged={self.merged_adapter!r}"
-        )
-
-
-def _lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+def _lora_layers(model: nn.Module) -> list[tuple[str, LoRALinear | ExpertsLoRA]]:
+    """Every layer holding adapters, by the path of the module whose weights it adapts (an Experts for
+    ExpertsLoRA), which is also the path in peft's keys."""
+    layers = []
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            layers.append((name, module))
+        elif isinstance(module, Experts) and module.lora is not None:
+            layers.append((name, module.lora))
+    return layers
 
 
 def adapter_names(model: nn.Module) -> list[str]:
     """Every adapter present in the model, in the order they were added."""
-    names: dict[str, None] = {}
-    for _, module in _lora_modules(model):
-        names.update(dict.fromkeys(module.lora_A))
-    return list(names)
+    added_at = {name: at for _, layer in _lora_layers(model) for name, at in layer.added_at.items()}
+    return sorted(added_at, key=added_at.__getitem__)
 
 
 def _merged_adapter(model: nn.Module) -> str | None:
-    return next((m.merged_adapter for _, m in _lora_modules(model) if m.merged_adapter is not None), None)
+    return next((m.merged_adapter for _, m in _lora_layers(model) if m.merged_adapter is not None), None)
 
 
 def _require_adapter(model: nn.Module, name: str) -> None:
@@ -149,30 +76,91 @@ def _require_adapter(model: nn.Module, name: str) -> None:
         raise ValueError(f"No LoRA adapter named {name!r}; loaded adapters: {adapter_names(model)}")
 
 
-def _targetable_linears(model: nn.Module) -> dict[str, nn.Module]:
-    """Linear layers LoRA may wrap. A Linear sharing its weight with an embedding (tied lm_head) is left out:
-    merging into it would silently change the input embeddings too."""
+def _linears(model: nn.Module) -> tuple[dict[str, nn.Module], list[str]]:
+    """(Linear layers LoRA may wrap, names of those it may not because they share their weight with an embedding:
+    a tied lm_head, where merging would silently change the input embeddings too)."""
     embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    inside_lora = tuple(f"{name}." for name, _ in _lora_modules(model))  # the adapters' own lora_A/lora_B
-    return {
-        name: m
-        for name, m in model.named_modules()
-        if isinstance(m, (nn.Linear, LoRALinear))
-        and id(m.weight) not in embedding_weights
-        and not (inside_lora and name.startswith(inside_lora))
+    inside_lora = tuple(f"{name}." for name, m in _lora_layers(model) if isinstance(m, LoRALinear))
+    linears, tied = {}, []
+    for name, m in model.named_modules():
+        if not isinstance(m, (nn.Linear, LoRALinear)) or (inside_lora and name.startswith(inside_lora)):
+            continue
+        if id(m.weight) in embedding_weights:
+            tied.append(name)
+        else:
+            linears[name] = m
+    return linears, tied
+
+
+def _matches(name: str, target: str) -> bool:
+    # peft's rule for a list of targets: the target is the full name or a dotted suffix of it.
+    return name == target or name.endswith("." + target)
+
+
+def _matches_expert_weight(experts_path: str, weight: str, target: str) -> bool:
+    """A target names the Experts module ("experts": both fused tensors) or one tensor with its module qualifier
+    ("experts.down_proj"); a bare "down_proj" names nn.Linear modules only, as in peft's target_modules."""
+    return _matches(experts_path, target) or ("." in target and _matches(f"{experts_path}.{weight}", target))
+
+
+def _resolve_targets(
+    model: nn.Module, targets: tuple[str, ...], strict: bool
+) -> tuple[dict[str, nn.Module], dict[str, list[str]]]:
+    """(Linear modules to adapt by path, Experts paths -> fused tensor names to adapt). strict: every target must
+    match something; otherwise (the DEFAULT_TARGETS menu, adapters read from files) only at least one."""
+    linears, tied = _linears(model)
+    experts = [name for name, m in model.named_modules() if isinstance(m, Experts)]
+    hits = {
+        t: [n for n in linears if _matches(n, t)]
+        + [(p, w) for p in experts for w in Experts.WEIGHT_NAMES if _matches_expert_weight(p, w, t)]
+        for t in targets
     }
-
-
-def _matches(module_name: str, target: str) -> bool:
-    # peft's rule for a list of targets: the target is the full module name or a dotted suffix of it.
-    return module_name == target or module_name.endswith("." + target)
+    unmatched = [t for t in targets if not hits[t]]
+    if unmatched and (strict or len(unmatched) == len(targets)):
+        on_tied = [t for t in unmatched if any(_matches(n, t) for n in tied)]
+        if on_tied:
+            raise ValueError(
+                f"LoRA target_modules {on_tied} name a layer that shares its weight with the input embeddings "
+                "(tie_word_embeddings=true, e.g. lm_head): an adapter there would change the embeddings too; remove "
+                "it from target_modules"
+            )
+        valid = {n.rsplit(".", 1)[-1] for n in linears}
+        if experts:
+            valid |= {EXPERTS_TARGET, *(f"{EXPERTS_TARGET}.{w}" for w in Experts.WEIGHT_NAMES)}
+        raise ValueError(f"Unknown LoRA target_modules {unmatched}; valid module names are {sorted(valid)}")
+    chosen = {hit for t in targets for hit in hits[t]}
+    expert_weights: dict[str, list[str]] = {}
+    for p in experts:
+        weights = [w for w in Experts.WEIGHT_NAMES if (p, w) in chosen]
+        if weights:
+            expert_weights[p] = weights
+    return {n: m for n, m in linears.items() if n in chosen}, expert_weights
 
 
 def apply_lora(
     model: nn.Module, cfg: LoraConfig, adapter_name: str = "default", seed: int | None = None
 ) -> list[nn.Parameter]:
-    """Add adapter `adapter_name` to every targeted Linear, freeze every non-LoRA parameter, make the new adapter
-    the active one, and return its (trainable) parameters. Adapters added earlier keep their requires_grad."""
+    """Add adapter `adapter_name` to every targeted Linear and routed-expert block, freeze every non-LoRA
+    parameter, make the new adapter the active one, and return its (trainable) parameters. Adapters added earlier
+    keep their requires_grad.
+
+    Targets (docs/lora.md): nn.Linear module names by peft's dotted-suffix rule ("q_proj", "lm_head", ...),
+    "experts" for both fused tensors of every models.moe.Experts, "experts.gate_up_proj" / "experts.down_proj" for
+    one. With the default targets (DEFAULT_TARGETS, in any order) the names a model lacks are skipped; any other
+    target list must match with every name."""
+    strict = set(cfg.target_modules) != set(DEFAULT_TARGETS)
+    return _add_adapter(model, cfg, adapter_name, seed, strict)
+
+
+def check_targets(model: nn.Module, target_modules: tuple[str, ...]) -> None:
+    """Raise the ValueError apply_lora would raise for these targets on this model (works on a meta-device model,
+    so a service can check a request against a model's architecture without loading its weights)."""
+    _resolve_targets(model, tuple(target_modules), strict=set(target_modules) != set(DEFAULT_TARGETS))
+
+
+def _add_adapter(
+    model: nn.Module, cfg: LoraConfig, adapter_name: str, seed: int | None, strict: bool
+) -> list[nn.Parameter]:
     if not adapter_name or "." in adapter_name:
         raise ValueError(f"adapter_name must be a non-empty string without dots, got {adapter_name!r}")
     if adapter_name in adapter_names(model):
@@ -180,27 +168,74 @@ def apply_lora(
     merged = _merged_adapter(model)
     if merged is not None:
         raise ValueError(f"Adapter {merged!r} is merged into the weights; unmerge_adapter it before adding another")
-    linears = _targetable_linears(model)
-    valid = sorted({name.rsplit(".", 1)[-1] for name in linears})
-    unknown = [t for t in cfg.target_modules if not any(_matches(name, t) for name in linears)]
-    if unknown:
-        raise ValueError(f"Unknown LoRA target_modules {unknown}; valid module names are {valid}")
+    linears, expert_weights = _resolve_targets(model, cfg.target_modules, strict)
     generator = None if seed is None else torch.Generator().manual_seed(seed)
     params: list[nn.Parameter] = []
+    added_at = next(_ADD_ORDER)
     for name, module in linears.items():
-        if not any(_matches(name, t) for t in cfg.target_modules):
-            continue
         if isinstance(module, nn.Linear):
             parent_name, _, leaf = name.rpartition(".")
             module_lora = LoRALinear(module)
             setattr(model.get_submodule(parent_name), leaf, module_lora)
             module = module_lora
         params += module.add_adapter(adapter_name, cfg, generator)
-    lora_ids = {id(p) for _, m in _lora_modules(model) for p in [*m.lora_A.parameters(), *m.lora_B.parameters()]}
-    for p in model.parameters():
-        if id(p) not in lora_ids:
-            p.requires_grad_(False)
+        module.added_at[adapter_name] = added_at
+    for path, weights in expert_weights.items():
+        experts = model.get_submodule(path)
+        if experts.lora is None:
+            experts.lora = ExpertsLoRA(experts)
+        params += experts.lora.add_adapter(adapter_name, cfg, weights, experts.gate_up_proj.device, generator)
+        experts.lora.added_at[adapter_name] = added_at
+    _train_only(model, _adapter_params(model, None))
     set_active_adapter(model, adapter_name)
+    return params
+
+
+def _adapter_params(model: nn.Module, name: str | None) -> list[nn.Parameter]:
+    """The Parameters of adapter `name`, or of every adapter when None."""
+    return [
+        p
+        for _, layer in _lora_layers(model)
+        for adapter in ([name] if name is not None else list(layer.lora_A))
+        if adapter in layer.lora_A
+        for p in [*layer.lora_A[adapter].parameters(), *layer.lora_B[adapter].parameters()]
+    ]
+
+
+def _train_only(model: nn.Module, params: list[nn.Parameter]) -> None:
+    keep = {id(p) for p in params}
+    for p in model.parameters():
+        if id(p) not in keep:
+            p.requires_grad_(False)
+
+
+def set_trainable(model: nn.Module, mode: str) -> list[nn.Parameter]:
+    """Choose what trains and return those Parameters (for the optimizer).
+
+    "lora": only the active adapter's tensors (everything else frozen). "full": every base parameter (full
+    fine-tuning); the model must hold no adapter and no 4-bit experts."""
+    if mode not in TRAIN_MODES:
+        raise ValueError(f"training mode must be one of {TRAIN_MODES}, got {mode!r}")
+    if mode == "lora":
+        active = next((layer.active_adapter for _, layer in _lora_layers(model)), None)
+        if active is None:
+            raise ValueError("mode='lora' needs an active LoRA adapter: apply_lora (or set_active_adapter) first")
+        params = _adapter_params(model, active)
+        _train_only(model, params)
+        for p in params:
+            p.requires_grad_(True)
+        return params
+    if adapter_names(model):
+        raise ValueError(
+            f"mode='full' trains the base weights, but the model holds LoRA adapters {adapter_names(model)}; "
+            "remove_adapter them first or use mode='lora'"
+        )
+    if any(isinstance(m, Experts) and m.is_quantized for m in model.modules()):
+        raise ValueError("mode='full' cannot train 4-bit experts (frozen packed buffers); load the model without "
+                         "quantize_experts_ or use mode='lora'")
+    params = list(model.parameters())
+    for p in params:
+        p.requires_grad_(True)
     return params
 
 
@@ -211,59 +246,92 @@ def set_active_adapter(model: nn.Module, name: str | None) -> None:
     merged = _merged_adapter(model)
     if merged is not None and name != merged:
         raise ValueError(f"Adapter {merged!r} is merged into the weights; unmerge_adapter it before switching")
-    for _, module in _lora_modules(model):
-        module.active_adapter = name
+    for _, layer in _lora_layers(model):
+        layer.active_adapter = name
 
 
 def remove_adapter(model: nn.Module, name: str) -> None:
     """Delete an adapter (unmerging it first if merged). A layer left with no adapter becomes a plain nn.Linear
-    holding the same weight/bias Parameters."""
+    holding the same weight/bias Parameters (experts drop their `lora` hook)."""
     _require_adapter(model, name)
-    for module_name, module in _lora_modules(model):
-        if name not in module.lora_A:
+    if _merged_adapter(model) == name:
+        unmerge_adapter(model, name)
+    for path, layer in _lora_layers(model):
+        if name not in layer.lora_A:
             continue
-        module.delete_adapter(name)
-        if len(module.lora_A) == 0:
-            linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
-            linear.weight, linear.bias = module.weight, module.bias
-            parent_name, _, leaf = module_name.rpartition(".")
-            setattr(model.get_submodule(parent_name), leaf, linear)
+        layer.delete_adapter(name)
+        if len(layer.lora_A):
+            continue
+        if isinstance(layer, ExpertsLoRA):
+            model.get_submodule(path).lora = None
+            continue
+        linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
+        linear.weight, linear.bias = layer.weight, layer.bias
+        parent_name, _, leaf = path.rpartition(".")
+        setattr(model.get_submodule(parent_name), leaf, linear)
 
 
 def merge_adapter(model: nn.Module, name: str) -> None:
-    """Fold W += B A * scaling into the base weights (faster serving of a single adapter) and make it active."""
+    """Fold W += B A * scaling (per expert for routed experts) into the base weights and make it active."""
     _require_adapter(model, name)
     merged = _merged_adapter(model)
     if merged is not None:
         raise ValueError(f"Adapter {merged!r} is already merged; unmerge_adapter it first")
-    for _, module in _lora_modules(model):
-        if name in module.lora_A:
-            module.merge(name)
-        module.active_adapter = name
+    layers = _lora_layers(model)
+    quantized = [p for p, layer in layers if isinstance(layer, ExpertsLoRA) and model.get_submodule(p).is_quantized]
+    if quantized:
+        raise ValueError(f"Cannot merge into 4-bit experts ({quantized[0]}, ...): the sum is not representable in the "
+                         "packed format; serve the adapter unmerged (set_active_adapter)")
+    for path, layer in layers:
+        if name in layer.lora_A and isinstance(layer, ExpertsLoRA):
+            layer.merge(name, model.get_submodule(path))
+        elif name in layer.lora_A:
+            layer.merge(name)
+        layer.active_adapter = name
 
 
 def unmerge_adapter(model: nn.Module, name: str) -> None:
     """Subtract a merged adapter from the base weights again; it stays the active (now unmerged) adapter."""
     if _merged_adapter(model) != name:
         raise ValueError(f"Adapter {name!r} is not merged (merged: {_merged_adapter(model)!r})")
-    for _, module in _lora_modules(model):
-        if module.merged_adapter == name:
-            module.unmerge()
+    for path, layer in _lora_layers(model):
+        if layer.merged_adapter == name and isinstance(layer, ExpertsLoRA):
+            layer.unmerge(model.get_submodule(path))
+        elif layer.merged_adapter == name:
+            layer.unmerge()
 
 
 def lora_state_dict(model: nn.Module, adapter_name: str = "default") -> dict[str, torch.Tensor]:
-    """The adapter's tensors under peft's file key names (detached views, not copies)."""
+    """The adapter's tensors under peft's file key names (detached views of the Parameters, not copies, so
+    copying into them loads an adapter)."""
     _require_adapter(model, adapter_name)
-    state = {}
-    for name, module in _lora_modules(model):
-        if adapter_name in module.lora_A:
-            state[f"{_PEFT_PREFIX}{name}.lora_A.weight"] = module.lora_A[adapter_name].weight.detach()
-            state[f"{_PEFT_PREFIX}{name}.lora_B.weight"] = module.lora_B[adapter_name].weight.detach()
-    return state
+    return {
+        f"{_PEFT_PREFIX}{path}.{suffix}": tensor.detach()
+        for path, layer in _lora_layers(model)
+        if adapter_name in layer.lora_A
+        for suffix, tensor in layer.peft_tensors(adapter_name).items()
+    }
 
 
 def _format_alpha(alpha: float) -> int | float:
     return int(alpha) if float(alpha).is_integer() else float(alpha)
+
+
+def _saved_targets(model: nn.Module, cfg: LoraConfig, adapter_name: str) -> tuple[list[str] | None, list[str] | None]:
+    """peft's (target_modules, target_parameters) for what the adapter really holds: the config's Linear names that
+    matched, and the expert tensors as "<target>.gate_up_proj" / "<target>.down_proj"."""
+    layers = [(p, layer) for p, layer in _lora_layers(model) if adapter_name in layer.lora_A]
+    linear_paths = [p for p, layer in layers if isinstance(layer, LoRALinear)]
+    modules = sorted({t for t in cfg.target_modules if any(_matches(p, t) for p in linear_paths)})
+    parameters = set()
+    for path, layer in layers:
+        for weight in layer.lora_A[adapter_name] if isinstance(layer, ExpertsLoRA) else ():
+            for t in cfg.target_modules:
+                if _matches(path, t):
+                    parameters.add(f"{t}.{weight}")
+                elif _matches_expert_weight(path, weight, t):
+                    parameters.add(t)
+    return modules or None, sorted(parameters) or None
 
 
 def save_peft_adapter(
@@ -271,9 +339,10 @@ def save_peft_adapter(
 ) -> None:
     """Write adapter_config.json + adapter_model.safetensors in the layout peft's save_pretrained produces."""
     state = lora_state_dict(model, adapter_name)
-    ranks = {tuple(t.shape)[0] for k, t in state.items() if k.endswith(".lora_A.weight")}
+    ranks = {layer.rank(adapter_name) for _, layer in _lora_layers(model) if adapter_name in layer.lora_A}
     if ranks != {cfg.rank}:
         raise ValueError(f"cfg.rank={cfg.rank} does not match the rank(s) {sorted(ranks)} of adapter {adapter_name!r}")
+    target_modules, target_parameters = _saved_targets(model, cfg, adapter_name)
     config = {
         "alpha_pattern": {},
         "auto_mapping": None,
@@ -281,7 +350,7 @@ def save_peft_adapter(
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
-        "init_lora_weights": True,
+        "init_lora_weights": True if cfg.init == "kaiming" else cfg.init,
         "layer_replication": None,
         "layers_pattern": None,
         "layers_to_transform": None,
@@ -295,7 +364,8 @@ def save_peft_adapter(
         "r": cfg.rank,
         "rank_pattern": {},
         "revision": None,
-        "target_modules": sorted(cfg.target_modules),
+        "target_modules": target_modules,
+        "target_parameters": target_parameters,
         "task_type": "CAUSAL_LM",
         "use_dora": False,
         "use_rslora": False,
@@ -323,15 +393,21 @@ def _read_peft_config(adapter_dir: Path) -> LoraConfig:
         unsupported.append(f"bias={raw['bias']!r}")
     if unsupported:
         raise ValueError(f"{config_path}: unsupported LoRA options are set: {', '.join(unsupported)}")
-    targets = raw.get("target_modules")
-    if isinstance(targets, str):
-        raise ValueError(f"{config_path}: a regex target_modules ({targets!r}) is not supported; list the module names")
+    targets, parameters = raw.get("target_modules"), raw.get("target_parameters")
+    if isinstance(targets, str) or isinstance(parameters, str):
+        raise ValueError(
+            f"{config_path}: a regex target_modules/target_parameters ({targets!r}, {parameters!r}) is not supported; "
+            "list the names"
+        )
+    # peft matches target_parameters against parameter names, so a bare "down_proj" there is the experts' tensor.
+    parameters = tuple(p if "." in p else f"{EXPERTS_TARGET}.{p}" for p in parameters or ())
     try:
         return LoraConfig(
             rank=int(raw["r"]),
             alpha=float(raw["lora_alpha"]),
             dropout=float(raw.get("lora_dropout", 0.0)),
-            target_modules=tuple(targets or ()),
+            target_modules=tuple(targets or ()) + parameters,
+            init="gaussian" if raw.get("init_lora_weights") == "gaussian" else "kaiming",
         )
     except KeyError as e:
         raise ValueError(f"{config_path}: missing field {e.args[0]!r}") from None
@@ -349,8 +425,9 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | Path, adapter_name: s
         tensors = load_file(str(weights_path))
     except Exception as e:  # safetensors raises its own error types for corrupt files
         raise ValueError(f"Cannot read {weights_path}: {e}") from None
-    previous_active = next((m.active_adapter for _, m in _lora_modules(model)), None)
-    apply_lora(model, cfg, adapter_name, seed=0)  # the seed only keeps the global RNG untouched; weights follow
+    previous_active = next((m.active_adapter for _, m in _lora_layers(model)), None)
+    # The file decides which layers hold tensors (checked key by key below), so absent config names are skipped.
+    _add_adapter(model, cfg, adapter_name, seed=0, strict=False)  # the seed only keeps the global RNG untouched
     try:
         _copy_adapter_tensors(model, adapter_name, tensors, weights_path)
     except ValueError:
@@ -360,7 +437,24 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | Path, adapter_name: s
     return cfg
 
 
+def _drop_unchanged_base_copies(model: nn.Module, tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """peft saves `<layer>.base_layer.weight` for embedding-like targets (lm_head); accept it only if it is the
+    model's own weight, since LoRA here never changes base weights."""
+    suffix = ".base_layer.weight"
+    for key in [k for k in tensors if k.startswith(_PEFT_PREFIX) and k.endswith(suffix)]:
+        name = key[len(_PEFT_PREFIX) : -len(suffix)] + ".weight"
+        try:
+            base = model.get_parameter(name)
+        except AttributeError:
+            continue  # reported as an unexpected key
+        if base.shape != tensors[key].shape or not torch.equal(tensors[key].to(base.device, base.dtype), base):
+            raise ValueError(f"{path} carries a base weight {name} that differs from the model's; only LoRA tensors "
+                             "are supported (was the adapter trained with modules_to_save or a resized vocabulary?)")
+        del tensors[key]
+
+
 def _copy_adapter_tensors(model: nn.Module, adapter_name: str, tensors: dict[str, torch.Tensor], path: Path) -> None:
+    _drop_unchanged_base_copies(model, tensors, path)
     targets = lora_state_dict(model, adapter_name)
     missing, unexpected = sorted(targets.keys() - tensors.keys()), sorted(tensors.keys() - targets.keys())
     if missing or unexpected:

@@ -16,7 +16,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from models.checkpoint import save_pretrained
-from models.llama import CausalLM, ModelArgs
+from models.families import family_for_config
+from models.llama import ModelArgs
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # ids 0, 1, 2
@@ -205,30 +206,46 @@ def _tokenizer_config(tokenizer: Tokenizer) -> dict:
     }
 
 
+_COMMON = {
+    "hidden_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "hidden_act": "silu",
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "bos_token_id": None,
+    "eos_token_id": SPECIAL_TOKENS.index(IM_END),
+    "pad_token_id": SPECIAL_TOKENS.index(ENDOFTEXT),
+    "dtype": "float32",
+}
+# One tiny config per family: the dense Qwen3 the demo uses, a Qwen3-MoE and a DeepSeek-V3 (MLA + MoE) model.
+TINY_CONFIGS = {
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "intermediate_size": 384,
+              "num_key_value_heads": 2, "head_dim": 32},
+    "qwen3_moe": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "intermediate_size": 384,
+                  "num_key_value_heads": 2, "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 96, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                  "mlp_only_layers": [0]},
+    "deepseek_v3": {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "intermediate_size": 384,
+                    "num_key_value_heads": 4, "moe_intermediate_size": 96, "n_routed_experts": 8,
+                    "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "n_shared_experts": 1,
+                    "routed_scaling_factor": 2.5, "norm_topk_prob": True, "scoring_func": "sigmoid",
+                    "topk_method": "noaux_tc", "first_k_dense_replace": 1, "moe_layer_freq": 1, "q_lora_rank": 64,
+                    "kv_lora_rank": 32, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32},
+}
+
+
+def tiny_config(vocab_size: int, family: str = "qwen3") -> dict:
+    if family not in TINY_CONFIGS:
+        raise ValueError(f"unknown tiny family {family!r}; choose from {', '.join(TINY_CONFIGS)}")
+    return {**_COMMON, **TINY_CONFIGS[family], "vocab_size": vocab_size}
+
+
 def tiny_args(vocab_size: int) -> ModelArgs:
-    return ModelArgs.from_hf_config(
-        {
-            "architectures": ["Qwen3ForCausalLM"],
-            "model_type": "qwen3",
-            "vocab_size": vocab_size,
-            "hidden_size": 128,
-            "intermediate_size": 384,
-            "num_hidden_layers": 4,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 32,
-            "hidden_act": "silu",
-            "max_position_embeddings": 2048,
-            "rms_norm_eps": 1e-6,
-            "rope_theta": 10000.0,
-            "tie_word_embeddings": True,
-            "attention_bias": False,
-            "bos_token_id": None,
-            "eos_token_id": SPECIAL_TOKENS.index(IM_END),
-            "pad_token_id": SPECIAL_TOKENS.index(ENDOFTEXT),
-            "dtype": "float32",
-        }
-    )
+    return ModelArgs.from_hf_config(tiny_config(vocab_size))
 
 
 # The embeddings (std INIT_STD) are tied to lm_head, which LoRA leaves frozen; with a unit final norm the logits
@@ -237,7 +254,7 @@ def tiny_args(vocab_size: int) -> ModelArgs:
 FINAL_NORM_GAIN = 4.0
 
 
-def _init_weights(model: CausalLM, seed: int) -> None:
+def _init_weights(model: torch.nn.Module, seed: int) -> None:
     """Normal(0, INIT_STD) matrices, unit norms (FINAL_NORM_GAIN for the final one), drawn in a fixed order from one
     CPU generator."""
     generator = torch.Generator().manual_seed(seed)
@@ -255,8 +272,8 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
-    """Write the tiny model directory to out_dir (created if needed) and return its path."""
+def build_tiny_model(out_dir: str | Path, seed: int = 0, family: str = "qwen3") -> Path:
+    """Write the tiny model directory of a family (see TINY_CONFIGS) to out_dir (created if needed); return it."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()
@@ -271,7 +288,9 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
         out / "generation_config.json",
         {"eos_token_id": [ids[IM_END], ids[ENDOFTEXT]], "pad_token_id": ids[ENDOFTEXT], "do_sample": True},
     )
-    model = CausalLM(tiny_args(tokenizer.get_vocab_size()))
+    config = tiny_config(tokenizer.get_vocab_size(), family)
+    family_module = family_for_config(config)
+    model = family_module.CausalLM(family_module.ModelArgs.from_hf_config(config))
     _init_weights(model, seed)
     save_pretrained(model, out)
     return out
@@ -281,8 +300,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Build the tiny Qwen3-style test model directory.")
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--family", choices=list(TINY_CONFIGS), default="qwen3")
     args = parser.parse_args()
-    print(build_tiny_model(args.out_dir, seed=args.seed))
+    print(build_tiny_model(args.out_dir, seed=args.seed, family=args.family))
 
 
 if __name__ == "__main__":

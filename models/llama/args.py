@@ -10,11 +10,10 @@ else.
 import copy
 from dataclasses import dataclass, field
 
-from kernels import SUPPORTED_ROPE_TYPES
+from kernels.rope import DEFAULT_ROPE_THETA, SUPPORTED_ROPE_TYPES, parse_rope_config
 
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPES)
-_DEFAULT_ROPE_THETA = 10000.0
 # Keys that to_hf_config rewrites from the dataclass; everything else in the source config is carried over verbatim.
 _ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
 
@@ -31,7 +30,7 @@ class ModelArgs:
     head_dim: int
     rms_norm_eps: float
     max_position_embeddings: int
-    rope_theta: float = _DEFAULT_ROPE_THETA
+    rope_theta: float = DEFAULT_ROPE_THETA
     rope_scaling: dict | None = None  # HF rope_scaling dict with "rope_type"; None = plain RoPE
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2 always, Llama/Qwen3 when attention_bias
@@ -71,7 +70,7 @@ class ModelArgs:
             raise ValueError(f"Unsupported hidden_act {act!r} for {arch}; only 'silu' is implemented")
         if config.get("use_sliding_window"):
             raise ValueError(f"{arch} with use_sliding_window=true is not supported; set it to false")
-        rope_theta, rope_scaling = _parse_rope(config)
+        rope_theta, rope_scaling = parse_rope_config(config, SUPPORTED_ROPE_TYPES, "the dense Llama/Qwen model")
         num_heads = int(config["num_attention_heads"])
         hidden_size = int(config["hidden_size"])
         attention_bias = bool(config.get("attention_bias", False))
@@ -129,28 +128,3 @@ class ModelArgs:
         if self.torch_dtype is not None:
             config["dtype"] = self.torch_dtype
         return config
-
-
-def _parse_rope(config: dict) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling or None) from either config format."""
-    params = config.get("rope_parameters")
-    if params is not None:
-        if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
-            raise ValueError("Per-layer-type rope_parameters are not supported by the dense Llama/Qwen model")
-        scaling = dict(params)
-        theta = float(scaling.pop("rope_theta", config.get("rope_theta", _DEFAULT_ROPE_THETA)))
-    else:
-        theta = float(config.get("rope_theta", _DEFAULT_ROPE_THETA))
-        scaling = dict(config.get("rope_scaling") or {})
-    partial = scaling.pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1.0):
-        raise ValueError(f"partial_rotary_factor={partial} is not supported (only full rotary embeddings)")
-    rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"Unsupported rope type {rope_type!r}; supported types are {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    if rope_type == "default":
-        return theta, None
-    scaling.setdefault("original_max_position_embeddings", config.get("max_position_embeddings"))
-    return theta, {"rope_type": rope_type, **scaling}

@@ -29,7 +29,8 @@ from services.scheduler.settings import SchedulerSettings
 from trainyard.v1 import rollout_pb2, rollout_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc as rpc
 
 log = logging.getLogger("trainyard.scheduler")
-TINY_MODEL_NAME = "tiny-qwen3"
+# The tiny model of each family, built locally at first start: a model to try the platform with before importing one.
+TINY_MODELS = {"tiny-qwen3": "qwen3", "tiny-qwen3-moe": "qwen3_moe", "tiny-deepseek-v3": "deepseek_v3"}
 
 
 class RolloutGateway:
@@ -50,13 +51,14 @@ class RolloutGateway:
 
 def register_shared_models(settings: SchedulerSettings, db: Database) -> None:
     models = dict(settings.shared_models)
-    if settings.builtin_tiny_model:
+    if settings.builtin_tiny_models:
         from models.tiny import build_tiny_model
 
-        path = settings.data_dir / "models" / TINY_MODEL_NAME
-        if not (path / "config.json").exists():
-            build_tiny_model(path)
-        models.setdefault(TINY_MODEL_NAME, str(path))
+        for name, family in TINY_MODELS.items():
+            path = settings.data_dir / "models" / name
+            if not (path / "config.json").exists():
+                build_tiny_model(path, family=family)
+            models.setdefault(name, str(path))
     for name, path in models.items():
         with db.session() as s:
             registry.register_model(s, SHARED_SCOPE, name, path)

@@ -13,7 +13,7 @@ from services.common.errors import FailedPrecondition, InvalidArgument, Unavaila
 from services.common.schema import Dataset, Job, JobLog, JobMetric, new_id, utcnow
 from services.scheduler.dataset_formats import DatasetFormat
 from services.scheduler.ledger import TERMINAL, Ledger
-from services.trainer.sft_config import SftHyperparams
+from services.trainer.sft_config import SftHyperparams, lora_target_problem
 
 SFT_FORMATS = (DatasetFormat.SFT_CHAT.value, DatasetFormat.SFT_PROMPT_COMPLETION.value)
 
@@ -56,6 +56,9 @@ class JobCore:
                 raise InvalidArgument(f"dataset '{ds.id}' is in {ds.format} format; SFT needs sft_chat or "
                                       "sft_prompt_completion rows", field="spec.dataset_id")
             hp = SftHyperparams.from_request(req.config)
+            problem = lora_target_problem(model.path, hp.target_modules)
+            if problem:
+                raise InvalidArgument(problem, field="spec.sft.lora.target_modules")
             if hp.max_seq_len > model.max_position_embeddings:
                 raise InvalidArgument(f"must be at most the model's context length {model.max_position_embeddings}, "
                                       f"got {hp.max_seq_len}", field="spec.sft.max_seq_len")

@@ -23,8 +23,8 @@ class SchedulerSettings(TrainyardSettings):
     # Where `trainyard models import` may read model directories from (after resolving symlinks). Empty: any absolute
     # path the services can read, which suits a single team; a shared installation lists its model volumes here.
     model_import_roots: list[Path] = Field(default_factory=list)
-    # Build (once) and share the tiny demo model as "tiny-qwen3".
-    builtin_tiny_model: bool = True
+    # Build (once) and share the tiny model of each family: tiny-qwen3, tiny-qwen3-moe, tiny-deepseek-v3.
+    builtin_tiny_models: bool = True
 
     def broker(self) -> str:
         return self.broker_url or "filesystem://"

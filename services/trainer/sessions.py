@@ -28,7 +28,7 @@ from services.common.blobstore import BlobStore
 from services.common.db import Database
 from services.common.errors import FailedPrecondition, InvalidArgument, TrainyardError, Unavailable, not_found
 from services.common.schema import Checkpoint, TrainingSession, new_id, utcnow
-from services.trainer.sft_config import lora_settings
+from services.trainer.sft_config import lora_settings, lora_target_problem
 from services.trainer.tensors import to_torch
 from trainyard.v1 import trainer_pb2 as pb
 
@@ -124,6 +124,9 @@ class SessionManager:
             model_row = registry.require_model(s, account_id, base_model, field="base_model")
             name, path = model_row.name, model_row.path
         cfg = LoraConfig(rank=rank, alpha=alpha, target_modules=targets)
+        problem = lora_target_problem(path, targets)
+        if problem:
+            raise InvalidArgument(problem, field="lora.target_modules")
         model = load_pretrained(path)
         params = apply_lora(model, cfg, seed=seed)
         model.train()

@@ -1,6 +1,9 @@
 """Managed LoRA SFT: the training loop a worker runs for one job, with checkpoints it resumes from bit-exactly.
 
-Shapes: B rows in a micro-batch, T tokens per row, V vocab.
+Shapes: B rows in a micro-batch, T tokens per row, V vocab, D hidden, N = B * T, C tokens per chunk.
+
+The loss never materialises [B, T, V] logits: sum_target_nll takes the model's final hidden states and computes the
+target logprobs in chunks of tokens (kernels/logprobs.py), recomputing each chunk in backward.
 
 Order of one optimizer step s (0-based; `step` counts completed steps, so it becomes s + 1):
   for each of the step's gradient_accumulation_steps micro-batches: hooks.should_stop() -> forward -> backward of
@@ -24,7 +27,11 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
+from kernels import Packing
+from kernels.logprobs import chunked_logprobs, default_chunk_size
 from models import CausalLM, load_pretrained
 from models.lora import ADAPTER_WEIGHTS, LoraConfig, apply_lora, lora_state_dict, save_peft_adapter
 from models.tokenizer import load_tokenizer
@@ -142,11 +149,7 @@ class _SftRun:
         return SftOutcome(step=self.step, stopped=False, metrics=metrics)
 
     def _nll_sum(self, mb: MicroBatch) -> torch.Tensor:
-        logits_BTV = self.model(mb.input_ids_BT.to(self.device))
-        return F.cross_entropy(
-            logits_BTV.float().flatten(0, 1), mb.targets_BT.to(self.device).flatten(),
-            ignore_index=IGNORE_INDEX, reduction="sum",
-        )
+        return sum_target_nll(self.model, mb.input_ids_BT.to(self.device), mb.targets_BT.to(self.device))
 
     def _train_step(self, step: int) -> dict[str, float] | None:
         """One optimizer step over its micro-batches; None when should_stop() fired before one of them."""
@@ -234,6 +237,36 @@ class _SftRun:
         self.optimizer.load_state_dict(torch.load(state_dir / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
         _set_rng_state(torch.load(state_dir / RNG_FILE, weights_only=True), self.device)
         self.step = state["step"]
+
+
+def sum_target_nll(
+    model: CausalLM, input_ids_BT: torch.Tensor, targets_BT: torch.Tensor, *, chunk_size: int | None = None,
+    packing: Packing | None = None,
+) -> torch.Tensor:
+    """Summed float32 NLL of the target tokens (IGNORE_INDEX elsewhere), never materialising [B, T, V] logits:
+    chunked logprobs over the final-normed hidden states (kernels/logprobs.py), chunk_size tokens at a time
+    (default: kernels.logprobs.default_chunk_size of the vocabulary). With packing, the row (B = 1) holds several
+    sequences back to back (the model's `packing`); the targets then end each sequence with IGNORE_INDEX."""
+    hidden_BTD = model(input_ids_BT, packing=packing, return_hidden=True)
+    head = model.lm_head
+    chunk_size = chunk_size or default_chunk_size(head.out_features)
+    if type(head) is nn.Linear and head.bias is None:
+        logprobs_BT = chunked_logprobs(
+            hidden_BTD, None, 0.0, head.weight, targets_BT, chunk_size=chunk_size, ignore_index=IGNORE_INDEX
+        )
+        return -logprobs_BT.sum()
+    # LoRA wraps lm_head (its dropout acts on each token's hidden state, so there is no single unembedding matrix):
+    # the logits of one chunk at a time, recomputed in backward (checkpoint replays the dropout RNG state).
+    hidden_ND, targets_N = hidden_BTD.flatten(0, 1), targets_BT.flatten()
+    nll = hidden_ND.new_zeros((), dtype=torch.float32)
+    for start in range(0, hidden_ND.shape[0], chunk_size):
+        rows = slice(start, start + chunk_size)
+        nll = nll + checkpoint(_chunk_nll, model, hidden_ND[rows], targets_N[rows], use_reentrant=False)
+    return nll
+
+
+def _chunk_nll(model: CausalLM, hidden_CD: torch.Tensor, targets_C: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model.logits(hidden_CD).float(), targets_C, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def _load_adapter_weights(model: CausalLM, adapter_dir: Path) -> None:

@@ -6,6 +6,7 @@ The scheduler validates a request with ``SftHyperparams.from_request`` (violatio
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,8 +100,20 @@ def lora_settings(rank: int | None, alpha: float | None, dropout: float | None, 
     if not 0 <= dropout < 1:
         v.append(Violation(field=prefix + "dropout", reason=f"must be in [0, 1), got {dropout}"))
     targets = tuple(targets or DEFAULT_TARGETS)
-    unknown = [t for t in targets if t not in DEFAULT_TARGETS]
-    if unknown:
-        v.append(Violation(field=prefix + "target_modules",
-                           reason=f"unknown module(s) {unknown}; choose from {', '.join(DEFAULT_TARGETS)}"))
+    malformed = [t for t in targets if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]*", t)]
+    if malformed:  # whether each name exists is checked against the model's architecture (lora_target_problem)
+        v.append(Violation(field=prefix + "target_modules", reason=f"not module names: {malformed}"))
     return {"rank": rank, "alpha": float(alpha), "dropout": dropout, "target_modules": targets}, v
+
+
+def lora_target_problem(model_dir: str, targets: tuple[str, ...]) -> str | None:
+    """Why these LoRA targets do not fit the model in model_dir (None when they do); checks the architecture on the
+    meta device, so no weights are read."""
+    from models.checkpoint import build_on_meta
+    from models.lora import check_targets
+
+    try:
+        check_targets(build_on_meta(model_dir), targets)
+    except ValueError as exc:
+        return str(exc)
+    return None

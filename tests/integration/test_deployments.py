@@ -119,3 +119,32 @@ def test_rollout_down_fails_the_deployment_clearly_and_frees_the_name(stack, cli
     assert ready.status == pb.DEPLOYMENT_STATUS_READY and ready.id != failed.id
     assert client.sample("while-down", prompt="hi", max_tokens=2).sequences
     client.delete_deployment("while-down")
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny-deepseek-v3"])
+def test_moe_families_train_deploy_and_sample(client, model):
+    """The MoE families through the whole platform: a LoRA job on attention and every expert, deployed and sampled."""
+    ds, _ = client.upload_dataset(jsonl(chat_rows(8)), name=f"for-{model}")
+    job = client.create_sft_job(model, ds.id, max_steps=6, learning_rate=5e-3, lora_rank=4, checkpoint_every=3)
+    done = client.wait_job(job.id, timeout_s=300)
+    assert done.status == pb.JOB_STATUS_SUCCEEDED, done.error
+    metrics = [p.values["train/loss"] for p in client.job_metrics(job.id) if "train/loss" in p.values]
+    assert len(metrics) == 6 and metrics[-1] < metrics[0]
+    dep = client.create_deployment(f"{model}-tuned", job_id=job.id)
+    msgs = [{"role": "user", "content": "What is 3 plus 3?"}]
+    tuned = client.sample(dep.name, messages=msgs, temperature=0, max_tokens=8)
+    base = client.sample(model, messages=msgs, temperature=0, max_tokens=8)
+    assert tuned.sequences[0].tokens and base.sequences[0].tokens
+    assert tuned.sequences[0].logprobs != base.sequences[0].logprobs
+    client.delete_deployment(dep.name)
+
+
+def test_job_with_targets_the_model_lacks_is_rejected(client):
+    ds, _ = client.upload_dataset(jsonl(chat_rows(2)), name="targets")
+    with pytest.raises(TrainyardError) as exc:
+        client.create_sft_job("tiny-qwen3", ds.id, target_modules=["kv_b_proj"])  # an MLA projection
+    assert exc.value.code == "INVALID_ARGUMENT"
+    assert exc.value.violations[0].field == "spec.sft.lora.target_modules" and "valid module names" in \
+        exc.value.violations[0].reason
+    job = client.create_sft_job("tiny-deepseek-v3", ds.id, target_modules=["kv_b_proj", "experts"], max_steps=1)
+    client.cancel_job(job.id)

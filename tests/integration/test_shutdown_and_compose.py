@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture()
 def lone_scheduler(tmp_path, pg_url, redis_url):
     s = Stack(tmp_path, database_url=pg_url, broker_url=redis_url,
-              extra_env={"TRAINYARD_SHUTDOWN_GRACE_S": "30", "TRAINYARD_BUILTIN_TINY_MODEL": "false"})
+              extra_env={"TRAINYARD_SHUTDOWN_GRACE_S": "30", "TRAINYARD_BUILTIN_TINY_MODELS": "false"})
     s.run_once("migrate")
     s.start("scheduler")
     s.wait_ready("scheduler")

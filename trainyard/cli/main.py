@@ -9,6 +9,8 @@ import click
 from google.protobuf import json_format
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
 
+from trainyard.cli.admin import admin
+from trainyard.cli.local import validate
 from trainyard.cli.render import (
     ascii_chart,
     console,
@@ -81,74 +83,6 @@ def whoami(ctx):
     console.print(f"{a.name} ({a.id})")
 
 
-# -- admin (operator, direct database access) ---------------------------------------------------------------------
-@cli.group()
-def admin():
-    """Operator commands that act on the database directly (run where the services' settings are)."""
-
-
-@admin.command("migrate")
-def admin_migrate():
-    """Upgrade the database to the latest schema."""
-    from services.common.migrate import main
-
-    main()
-
-
-@admin.command("create-account")
-@click.argument("name")
-@click.option("--quiet", is_flag=True, help="Print only the API key.")
-def admin_create_account(name, quiet):
-    """Create an account and print its first API key (shown only once)."""
-    from services.common.auth import create_account
-    from services.common.config import TrainyardSettings
-    from services.common.db import Database, migrate
-    from services.common.errors import TrainyardError as DomainError
-
-    settings = TrainyardSettings()
-    settings.ensure_dirs()
-    migrate(settings.database_url)
-    db = Database(settings.database_url)
-    try:
-        account, _key, secret = create_account(db, name)
-    except DomainError as exc:
-        err_console.print(f"[bold red]error[/] {exc.message}")
-        sys.exit(1)
-    finally:
-        db.dispose()
-    if quiet:
-        click.echo(secret)
-    else:
-        console.print(f"created account [bold]{account.name}[/] ({account.id})")
-        console.print("API key (store it now; it is not shown again):")
-        click.echo(secret)
-
-
-@admin.command("import-model")
-@click.argument("path", type=click.Path(exists=True, file_okay=False))
-@click.option("--name", help="Defaults to the directory name.")
-def admin_import_model(path, name):
-    """Register a model directory that every account can use."""
-    from services.common.config import TrainyardSettings
-    from services.common.db import Database
-    from services.common.errors import TrainyardError as DomainError
-    from services.common.registry import register_model
-    from services.common.schema import SHARED_SCOPE
-
-    settings = TrainyardSettings()
-    db = Database(settings.database_url)
-    p = Path(path).resolve()
-    try:
-        with db.session() as s:
-            m = register_model(s, SHARED_SCOPE, name or p.name, str(p))
-            console.print(f"shared model [bold]{m.name}[/]: {m.architecture}, {m.num_parameters:,} parameters")
-    except DomainError as exc:
-        err_console.print(f"[bold red]error[/] {exc.message}")
-        sys.exit(1)
-    finally:
-        db.dispose()
-
-
 # -- keys ---------------------------------------------------------------------------------------------------------
 @cli.group()
 def keys():
@@ -213,13 +147,40 @@ def models_list(ctx):
     console.print(t)
 
 
+@models.command("count")
+@click.argument("model", metavar="MODEL_DIR_OR_CONFIG")
+def models_count(model):
+    """Exact parameter counts (total, active per token, by module kind) from config.json alone.
+
+    MODEL_DIR_OR_CONFIG: a model directory, a config.json, or a shipped config name (e.g. deepseek-v3)."""
+    from rich.table import Table
+
+    from models.shapes import CONFIGS_DIR, count_parameters, load_config
+
+    try:
+        count = count_parameters(load_config(model))
+    except ValueError as exc:
+        err_console.print(f"[bold red]error[/] {exc}")
+        sys.exit(1)
+    t = Table("module kind", "parameters", "share", title=f"{model}: {count.architecture}")
+    for group, n in sorted(count.by_group.items(), key=lambda kv: -kv[1]):
+        t.add_row(group, f"{n:,}", f"{n / count.total:.1%}")
+    t.add_row("[bold]total[/]", f"[bold]{count.total:,}[/]", "")
+    t.add_row("active per token", f"{count.active:,}", f"{count.active / count.total:.1%}")
+    console.print(t)
+    shipped = ", ".join(sorted(d.name for d in CONFIGS_DIR.iterdir() if d.is_dir()))
+    console.print(f"[dim]shipped configs: {shipped}[/]")
+
+
 @models.command("build-tiny")
 @click.argument("out_dir", type=click.Path(file_okay=False))
-def models_build_tiny(out_dir):
-    """Build the tiny demo model and tokenizer locally (no download)."""
+@click.option("--family", type=click.Choice(["qwen3", "qwen3_moe", "deepseek_v3"]), default="qwen3",
+              show_default=True)
+def models_build_tiny(out_dir, family):
+    """Build a tiny model of a family and its tokenizer locally (no download)."""
     from models.tiny import build_tiny_model
 
-    path = build_tiny_model(Path(out_dir))
+    path = build_tiny_model(Path(out_dir), family=family)
     console.print(f"built tiny model at {path}")
 
 
@@ -500,6 +461,10 @@ def demo(data_dir, steps):
     from trainyard.demo import run_demo
 
     sys.exit(run_demo(Path(data_dir), steps=steps))
+
+
+cli.add_command(admin)
+cli.add_command(validate)
 
 
 def main() -> None:

@@ -1,0 +1,235 @@
+"""LoRA layers: the adapter math on one nn.Linear (LoRALinear) and on one routed-expert block (ExpertsLoRA).
+
+models/lora.py applies them to a model, switches, merges, saves and loads adapters; docs/lora.md has the design.
+Shapes: E experts, F output features, D input features, r rank, M routed rows (kernels/moe.py).
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.moe import grouped_mm
+from models.moe import Experts
+
+EXPERTS_TARGET = "experts"
+# A menu, not a list that must all exist: an all-MoE model has no gate_proj, a dense one no experts, DeepSeek's MLA
+# has no q_proj/k_proj/v_proj (see apply_lora).
+DEFAULT_TARGETS = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", EXPERTS_TARGET,
+)
+INITS = ("kaiming", "gaussian")
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = DEFAULT_TARGETS
+    init: str = "kaiming"  # A's init: "kaiming" (peft's default, init_lora_weights=True) or "gaussian"; B is zeros
+
+    def __post_init__(self):
+        if self.rank < 1:
+            raise ValueError(f"LoRA rank must be >= 1, got {self.rank}")
+        if self.alpha <= 0:
+            raise ValueError(f"LoRA alpha must be > 0, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
+        if isinstance(self.target_modules, str) or not self.target_modules:
+            raise ValueError(f"target_modules must be a non-empty tuple of module names, got {self.target_modules!r}")
+        if self.init not in INITS:
+            raise ValueError(f"LoRA init must be one of {INITS}, got {self.init!r}")
+        self.target_modules = tuple(self.target_modules)
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+def _init_A(rows: int, cols: int, cfg: LoraConfig, generator: torch.Generator | None) -> torch.Tensor:
+    # On the CPU so a seed gives the same adapter on every device. Expert A's are [E*r, D]: fan_in stays D.
+    a = torch.empty(rows, cols, dtype=torch.float32)
+    if cfg.init == "gaussian":
+        nn.init.normal_(a, std=1 / cfg.rank, generator=generator)
+    else:
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+    return a
+
+
+class LoRALinear(nn.Module):
+    """An nn.Linear's weight/bias plus any number of named low-rank adapters."""
+
+    def __init__(self, base: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.bias = base.bias
+        self.lora_A = nn.ModuleDict()
+        self.lora_B = nn.ModuleDict()
+        self.lora_dropout = nn.ModuleDict()
+        self.scaling: dict[str, float] = {}
+        self.added_at: dict[str, int] = {}  # adapter -> models.lora's add counter, for adapter_names' order
+        self.active_adapter: str | None = None
+        self.merged_adapter: str | None = None
+
+    def add_adapter(self, name: str, cfg: LoraConfig, generator: torch.Generator | None) -> list[nn.Parameter]:
+        device = self.weight.device
+        lora_A = nn.Linear(self.in_features, cfg.rank, bias=False, device=device, dtype=torch.float32)
+        lora_B = nn.Linear(cfg.rank, self.out_features, bias=False, device=device, dtype=torch.float32)
+        with torch.no_grad():
+            lora_A.weight.copy_(_init_A(cfg.rank, self.in_features, cfg, generator))
+            lora_B.weight.zero_()
+        self.lora_A[name], self.lora_B[name] = lora_A, lora_B
+        self.lora_dropout[name] = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+        self.scaling[name] = cfg.scaling
+        return [lora_A.weight, lora_B.weight]
+
+    def delete_adapter(self, name: str) -> None:
+        for container in (self.lora_A, self.lora_B, self.lora_dropout):
+            del container[name]
+        del self.scaling[name], self.added_at[name]
+        if self.active_adapter == name:
+            self.active_adapter = None
+
+    def rank(self, name: str) -> int:
+        return self.lora_A[name].weight.shape[0]
+
+    def peft_tensors(self, name: str) -> dict[str, nn.Parameter]:
+        """The adapter's Parameters under their peft key suffixes."""
+        return {"lora_A.weight": self.lora_A[name].weight, "lora_B.weight": self.lora_B[name].weight}
+
+    def delta_weight(self, name: str) -> torch.Tensor:
+        return (self.lora_B[name].weight @ self.lora_A[name].weight) * self.scaling[name]
+
+    @torch.no_grad()
+    def merge(self, name: str) -> None:
+        self.weight.data += self.delta_weight(name).to(self.weight.dtype)
+        self.merged_adapter = name
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        self.weight.data -= self.delta_weight(self.merged_adapter).to(self.weight.dtype)
+        self.merged_adapter = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        result = F.linear(x, self.weight, self.bias)
+        name = self.active_adapter
+        if name is None or name == self.merged_adapter or name not in self.lora_A:
+            return result
+        result_dtype = result.dtype
+        lora_A = self.lora_A[name]
+        x = x.to(lora_A.weight.dtype)
+        result = result + self.lora_B[name](lora_A(self.lora_dropout[name](x))) * self.scaling[name]
+        return result.to(result_dtype)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, adapters={list(self.lora_A)}, "
+            f"active={self.active_adapter!r}, merged={self.merged_adapter!r}"
+        )
+
+
+class ExpertsLoRA(nn.Module):
+    """Named adapters on the fused expert tensors of one models.moe.Experts (installed as its `lora` hook).
+
+    Per adapter and adapted tensor W [E, F, D] (gate_up_proj: F = 2I, D = hidden; down_proj: F = hidden, D = I):
+    expert e computes x W_e^T + scaling * (dropout(x) A_e^T) B_e^T with two grouped GEMMs over the same row groups
+    as the base GEMM, in the activation dtype (so torch._grouped_mm serves bf16 on GPU); the float32 LoRA weights
+    are cast on the way in. Storage is peft's ParamWrapper layout, so lora_state_dict hands out the Parameters
+    themselves: lora_A [E*r, D] (rows e*r .. e*r+r-1 are A_e) and lora_B [F, r*E] (column j*E + e is column j of
+    B_e)."""
+
+    def __init__(self, experts: Experts):
+        super().__init__()
+        self.num_experts = experts.num_experts
+        self.shapes = {name: tuple(getattr(experts, name).shape) for name in Experts.WEIGHT_NAMES}
+        self.lora_A = nn.ModuleDict()  # adapter -> ParameterDict(weight name -> [E*r, D])
+        self.lora_B = nn.ModuleDict()  # adapter -> ParameterDict(weight name -> [F, r*E])
+        self.lora_dropout = nn.ModuleDict()
+        self.scaling: dict[str, float] = {}
+        self.added_at: dict[str, int] = {}  # adapter -> models.lora's add counter, for adapter_names' order
+        self.active_adapter: str | None = None
+        self.merged_adapter: str | None = None
+
+    def add_adapter(
+        self, name: str, cfg: LoraConfig, weight_names: list[str], device: torch.device,
+        generator: torch.Generator | None,
+    ) -> list[nn.Parameter]:
+        E, params = self.num_experts, []
+        lora_A, lora_B = nn.ParameterDict(), nn.ParameterDict()
+        for weight in weight_names:
+            _, out_features, in_features = self.shapes[weight]
+            lora_A[weight] = nn.Parameter(_init_A(E * cfg.rank, in_features, cfg, generator).to(device))
+            lora_B[weight] = nn.Parameter(torch.zeros(out_features, cfg.rank * E, device=device))
+            params += [lora_A[weight], lora_B[weight]]
+        self.lora_A[name], self.lora_B[name] = lora_A, lora_B
+        self.lora_dropout[name] = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+        self.scaling[name] = cfg.scaling
+        return params
+
+    def delete_adapter(self, name: str) -> None:
+        for container in (self.lora_A, self.lora_B, self.lora_dropout):
+            del container[name]
+        del self.scaling[name], self.added_at[name]
+        if self.active_adapter == name:
+            self.active_adapter = None
+
+    def rank(self, name: str) -> int:
+        return next(iter(self.lora_A[name].values())).shape[0] // self.num_experts
+
+    def factors(self, name: str, weight: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A [E, r, D], B [E, F, r]) of adapter `name` on fused tensor `weight` (views of the Parameters)."""
+        A, B = self.lora_A[name][weight], self.lora_B[name][weight]
+        return A.view(self.num_experts, -1, A.shape[-1]), B.view(B.shape[0], -1, self.num_experts).permute(2, 0, 1)
+
+    def peft_tensors(self, name: str) -> dict[str, nn.Parameter]:
+        """peft nests one ParamWrapper per adapted tensor on the experts module: with both adapted, gate_up_proj is
+        the inner one (`experts.base_layer.lora_A`) and down_proj the outer (`experts.lora_A`)."""
+        weights = list(self.lora_A[name])
+        out = {}
+        for weight in weights:
+            prefix = "base_layer." if len(weights) == 2 and weight == "gate_up_proj" else ""
+            out[f"{prefix}lora_A.weight"] = self.lora_A[name][weight]
+            out[f"{prefix}lora_B.weight"] = self.lora_B[name][weight]
+        return out
+
+    @torch.no_grad()
+    def merge(self, name: str, experts: Experts) -> None:
+        for weight in self.lora_A[name]:
+            self._add_delta(name, weight, getattr(experts, weight), sign=1.0)
+        self.merged_adapter = name
+
+    @torch.no_grad()
+    def unmerge(self, experts: Experts) -> None:
+        for weight in self.lora_A[self.merged_adapter]:
+            self._add_delta(self.merged_adapter, weight, getattr(experts, weight), sign=-1.0)
+        self.merged_adapter = None
+
+    def _add_delta(self, name: str, weight: str, w_EFD: torch.Tensor, sign: float) -> None:
+        A_ErD, B_EFr = self.factors(name, weight)
+        for e in range(self.num_experts):  # one expert's [F, D] delta at a time
+            w_EFD.data[e] += (sign * (B_EFr[e] @ A_ErD[e]) * self.scaling[name]).to(w_EFD.dtype)
+
+    def forward(
+        self, weight: str, x_MX: torch.Tensor, out_MF: torch.Tensor, counts_E: torch.Tensor, backend: str
+    ) -> torch.Tensor:
+        name = self.active_adapter
+        if name is None or name == self.merged_adapter or name not in self.lora_A or weight not in self.lora_A[name]:
+            return out_MF
+        dtype = out_MF.dtype
+        A_ErD, B_EFr = self.factors(name, weight)
+        x_MX = self.lora_dropout[name](x_MX).to(dtype)
+        a_Mr = grouped_mm(x_MX, A_ErD.to(dtype), counts_E, layout="EFD", backend=backend)
+        delta_MF = grouped_mm(a_Mr, B_EFr.to(dtype).contiguous(), counts_E, layout="EFD", backend=backend)
+        return out_MF + delta_MF * self.scaling[name]
+
+    def extra_repr(self) -> str:
+        adapted = {name: list(weights) for name, weights in self.lora_A.items()}
+        return (
+            f"experts={self.num_experts}, adapters={adapted}, active={self.active_adapter!r}, "
+            f"merged={self.merged_adapter!r}"
+        )
