@@ -119,10 +119,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
             grad_logits_CV = p_CV.mul_(coef_CV).neg_()
             grad_logits_CV.scatter_add_(1, targets_N[rows, None], grad_lp_N[rows, None])
             grad_logits_CV = grad_logits_CV.to(logits_CV.dtype)  # the gradient lm_head's matmul would receive
-            if need_unembed and grad_logits_CV.dtype == torch.float32:
-                grad_unembed_VD.addmm_(grad_logits_CV.T, h_CD.detach())
-            elif need_unembed:
-                grad_unembed_VD += grad_logits_CV.T @ h_CD.detach()
+            if need_unembed:  # each chunk's [V, D] contribution accumulates in fp32, never rounded to bf16
+                grad_unembed_VD.addmm_(grad_logits_CV.T.float(), h_CD.detach().float())
             if need_hidden or need_norm:
                 grad_h_CD = grad_logits_CV @ unembed_VD
                 if norm_weight is None:

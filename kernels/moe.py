@@ -16,13 +16,16 @@ grouped_mm backends:
   the output goes through `_ContiguousGrad`. On CUDA, torch documents it for bfloat16 on compute capability >= 8.0
   (not exercised here: no GPU in CI).
 - "auto": "grouped" where `grouped_mm_supported` says it runs, else "loop". An explicit "grouped" on an unsupported
-  dtype/device raises instead of silently running the loop.
+  dtype/device raises instead of silently running the loop. TRAINYARD_GROUPED_MM_BACKEND forces one process-wide
+  (kernels/backends.py), like every op.
 """
 
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kernels.backends import env_var, requested_backend
 
 GROUPED_MM_BACKENDS = ("auto", "loop", "grouped")
 WEIGHT_LAYOUTS = ("EDF", "EFD")
@@ -56,7 +59,9 @@ def permute(
     order_M = torch.sort(flat_ids_M, stable=True).indices
     inverse_M = torch.empty_like(order_M)
     inverse_M[order_M] = torch.arange(order_M.numel(), device=order_M.device)
-    counts_E = torch.bincount(flat_ids_M, minlength=num_experts)
+    # scatter_add rather than bincount: CUDA's bincount reads min/max back to the host (two syncs per MoE layer).
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=flat_ids_M.device).scatter_add_(
+        0, flat_ids_M, torch.ones_like(flat_ids_M))
     permuted_MD = tokens_ND[order_M // K]
     return permuted_MD, PermState(order_M, inverse_M, counts_E, N, K)
 
@@ -98,8 +103,7 @@ def grouped_mm(
     Face storage) and a block computes x @ w[e].T. Returns [M, F]; counts_E must sum to M."""
     if layout not in WEIGHT_LAYOUTS:
         raise ValueError(f"grouped_mm layout must be one of {WEIGHT_LAYOUTS}, got {layout!r}")
-    if backend not in GROUPED_MM_BACKENDS:
-        raise ValueError(f"grouped_mm backend must be one of {GROUPED_MM_BACKENDS}, got {backend!r}")
+    backend = requested_backend("grouped_mm", backend, tuple(b for b in GROUPED_MM_BACKENDS if b != "auto"))
     assert w.dim() == 3 and counts_E.shape == (w.shape[0],), (w.shape, counts_E.shape)
     if backend == "auto":
         backend = "grouped" if grouped_mm_supported(x_MD, w) else "loop"
@@ -107,7 +111,7 @@ def grouped_mm(
         if not grouped_mm_supported(x_MD, w):
             raise ValueError(
                 f"grouped_mm backend 'grouped' (torch._grouped_mm) does not support {x_MD.dtype} x {w.dtype} on "
-                f"{w.device.type}; use backend='auto' or 'loop'"
+                f"{w.device.type}; use backend='auto' or 'loop' (or unset {env_var('grouped_mm')})"
             )
         w_EDF = w if layout == "EDF" else w.transpose(-2, -1)
         offsets_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)

@@ -184,20 +184,46 @@ def load_pretrained(
     return model.eval()
 
 
-def save_pretrained(model: torch.nn.Module, out_dir: str | Path) -> None:
-    """Write config.json + model.safetensors that transformers' AutoModelForCausalLM.from_pretrained loads.
+MAX_SHARD_BYTES = 5 * 1024**3  # as transformers' default max_shard_size
+
+
+def save_pretrained(model: torch.nn.Module, out_dir: str | Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+    """Write config.json + safetensors weights that transformers' AutoModelForCausalLM.from_pretrained loads: one
+    model.safetensors, or shards of at most max_shard_bytes with model.safetensors.index.json. Each shard is copied
+    to the CPU and written before the next is gathered, so host memory holds one shard (plus, for MoE families, the
+    per-expert split).
 
     The weights are saved as they currently are: LoRA tensors are left out (they go to a PEFT adapter), but an
-    adapter merged with merge_adapter is part of the weights, which is how a merged model is exported."""
+    adapter merged with merge_adapter is part of the weights, which is how a merged model is exported. 4-bit frozen
+    experts have no Hugging Face form: dequantize them first."""
+    if any(getattr(m, "is_quantized", False) for m in model.modules()):
+        raise ValueError("this model holds 4-bit frozen experts, which a Hugging Face checkpoint cannot store; "
+                         "call models.moe.dequantize_experts_ first, or save the unquantized base")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state_dict_adapter = family_for_config({"architectures": [model.args.architecture]}).state_dict_adapter
     state = state_dict_adapter.to_hf(model.state_dict(), model.args)
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    shards: list[list[str]] = [[]]
+    size = 0
+    for key, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(key)
+        size += nbytes
+    names = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, keys in zip(names, shards):
+        save_file({k: state[k].detach().to("cpu").contiguous() for k in keys}, str(out / name),
+                  metadata={"format": "pt"})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                 "weight_map": {k: name for name, keys in zip(names, shards) for k in keys}}
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     config = model.args.to_hf_config()
     config["dtype"] = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
 def build_on_meta(model_dir: str | Path) -> torch.nn.Module:

@@ -23,3 +23,36 @@ def test_bf16_load_keeps_the_deepseek_router_in_float32(tmp_path):
     with torch.no_grad():
         diff = (ours(ids).float() - hf(ids).logits.float()).abs().max().item()
     assert diff <= 2 ** -7, diff  # one bf16 ulp at the logits' magnitude (|logits| < 1 here)
+
+
+def test_sharded_save_loads_in_transformers_and_back(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from models import save_pretrained
+    from models.tiny import build_tiny_model
+
+    model = load_pretrained(build_tiny_model(tmp_path / "src", family="qwen3_moe"))
+    save_pretrained(model, tmp_path / "sharded", max_shard_bytes=1 << 20)
+    shards = sorted(p.name for p in (tmp_path / "sharded").glob("*.safetensors"))
+    assert len(shards) > 2 and (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    ids = torch.randint(3, 1000, (1, 9), generator=torch.Generator().manual_seed(0))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "sharded", dtype=torch.float32)
+    again = load_pretrained(tmp_path / "sharded")
+    with torch.no_grad():
+        ref = model(ids)
+        assert torch.equal(again(ids), ref)
+        assert (hf(ids).logits - ref).abs().max() <= 1e-5
+
+
+def test_saving_4bit_experts_is_refused(tmp_path):
+    import pytest
+
+    from models import save_pretrained
+    from models.moe import quantize_experts_
+    from models.tiny import build_tiny_model
+
+    model = load_pretrained(build_tiny_model(tmp_path / "src", family="qwen3_moe"))
+    quantize_experts_(model, block_size=32)
+    with pytest.raises(ValueError, match="4-bit frozen experts"):
+        save_pretrained(model, tmp_path / "out")
+    assert not (tmp_path / "out" / "model.safetensors").exists()

@@ -258,9 +258,7 @@ def test_bf16_matches_transformers_bf16(hf_dirs):
 
     Without the replay the comparison measures routing flips, not our numerics: the tiny random router's sigmoid
     scores sit within bf16 rounding of each other, and bf16 transformers itself differs from fp32 transformers by
-    up to a third of the largest logit on such a model. Note that transformers keeps gate.weight and
-    e_score_correction_bias in float32 when loading bf16, while load_pretrained casts every tensor to the requested
-    dtype."""
+    up to a third of the largest logit on such a model."""
     path, _ = hf_dirs["yarn"]
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     ours = load_pretrained(path, dtype=torch.bfloat16)

@@ -160,13 +160,13 @@ def test_state_dict_adapter_round_trip_and_errors(ours):
     hf_state = state_dict_adapter.to_hf(state, ours.args)
     assert "model.layers.2.mlp.experts.3.gate_proj.weight" in hf_state
     assert not any(k.endswith("gate_up_proj") for k in hf_state)
-    back = state_dict_adapter.from_hf(hf_state, ours.args)
+    back = state_dict_adapter.from_hf(dict(hf_state), ours.args)  # from_hf consumes the dict it is given
     assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
     incomplete = {k: v for k, v in hf_state.items() if k != "model.layers.1.mlp.experts.5.up_proj.weight"}
-    with pytest.raises(ValueError, match=r"missing \['model\.layers\.1\.mlp\.experts\.5\.up_proj\.weight'\]"):
+    with pytest.raises(ValueError, match=r"missing \[model\.layers\.1\.mlp\.experts\.5\.up_proj\.weight\]"):
         state_dict_adapter.from_hf(incomplete, ours.args)
     mixed = {**hf_state, "model.layers.1.mlp.experts.down_proj": state["model.layers.1.mlp.experts.down_proj"]}
-    with pytest.raises(ValueError, match="both fused and per-expert"):
+    with pytest.raises(ValueError, match="both fused and as per-expert"):
         state_dict_adapter.from_hf(mixed, ours.args)
 
 
