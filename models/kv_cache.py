@@ -1,6 +1,6 @@
 """Preallocated key/value cache shared by every family (the rollout decodes with it).
 
-Shapes: L layers, B rows, K kv heads, S positions, D head dim. Keys and values may have different head dims (MLA's
+Shapes: L layers, B rows, K kv heads, S positions, T new positions, H query heads, D head dim. Keys and values may have different head dims (MLA's
 keys carry the rope part, 192 = 128 + 64, its values 128): a family whose cached heads differ from
 num_kv_heads x head_dim says so with ModelArgs.kv_cache_dims = (k_dim, v_dim).
 """
@@ -8,6 +8,8 @@ num_kv_heads x head_dim says so with ModelArgs.kv_cache_dims = (k_dim, v_dim).
 from dataclasses import dataclass
 
 import torch
+
+from kernels import attention
 
 
 @dataclass(eq=False)
@@ -56,3 +58,15 @@ class KVCache:
         self.k_LBKSD[layer, :, :, self.length : end] = k_BKTD
         self.v_LBKSD[layer, :, :, self.length : end] = v_BKTD
         return self.k_LBKSD[layer, :, :, :end], self.v_LBKSD[layer, :, :, :end]
+
+    def attend(
+        self, layer: int, q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD: torch.Tensor, *,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """What an attention layer does with its cache: write the new keys/values (update) and attend the T new
+        queries, at positions length..length+T-1, to everything cached so far. Returns [B, H, T, Dv].
+
+        This is the whole contract between a model's attention and its cache: another cache (the rollout's paged
+        one, services/rollout/paged_cache.py) implements attend with per-row lengths and block tables."""
+        k_BKSD, v_BKSD = self.update(layer, k_BKTD, v_BKTD)
+        return attention(q_BHTD, k_BKSD, v_BKSD, causal=True, q_offset=self.length, scale=scale)

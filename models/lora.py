@@ -26,13 +26,16 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from models.lora_layers import DEFAULT_TARGETS, EXPERTS_TARGET, INITS, ExpertsLoRA, LoraConfig, LoRALinear
+from models.lora_layers import (
+    DEFAULT_TARGETS, EXPERTS_TARGET, INITS, ExpertsLoRA, LoraConfig, LoRALinear, RowAdapters, per_row_adapters,
+)
 from models.moe import Experts
 
 __all__ = [
     "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "DEFAULT_TARGETS", "EXPERTS_TARGET", "INITS", "TRAIN_MODES", "ExpertsLoRA",
-    "LoRALinear", "LoraConfig", "adapter_names", "apply_lora", "check_targets", "load_peft_adapter", "lora_state_dict",
-    "merge_adapter", "remove_adapter", "save_peft_adapter", "set_active_adapter", "set_trainable", "unmerge_adapter",
+    "LoRALinear", "LoraConfig", "RowAdapters", "adapter_names", "apply_lora", "check_targets", "load_peft_adapter",
+    "lora_state_dict", "merge_adapter", "per_row_adapters", "remove_adapter", "save_peft_adapter",
+    "set_active_adapter", "set_trainable", "unmerge_adapter",
 ]
 
 TRAIN_MODES = ("full", "lora")

@@ -1,17 +1,25 @@
 """LoRA layers: the adapter math on one nn.Linear (LoRALinear) and on one routed-expert block (ExpertsLoRA).
 
 models/lora.py applies them to a model, switches, merges, saves and loads adapters; docs/lora.md has the design.
-Shapes: E experts, F output features, D input features, r rank, M routed rows (kernels/moe.py).
+Shapes: E experts, F output features, D input features, r rank, M routed rows (kernels/moe.py), N rows of a
+forward's flattened tokens (B * T).
+
+Two ways to choose the adapter: `active_adapter` (one for the whole model: the trainer), or `per_row_adapters`
+(a context: each token row names its own adapter or the base model, so requests for different adapters share one
+forward: the rollout's multi-LoRA batches). Per row, the math is the single-adapter math on that row's inputs.
 """
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.moe import grouped_mm
+from kernels.moe import PermState, grouped_mm
 from models.moe import Experts
 
 EXPERTS_TARGET = "experts"
@@ -48,6 +56,48 @@ class LoraConfig:
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
+
+
+@dataclass(frozen=True)
+class RowAdapters:
+    """The adapter of each row of one forward's flattened tokens [N].
+
+    groups: (adapter name, int64 row indices) for each adapter present, rows in no group run the base weights only;
+    group_N: int64 [N], each row's index into groups, -1 for base rows (routed expert rows look it up)."""
+
+    groups: tuple[tuple[str, torch.Tensor], ...]
+    group_N: torch.Tensor
+
+    @classmethod
+    def from_names(cls, names_N: Sequence[str | None], device: torch.device | str = "cpu") -> "RowAdapters":
+        """From each row's adapter name (None = base model)."""
+        order = list(dict.fromkeys(n for n in names_N if n is not None))
+        index = {name: i for i, name in enumerate(order)}
+        group_N = torch.tensor([-1 if n is None else index[n] for n in names_N], dtype=torch.int64)
+        groups = tuple((name, (group_N == i).nonzero().squeeze(1).to(device)) for i, name in enumerate(order))
+        return cls(groups=groups, group_N=group_N.to(device))
+
+
+_ROW_ADAPTERS: contextvars.ContextVar[RowAdapters | None] = contextvars.ContextVar("lora_row_adapters", default=None)
+
+
+@contextlib.contextmanager
+def per_row_adapters(rows: RowAdapters) -> Iterator[None]:
+    """Within this context (in this thread), every LoRA layer applies each row's own adapter from `rows` and ignores
+    `active_adapter`. The forward's inputs must flatten to the N rows `rows` describes. No adapter may be merged."""
+    token = _ROW_ADAPTERS.set(rows)
+    try:
+        yield
+    finally:
+        _ROW_ADAPTERS.reset(token)
+
+
+def _check_not_merged(layer: "LoRALinear | ExpertsLoRA") -> None:
+    if layer.merged_adapter is not None:
+        raise ValueError(
+            f"Adapter {layer.merged_adapter!r} is merged into the weights; unmerge_adapter it before running "
+            "per-row adapters"
+        )
 
 
 def _init_A(rows: int, cols: int, cfg: LoraConfig, generator: torch.Generator | None) -> torch.Tensor:
@@ -117,6 +167,9 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = F.linear(x, self.weight, self.bias)
+        rows = _ROW_ADAPTERS.get()
+        if rows is not None:
+            return self._add_per_row(x, result, rows)
         name = self.active_adapter
         if name is None or name == self.merged_adapter or name not in self.lora_A:
             return result
@@ -125,6 +178,19 @@ class LoRALinear(nn.Module):
         x = x.to(lora_A.weight.dtype)
         result = result + self.lora_B[name](lora_A(self.lora_dropout[name](x))) * self.scaling[name]
         return result.to(result_dtype)
+
+    def _add_per_row(self, x: torch.Tensor, result: torch.Tensor, rows: RowAdapters) -> torch.Tensor:
+        """result (the base output) plus, on each adapter's rows, that adapter's update; in place on result."""
+        _check_not_merged(self)
+        x_NX, out_NF = x.reshape(-1, x.shape[-1]), result.view(-1, result.shape[-1])
+        for name, rows_n in rows.groups:
+            if name not in self.lora_A:
+                continue
+            lora_A = self.lora_A[name]
+            x_nX = self.lora_dropout[name](x_NX.index_select(0, rows_n).to(lora_A.weight.dtype))
+            sum_nF = out_NF.index_select(0, rows_n) + self.lora_B[name](lora_A(x_nX)) * self.scaling[name]
+            out_NF.index_copy_(0, rows_n, sum_nF.to(out_NF.dtype))
+        return result
 
     def extra_repr(self) -> str:
         return (
@@ -215,17 +281,47 @@ class ExpertsLoRA(nn.Module):
             w_EFD.data[e] += (sign * (B_EFr[e] @ A_ErD[e]) * self.scaling[name]).to(w_EFD.dtype)
 
     def forward(
-        self, weight: str, x_MX: torch.Tensor, out_MF: torch.Tensor, counts_E: torch.Tensor, backend: str
+        self, weight: str, x_MX: torch.Tensor, out_MF: torch.Tensor, state: PermState, backend: str
     ) -> torch.Tensor:
+        rows = _ROW_ADAPTERS.get()
+        if rows is not None:
+            return self._add_per_row(weight, x_MX, out_MF, state, backend, rows)
         name = self.active_adapter
         if name is None or name == self.merged_adapter or name not in self.lora_A or weight not in self.lora_A[name]:
             return out_MF
-        dtype = out_MF.dtype
+        return out_MF + self._delta(name, weight, x_MX, state.counts_E, backend, out_MF.dtype)
+
+    def _delta(
+        self, name: str, weight: str, x_MX: torch.Tensor, counts_E: torch.Tensor, backend: str, dtype: torch.dtype
+    ) -> torch.Tensor:
         A_ErD, B_EFr = self.factors(name, weight)
         x_MX = self.lora_dropout[name](x_MX).to(dtype)
         a_Mr = grouped_mm(x_MX, A_ErD.to(dtype), counts_E, layout="EFD", backend=backend)
         delta_MF = grouped_mm(a_Mr, B_EFr.to(dtype).contiguous(), counts_E, layout="EFD", backend=backend)
-        return out_MF + delta_MF * self.scaling[name]
+        return delta_MF * self.scaling[name]
+
+    def _add_per_row(
+        self, weight: str, x_MX: torch.Tensor, out_MF: torch.Tensor, state: PermState, backend: str,
+        rows: RowAdapters,
+    ) -> torch.Tensor:
+        """out plus each adapter's update on the routed rows of its tokens. The permuted rows are grouped by expert
+        and keep their order inside a group, so any subset of them is still grouped by expert."""
+        _check_not_merged(self)
+        present = [(g, name) for g, (name, _) in enumerate(rows.groups)
+                   if name in self.lora_A and weight in self.lora_A[name]]
+        if not present:
+            return out_MF
+        out_MF = out_MF.clone()
+        group_M = rows.group_N[state.order_M // state.top_k]
+        expert_M = torch.repeat_interleave(
+            torch.arange(self.num_experts, device=out_MF.device), state.counts_E, output_size=group_M.numel()
+        )
+        for g, name in present:
+            rows_m = (group_M == g).nonzero().squeeze(1)
+            counts_E = torch.bincount(expert_M.index_select(0, rows_m), minlength=self.num_experts)
+            delta_mF = self._delta(name, weight, x_MX.index_select(0, rows_m), counts_E, backend, out_MF.dtype)
+            out_MF.index_copy_(0, rows_m, out_MF.index_select(0, rows_m) + delta_mF)
+        return out_MF
 
     def extra_repr(self) -> str:
         adapted = {name: list(weights) for name, weights in self.lora_A.items()}

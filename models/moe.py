@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.moe import grouped_mm, permute, unpermute
+from kernels.moe import PermState, grouped_mm, permute, unpermute
 from kernels.quant4 import Packed4Weight, quant4_grouped_mm
 from models.llama.model import MLP
 
@@ -213,8 +213,9 @@ class Experts(nn.Module):
 
     Two hooks, both off by default (the plain path is unchanged, bitwise):
     - `lora`: None, or a module (models.lora.ExpertsLoRA, set by apply_lora) called as
-      `lora(name, x_MX, out_MF, counts_E, backend)` after each grouped GEMM; it returns out plus the active adapter's
-      per-expert low-rank update, itself computed with grouped GEMMs (docs/lora.md).
+      `lora(name, x_MX, out_MF, state, backend)` after each grouped GEMM (state: the kernels.moe.PermState of the
+      permutation, whose order_M tells each routed row's token); it returns out plus the adapter's per-expert
+      low-rank update, itself computed with grouped GEMMs (docs/lora.md).
     - `quantize_()` swaps the fused Parameters for frozen kernels.quant4.Packed4Weight modules under the same names;
       those are dequantized one expert at a time inside the GEMM (docs/quant4.md). `dequantize_()` undoes it.
     """
@@ -234,20 +235,20 @@ class Experts(nn.Module):
 
     def forward(self, x_ND: torch.Tensor, ids_NK: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
         x_MD, state = permute(x_ND, ids_NK, self.num_experts)
-        gate_up_M2I = self._project("gate_up_proj", x_MD, state.counts_E)
+        gate_up_M2I = self._project("gate_up_proj", x_MD, state)
         gate_MI, up_MI = gate_up_M2I.chunk(2, dim=-1)
         h_MI = F.silu(gate_MI) * up_MI
-        out_MD = self._project("down_proj", h_MI, state.counts_E)
+        out_MD = self._project("down_proj", h_MI, state)
         return unpermute(out_MD, weights_NK, state)
 
-    def _project(self, name: str, x_MX: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    def _project(self, name: str, x_MX: torch.Tensor, state: PermState) -> torch.Tensor:
         weight = getattr(self, name)
         if isinstance(weight, Packed4Weight):
-            out_MF = quant4_grouped_mm(x_MX, weight, counts_E)
+            out_MF = quant4_grouped_mm(x_MX, weight, state.counts_E)
         else:
-            out_MF = grouped_mm(x_MX, weight, counts_E, layout="EFD", backend=self.backend)
+            out_MF = grouped_mm(x_MX, weight, state.counts_E, layout="EFD", backend=self.backend)
         if self.lora is not None:
-            out_MF = self.lora(name, x_MX, out_MF, counts_E, self.backend)
+            out_MF = self.lora(name, x_MX, out_MF, state, self.backend)
         return out_MF
 
     @property

@@ -87,8 +87,7 @@ class MLAttention(nn.Module):
         if cache is None:
             out_BHTD = attention(q_BHTD, k_BHTD, v_BHTD, causal=True, q_offset=0, packing=packing, scale=self.scale)
         else:
-            k_BHSD, v_BHSD = cache.update(self.layer_idx, k_BHTD, v_BHTD)
-            out_BHTD = attention(q_BHTD, k_BHSD, v_BHSD, causal=True, q_offset=cache.length, scale=self.scale)
+            out_BHTD = cache.attend(self.layer_idx, q_BHTD, k_BHTD, v_BHTD, scale=self.scale)
         return self.o_proj(out_BHTD.transpose(1, 2).reshape(B, T, H * self.v_dim))
 
 

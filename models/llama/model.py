@@ -59,8 +59,7 @@ class Attention(nn.Module):
         if cache is None:
             out_BHTD = attention(q_BHTD, k_BKTD, v_BKTD, causal=True, q_offset=0, packing=packing)
         else:
-            k_BKSD, v_BKSD = cache.update(self.layer_idx, k_BKTD, v_BKTD)
-            out_BHTD = attention(q_BHTD, k_BKSD, v_BKSD, causal=True, q_offset=cache.length)
+            out_BHTD = cache.attend(self.layer_idx, q_BHTD, k_BKTD, v_BKTD)
         return self.o_proj(out_BHTD.transpose(1, 2).reshape(B, T, -1))
 
 

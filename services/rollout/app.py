@@ -15,8 +15,7 @@ def build(settings: RolloutSettings) -> Server:
     settings.ensure_dirs()
     settings.apply_torch_threads()
     db = Database(settings.database_url)
-    engine = Engine(max_loaded_adapters=settings.max_loaded_adapters, dtype=settings.torch_dtype(),
-                    device=settings.device)
+    engine = Engine(settings.engine_config())
     core = RolloutCore(db, BlobStore(settings.blob_dir), engine, settings.adapters_dir())
 
     def register(server) -> None:

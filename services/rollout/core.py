@@ -17,6 +17,7 @@ import logging
 import shutil
 import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from services.common.db import Database
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, not_found
 from services.common.schema import Checkpoint, Deployment
 from services.rollout import sampling
-from services.rollout.engine import Engine
+from services.rollout.engine import Engine, RequestHandle, RequestOutput
 from services.rollout.sampling import SampledSequence, SamplingParams
 
 log = logging.getLogger("trainyard.rollout")
@@ -60,6 +61,25 @@ class SampleResult:
     model: str
     prompt_tokens: list[int]
     sequences: list[SampledSequence]
+    prompt_logprobs: list[float] | None = None
+    router_layers: list[int] | None = None  # decoder layer of each MoE layer in router_ids, with return_router_ids
+
+
+@dataclass
+class SampleStream:
+    """A running request: outputs() yields its RequestOutput per engine step and cancels the request when closed
+    early (the client went away)."""
+
+    model: str
+    prompt_tokens: list[int]
+    router_layers: list[int] | None
+    handle: RequestHandle
+
+    def outputs(self) -> Iterator[RequestOutput]:
+        try:
+            yield from self.handle
+        finally:
+            self.handle.cancel()
 
 
 @dataclass(frozen=True)
@@ -84,13 +104,22 @@ class RolloutCore:
         self._materialize_lock = threading.Lock()
 
     def sample(self, account_id: str, model: str, prompt: Prompt, params: SamplingParams) -> SampleResult:
+        stream = self.sample_stream(account_id, model, prompt, params)
+        result = stream.handle.result()
+        return SampleResult(model=model, prompt_tokens=stream.prompt_tokens, sequences=result.sequences,
+                            prompt_logprobs=result.prompt_logprobs, router_layers=stream.router_layers)
+
+    def sample_stream(self, account_id: str, model: str, prompt: Prompt, params: SamplingParams) -> SampleStream:
+        """Resolve, validate and submit; the request runs in the engine while the caller reads its outputs."""
         sampling.validate_params(params)  # before anything is loaded for a request that cannot run
         target = self._resolve(account_id, model)
         if target.adapter_id is not None:
             self.engine.load_adapter(target.adapter_id, target.model_dir, self._adapter_dir(target), eager=False)
-        prompt_ids = self._encode(self.engine.base(target.model_dir).tokenizer, prompt)
-        sequences = self.engine.generate(target.model_dir, target.adapter_id, prompt_ids, params)
-        return SampleResult(model=model, prompt_tokens=prompt_ids, sequences=sequences)
+        base = self.engine.base(target.model_dir)
+        prompt_ids = self._encode(base.tokenizer, prompt)
+        handle = self.engine.submit(target.model_dir, target.adapter_id, prompt_ids, params)
+        layers = list(base.core.moe_layers) if params.return_router_ids else None
+        return SampleStream(model=model, prompt_tokens=prompt_ids, router_layers=layers, handle=handle)
 
     def load_deployment(self, account_id: str, deployment_id: str) -> LoadedInfo:
         with self.db.session() as s:

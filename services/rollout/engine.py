@@ -1,51 +1,114 @@
-"""The sampling engine: base models, LoRA adapters on them, and KV-cached generation with the trainer's model code.
+"""The sampling engine: base models, LoRA adapters on them, and continuous batching with the trainer's model code.
 
-Shapes: B rows still decoding (<= n), P prompt tokens, V vocab.
+Interface (docs/rollout.md):
+    engine = Engine(EngineConfig(...))             # or Engine(max_loaded_adapters=..., dtype=..., device=...)
+    engine.base(model_dir)                         # load a base model (tokenizer, eos ids, its engine loop)
+    engine.load_adapter(adapter_id, model_dir, adapter_dir, eager=True) / engine.unload_adapter(adapter_id)
+    handle = engine.submit(model_dir, adapter_id | None, prompt_ids, params)
+    for out in handle: ...                         # RequestOutput per engine step (incremental), the last finished
+    handle.result() -> Generation                  # or wait for the whole result; handle.cancel() aborts
+    engine.generate(...) -> list[SampledSequence]  # submit(...).result().sequences
 
-One request at a time per base model (a lock): the prompt is prefilled once with batch 1, the cache is expanded to
-the n samples with KVCache.select, and the rows are decoded together one token per step; a row that finishes is
-dropped from the batch (and from the cache), so it costs nothing afterwards. Continuous batching and a paged cache
-will replace `_generate` behind the same `generate` call.
+Each base model has one EngineCore (services/rollout/engine_core.py: schedule -> execute -> update) and one loop
+thread that runs its steps while it has requests. Requests from any thread join the running batch between steps
+(continuous batching); requests for different adapters of one base and for the base itself share every step.
 
-Adapters are known by id (a deployment id) with the directory they load from. At most max_loaded_adapters hold
-weights at once, least recently used first out; an evicted adapter stays known and is loaded again from its
-directory on its next use. Only unload_adapter forgets one.
+Adapters are opaque slots: an adapter id (a deployment id, or one per weight version of a deployment) names a PEFT
+directory; its weights live in the base model under an internal slot name while loaded. At most
+max_loaded_adapters hold weights at once: loading another evicts the least recently used adapter that no unfinished
+request uses, or waits until one is free. An evicted adapter stays known and is loaded again on its next use;
+unload_adapter forgets it at once for new requests, and frees its weights when its last running request finishes,
+so a new weight version can be loaded under a new id while requests on the old one finish.
 
-Locking: `_lock` guards the engine's dictionaries and is only ever held briefly; a base model's `lock` guards its
-module tree (adding, removing and switching adapters, and forward passes). A thread never holds two base locks, and
-takes `_lock` inside a base lock, never the other way round, so there is no lock-order cycle.
+Locking: `_lock` guards the base-model dictionary and is held briefly; `_cv` (a Condition) guards adapter state and
+is held while loading or dropping adapter weights; a base model's `lock` guards its module tree (adding, removing
+adapters) and its engine steps. Order: _cv, then a base lock, then _lock; the loop thread holds only its base lock
+during a step and unpins adapters after releasing it, so there is no cycle.
 """
 from __future__ import annotations
 
+import itertools
 import logging
+import queue
 import threading
+import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from models import CausalLM, KVCache, load_pretrained
+from models import load_pretrained
 from models.lora import load_peft_adapter, remove_adapter, set_active_adapter
 from models.tokenizer import eos_token_ids, load_tokenizer
-from services.common.errors import FailedPrecondition, NotFound
+from services.common.errors import FailedPrecondition, NotFound, Unavailable
 from services.rollout import sampling
-from services.rollout.sampling import SampledSequence, SamplingParams, SequenceBuilder
+from services.rollout.engine_core import EngineConfig, EngineCore, RequestOutput
+from services.rollout.sampling import SampledSequence, SamplingParams
 
 log = logging.getLogger("trainyard.rollout.engine")
+
+__all__ = ["BaseModel", "Engine", "EngineConfig", "Generation", "RequestHandle", "RequestOutput"]
+
+
+@dataclass
+class Generation:
+    sequences: list[SampledSequence]
+    prompt_logprobs: list[float] | None = None  # logprob of prompt token i + 1 given tokens 0..i, when asked for
+
+
+class RequestHandle:
+    """A submitted request: iterate for its outputs step by step, or wait for result(). Thread-safe."""
+
+    def __init__(self, request_id: str, n: int, cancel: Callable[[], None]):
+        self.request_id, self.n = request_id, n
+        self._queue: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        self._cancel = cancel
+        self._done = False
+
+    def deliver(self, out: RequestOutput) -> None:
+        self._queue.put(out)
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while not self._done:
+            out = self._queue.get()
+            if out.finished:
+                self._done = True
+            if out.error is not None:
+                raise out.error
+            yield out
+
+    def result(self) -> Generation:
+        sequences = [SampledSequence() for _ in range(self.n)]
+        prompt_logprobs = None
+        for out in self:
+            for d in out.sequences:
+                s = sequences[d.index]
+                s.tokens += d.tokens
+                s.logprobs += d.logprobs
+                s.top_logprobs += d.top_logprobs
+                s.text += d.text
+                s.finish_reason = d.finish_reason or s.finish_reason
+                s.router_ids = d.router_ids if d.router_ids is not None else s.router_ids
+            prompt_logprobs = out.prompt_logprobs if out.prompt_logprobs is not None else prompt_logprobs
+        return Generation(sequences, prompt_logprobs)
+
+    def cancel(self) -> None:
+        """Abort the request (its blocks are freed); iteration ends. A no-op once it finished."""
+        if not self._done:
+            self._cancel()
 
 
 @dataclass
 class BaseModel:
     model_dir: str
-    model: CausalLM
+    model: torch.nn.Module
     tokenizer: object
     eos_ids: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
+    core: EngineCore
     lock: threading.Lock = field(default_factory=threading.Lock)
-    resident: set[str] = field(default_factory=set)  # adapter ids whose weights are in `model`
+    loop: _Loop | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -56,24 +119,32 @@ class BaseModel:
         return self.model.args.max_position_embeddings
 
 
-@dataclass
+@dataclass(eq=False)
 class _Adapter:
+    adapter_id: str
     model_dir: str
     adapter_dir: Path
+    slot: str | None = None  # its name inside the base model while its weights are loaded
+    users: int = 0  # unfinished requests using it
+    forgotten: bool = False  # unloaded: no new requests; weights go when the last user finishes
 
 
 class Engine:
-    def __init__(self, *, max_loaded_adapters: int = 8, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu"):
-        assert max_loaded_adapters >= 1
-        self.max_loaded_adapters = max_loaded_adapters
-        self.dtype = dtype
-        self.device = torch.device(device)
+    def __init__(self, config: EngineConfig | None = None, **overrides):
+        self.config = replace(config or EngineConfig(), **overrides)
+        assert self.config.max_loaded_adapters >= 1
         self._lock = threading.Lock()
         self._load_lock = threading.Lock()  # base-model loads are rare and slow; one at a time
+        self._cv = threading.Condition()
         self._bases: dict[str, BaseModel] = {}
         self._adapters: dict[str, _Adapter] = {}
-        self._lru: OrderedDict[str, None] = OrderedDict()  # resident adapter ids, least recently used first
+        self._lru: OrderedDict[_Adapter, None] = OrderedDict()  # adapters holding weights, least recent first
+        self._slots = itertools.count()
+        self._closed = False
+
+    @property
+    def max_loaded_adapters(self) -> int:
+        return self.config.max_loaded_adapters
 
     # ---- base models -------------------------------------------------------------------------------------------
 
@@ -86,15 +157,20 @@ class Engine:
             with self._lock:
                 if model_dir in self._bases:
                     return self._bases[model_dir]
-            log.info("loading base model %s (%s on %s)", model_dir, self.dtype, self.device)
+                if self._closed:
+                    raise Unavailable("the rollout engine is shutting down")
+            cfg = self.config
+            log.info("loading base model %s (%s on %s)", model_dir, cfg.dtype, cfg.device)
             try:
                 tokenizer = load_tokenizer(model_dir)
-                model = load_pretrained(model_dir, self.dtype, self.device)
+                model = load_pretrained(model_dir, cfg.dtype, cfg.device)
                 eos_ids = tuple(eos_token_ids(tokenizer, model_dir))
             except (OSError, ValueError) as exc:  # ModelDirError is a ValueError: the directory is not usable
                 raise FailedPrecondition(f"cannot load the base model in {model_dir}: {exc}") from None
             base = BaseModel(model_dir=model_dir, model=model, tokenizer=tokenizer, eos_ids=eos_ids,
-                             dtype=self.dtype, device=self.device)
+                             core=EngineCore(model, tokenizer, cfg))
+            base.loop = _Loop(base)
+            base.loop.start()
             with self._lock:
                 self._bases[model_dir] = base
             return base
@@ -107,132 +183,224 @@ class Engine:
 
     def load_adapter(self, adapter_id: str, model_dir: str, adapter_dir: str | Path, *, eager: bool = True) -> None:
         """Know adapter_id by its PEFT directory; eager: load its weights now rather than on first use (a no-op when
-        they are loaded already). Raises FailedPrecondition when the files do not fit the base model."""
-        with self._lock:
-            entry = _Adapter(model_dir, Path(adapter_dir))
+        they are loaded already; waits for a free slot when every loaded adapter is in use). Raises
+        FailedPrecondition when the files do not fit the base model."""
+        entry = _Adapter(adapter_id, model_dir, Path(adapter_dir))
+        with self._cv:
             known = self._adapters.setdefault(adapter_id, entry)
-        assert known == entry, f"adapter {adapter_id} is known as {known}, not {entry}"
-        if not eager:
-            return
-        base = self.base(model_dir)
-        with base.lock:
-            self._make_resident(base, adapter_id)
-        self._evict_over_limit(keep=adapter_id)
+        assert (known.model_dir, known.adapter_dir) == (entry.model_dir, entry.adapter_dir), (
+            f"adapter {adapter_id} is known as {known}, not {entry}")
+        if eager:
+            base = self.base(model_dir)
+            with self._cv:
+                self._make_resident(base, known, pin=False)
 
     def unload_adapter(self, adapter_id: str) -> bool:
-        """Forget an adapter and free its weights. False when it was not known."""
-        with self._lock:
+        """Forget an adapter: refused to new requests now, weights freed once no running request uses them. False
+        when it was not known."""
+        with self._cv:
             entry = self._adapters.pop(adapter_id, None)
-            base = None if entry is None else self._bases.get(entry.model_dir)
-        if entry is None:
-            return False
-        if base is not None:
-            with base.lock:
-                self._drop_resident(base, adapter_id)
+            if entry is None:
+                return False
+            entry.forgotten = True
+            if entry.slot is not None and entry.users == 0:
+                self._drop_weights(entry)
+            self._cv.notify_all()
         return True
 
     def loaded_adapters(self) -> list[str]:
-        """Ids of the adapters whose weights are loaded now."""
-        with self._lock:
-            return list(self._lru)
+        """Ids of the adapters whose weights are loaded now, least recently used first."""
+        with self._cv:
+            return [a.adapter_id for a in self._lru if not a.forgotten]
 
-    def _make_resident(self, base: BaseModel, adapter_id: str) -> None:
-        """Under base.lock: load the adapter's weights if they are not in the model, and mark it most recent."""
-        if adapter_id not in base.resident:
-            with self._lock:
-                entry = self._adapters.get(adapter_id)
-            if entry is None:
-                raise NotFound(f"adapter '{adapter_id}' is not loaded")
-            log.info("loading adapter %s from %s", adapter_id, entry.adapter_dir)
+    def _make_resident(self, base: BaseModel, entry: _Adapter, *, pin: bool) -> str:
+        """Under _cv: load the adapter's weights unless they are loaded (evicting the least recently used unused
+        adapter, or waiting for one), pin it for a request if asked, mark it most recent; returns its slot."""
+        while entry.slot is None:
+            if self._closed:
+                raise Unavailable("the rollout engine is shutting down")
+            if entry.forgotten or self._adapters.get(entry.adapter_id) is not entry:
+                raise NotFound(f"adapter '{entry.adapter_id}' is not loaded")
+            if len(self._lru) < self.config.max_loaded_adapters:
+                self._load_weights(base, entry)
+                break
+            victim = next((a for a in self._lru if a.users == 0), None)
+            if victim is not None:
+                log.info("evicting adapter %s (least recently used)", victim.adapter_id)
+                self._drop_weights(victim)
+            else:
+                self._cv.wait()  # every loaded adapter serves a running request; one finishes eventually
+        if pin:
+            entry.users += 1
+        self._lru.move_to_end(entry)
+        return entry.slot
+
+    def _load_weights(self, base: BaseModel, entry: _Adapter) -> None:
+        slot = f"slot{next(self._slots)}"
+        log.info("loading adapter %s from %s", entry.adapter_id, entry.adapter_dir)
+        with base.lock:
             try:
-                load_peft_adapter(base.model, entry.adapter_dir, adapter_id)
+                load_peft_adapter(base.model, entry.adapter_dir, slot)
+                set_active_adapter(base.model, None)  # requests pick adapters per row; a plain forward is the base
             except ValueError as exc:  # files that do not fit the base model: forget them
-                with self._lock:
-                    self._adapters.pop(adapter_id, None)
-                raise FailedPrecondition(f"cannot load adapter '{adapter_id}' on {base.model_dir}: {exc}") from None
-            base.resident.add(adapter_id)
-        with self._lock:
-            self._lru[adapter_id] = None
-            self._lru.move_to_end(adapter_id)
+                self._adapters.pop(entry.adapter_id, None)
+                raise FailedPrecondition(
+                    f"cannot load adapter '{entry.adapter_id}' on {base.model_dir}: {exc}") from None
+            finally:
+                base.core.runner.refresh_lora()
+        entry.slot = slot
+        self._lru[entry] = None
 
-    def _drop_resident(self, base: BaseModel, adapter_id: str) -> None:
-        """Under base.lock."""
-        if adapter_id in base.resident:
-            remove_adapter(base.model, adapter_id)
-            base.resident.discard(adapter_id)
+    def _drop_weights(self, entry: _Adapter) -> None:
+        """Under _cv, for an adapter no request uses."""
         with self._lock:
-            self._lru.pop(adapter_id, None)
-
-    def _evict_over_limit(self, keep: str) -> None:
-        """Free least recently used adapters until at most max_loaded_adapters hold weights. Called with no base lock
-        held; the limit may be exceeded by concurrent loads for the moment between their load and this call."""
-        while True:
-            with self._lock:
-                victims = [a for a in self._lru if a != keep]
-                if len(self._lru) <= self.max_loaded_adapters or not victims:
-                    return
-                victim = victims[0]
-                base = self._bases[self._adapters[victim].model_dir] if victim in self._adapters else None
-            if base is None:
-                with self._lock:
-                    self._lru.pop(victim, None)
-                continue
-            log.info("evicting adapter %s (least recently used)", victim)
+            base = self._bases.get(entry.model_dir)
+        if base is not None:  # None: the engine closed
             with base.lock:
-                self._drop_resident(base, victim)
+                remove_adapter(base.model, entry.slot)
+                base.core.runner.refresh_lora()
+        entry.slot = None
+        self._lru.pop(entry, None)
+
+    def _unpin(self, entry: _Adapter) -> None:
+        with self._cv:
+            entry.users -= 1
+            if entry.users == 0 and entry.forgotten and entry.slot is not None:
+                self._drop_weights(entry)
+            self._cv.notify_all()
 
     # ---- generation --------------------------------------------------------------------------------------------
 
-    def generate(self, model_dir: str, adapter_id: str | None, prompt_ids: Sequence[int],
-                 params: SamplingParams) -> list[SampledSequence]:
-        """params.n samples of the prompt from the base model, or from it with adapter adapter_id (which must have
-        been given to load_adapter). Raises InvalidArgument for params that do not fit the model."""
+    def submit(self, model_dir: str, adapter_id: str | None, prompt_ids: Sequence[int],
+               params: SamplingParams) -> RequestHandle:
+        """Queue params.n samples of the prompt from the base model, or from it with adapter adapter_id (which must
+        have been given to load_adapter). Raises InvalidArgument for params that do not fit the model."""
         sampling.validate_params(params)
         base = self.base(model_dir)
         sampling.validate_prompt(prompt_ids, params, vocab_size=base.vocab_size, max_context=base.max_context)
+        base.core.check(len(prompt_ids), params)
+        entry, slot = None, None
         if adapter_id is not None:
-            with self._lock:
+            with self._cv:
                 entry = self._adapters.get(adapter_id)
-            if entry is None or entry.model_dir != model_dir:
-                raise NotFound(f"adapter '{adapter_id}' is not loaded on {model_dir}")
-        with base.lock:
-            if adapter_id is not None:
-                self._make_resident(base, adapter_id)
-            set_active_adapter(base.model, adapter_id)
-            out = _generate(base, list(prompt_ids), params)
-        if adapter_id is not None:
-            self._evict_over_limit(keep=adapter_id)
-        return out
+                if entry is None or entry.model_dir != model_dir:
+                    raise NotFound(f"adapter '{adapter_id}' is not loaded on {model_dir}")
+                slot = self._make_resident(base, entry, pin=True)
+        request_id = uuid.uuid4().hex
+        handle = RequestHandle(request_id, params.n, lambda: base.loop.abort(request_id))
+        stop_ids = {*base.eos_ids, *params.stop_token_ids}
+
+        def add() -> None:  # in the loop thread
+            try:
+                base.core.add_request(request_id, list(prompt_ids), params, stop_ids=stop_ids, adapter=slot,
+                                      sink=base.loop.collect)
+            except Exception as exc:  # noqa: BLE001 - checked in submit already; the request fails, not the loop
+                base.loop.collect(RequestOutput(request_id, finished=True, error=exc))
+
+        def finished() -> None:
+            if entry is not None:
+                self._unpin(entry)
+
+        try:
+            base.loop.submit(request_id, add, handle, finished)
+        except BaseException:
+            finished()
+            raise
+        return handle
+
+    def generate(self, model_dir: str, adapter_id: str | None, prompt_ids: Sequence[int],
+                 params: SamplingParams) -> list[SampledSequence]:
+        return self.submit(model_dir, adapter_id, prompt_ids, params).result().sequences
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
+            bases = list(self._bases.values())
             self._bases.clear()
+        for base in bases:
+            base.loop.stop()
+        with self._cv:
             self._adapters.clear()
             self._lru.clear()
+            self._cv.notify_all()  # loads waiting for a free slot give up
 
 
-@torch.inference_mode()
-def _generate(base: BaseModel, prompt_ids: list[int], p: SamplingParams) -> list[SampledSequence]:
-    model, device = base.model, base.device
-    generator = sampling.make_generator(p.seed, device)
-    stop_ids = {*base.eos_ids, *p.stop_token_ids}
-    rows = [SequenceBuilder(base.tokenizer, p, stop_ids) for _ in range(p.n)]
-    # The last sampled token is never fed back, so the cache needs P + max_tokens - 1 slots.
-    cache = KVCache.allocate(model.args, 1, len(prompt_ids) + p.max_tokens - 1, base.dtype, device)
-    prompt_1P = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-    logits_BV = model(prompt_1P, cache=cache)[:, -1].expand(p.n, -1)
-    cache = cache.select(torch.zeros(p.n, dtype=torch.long, device=device))
-    active = list(range(p.n))  # row index of each batch position
-    while True:
-        tokens_B, logprobs_B = sampling.sample(logits_BV, p, generator)
-        # .tolist() syncs: the host decides which rows go on (stop ids, stop strings, lengths).
-        keep = [i for i, (t, lp) in enumerate(zip(tokens_B.tolist(), logprobs_B.tolist()))
-                if not rows[active[i]].append(t, lp)]
-        if not keep:
-            break
-        if len(keep) < len(active):
-            keep_B = torch.tensor(keep, dtype=torch.long, device=device)
-            cache, tokens_B = cache.select(keep_B), tokens_B.index_select(0, keep_B)
-            active = [active[i] for i in keep]
-        logits_BV = model(tokens_B[:, None], cache=cache)[:, -1]
-    return [r.seq for r in rows]
+class _Loop:
+    """The engine loop of one base model: runs core.step() while there are requests; requests and aborts queue in
+    an inbox and are applied in this thread between steps, so the core stays single-threaded."""
+
+    def __init__(self, base: BaseModel):
+        self.base, self.core = base, base.core
+        self._cv = threading.Condition()
+        self._inbox: list[Callable[[], None]] = []
+        self._handles: dict[str, tuple[RequestHandle, Callable[[], None]]] = {}
+        self._collected: list[RequestOutput] = []
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"rollout-loop-{id(self):x}")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, request_id: str, add: Callable[[], None], handle: RequestHandle,
+               finished: Callable[[], None]) -> None:
+        with self._cv:
+            if self._stopped:
+                raise Unavailable("the rollout engine is shutting down")
+            self._handles[request_id] = (handle, finished)
+            self._inbox.append(add)
+            self._cv.notify()
+
+    def abort(self, request_id: str) -> None:
+        def do() -> None:
+            if self.core.abort(request_id):
+                self.collect(RequestOutput(request_id, finished=True))
+
+        with self._cv:
+            self._inbox.append(do)
+            self._cv.notify()
+
+    def collect(self, out: RequestOutput) -> None:
+        """The core's sink (called in this thread): delivered after the step, outside the base lock."""
+        self._collected.append(out)
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._inbox and not self.core.has_work() and not self._stopped:
+                    self._cv.wait()
+                if self._stopped:
+                    break
+                inbox, self._inbox = self._inbox, []
+            with self.base.lock:
+                for action in inbox:
+                    action()
+                try:
+                    self.core.step()
+                except Exception as exc:  # the step's requests fail with it; the loop goes on
+                    log.exception("engine step failed; failing its requests")
+                    self.core.fail_all(exc)
+            self._deliver()
+        shutting_down = Unavailable("the rollout engine is shutting down")
+        self.core.fail_all(shutting_down)
+        self._deliver()
+        with self._cv:  # requests still in the inbox never reached the core
+            left, self._handles = self._handles, {}
+        for request_id, (handle, finished) in left.items():
+            finished()
+            handle.deliver(RequestOutput(request_id, finished=True, error=shutting_down))
+
+    def _deliver(self) -> None:
+        collected, self._collected = self._collected, []
+        for out in collected:
+            with self._cv:
+                handle, finished = (self._handles.pop(out.request_id) if out.finished
+                                    else (self._handles[out.request_id][0], None))
+            if finished is not None:
+                finished()  # unpin the adapter before the caller sees the end
+            handle.deliver(out)

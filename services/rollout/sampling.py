@@ -1,16 +1,22 @@
 """Sampling: parameter validation, next-token choice, and turning sampled tokens into finished sequences.
 
-Shapes: B rows being decoded (the n samples of one prompt that have not finished yet), V vocab.
+Shapes: R rows to sample this step (one per sequence that gets a token; a prompt's n samples are n rows of the same
+logits), V vocab.
 
 Choices the API leaves open, fixed here:
-- Logprobs are taken from the model's raw distribution, log_softmax(logits) BEFORE temperature, top-k and top-p, in
-  float32. That is the quantity an RL trainer recomputes from the same weights, so rollout and trainer logprobs
-  compare directly; it is not the log-probability under the (filtered, tempered) distribution actually sampled from.
+- Logprobs are taken from the model's raw distribution, log_softmax(logits) BEFORE temperature, top-k, top-p and
+  min-p, in float32. That is the quantity an RL trainer recomputes from the same weights, so rollout and trainer
+  logprobs compare directly; it is not the log-probability under the (filtered, tempered) distribution actually
+  sampled from. The top_logprobs alternatives and the prompt logprobs are of the same raw distribution.
 - temperature 0 is greedy (argmax, lowest id on ties) and draws nothing from the generator.
-- Filters apply in Hugging Face's order: temperature, then top-k, then top-p. top-p keeps the smallest set of most
-  likely tokens whose mass reaches top_p, and always at least the most likely one.
-- Randomness comes from one torch.Generator per request, seeded from params.seed (a random seed when unset), so the
-  same seed and the same request give the same tokens on the same hardware and software.
+- Filters apply in Hugging Face's order: temperature, then top-k, then top-p, then min-p. top-k keeps every token
+  tied with the k-th; top-p keeps the smallest set of most likely tokens whose mass reaches top_p, and always at
+  least the most likely one; min-p keeps the tokens with probability >= min_p * (the largest probability).
+- Randomness comes from one torch.Generator per sample (seeded from params.seed and the sample's index; a random
+  seed when unset), and a row draws only when it samples a token, so a sample's tokens do not depend on the other
+  requests or samples in the batch, nor on preemption. A draw is what torch.multinomial(probs, 1) does: V
+  exponential variates q from the sample's generator, then argmax(probs / q).
+- Everything is per row (elementwise ops, per-row reductions), so a row's result does not depend on the batch.
 - A sequence ends with finish_reason "stop" on an end-of-sequence or stop_token_ids token (the token is returned in
   `tokens` with its logprob, as RL training needs it, but is not part of `text`), or when a stop string first
   appears in the decoded text: `tokens` then end with the token that completed the stop string (that token may
@@ -32,6 +38,7 @@ from services.common.errors import InvalidArgument
 
 MAX_N = 64
 MAX_TEMPERATURE = 10.0
+MAX_TOP_LOGPROBS = 20
 DEFAULT_MAX_TOKENS = 128
 
 
@@ -40,11 +47,15 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     max_tokens: int = DEFAULT_MAX_TOKENS
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     n: int = 1
+    top_logprobs: int = 0  # alternatives (token id, logprob) per sampled token, the most likely first
+    prompt_logprobs: bool = False  # logprob of every prompt token after the first, given its prefix
+    return_router_ids: bool = False  # MoE models: the experts each MoE layer chose at every position fed
 
 
 @dataclass
@@ -53,6 +64,10 @@ class SampledSequence:
     text: str = ""
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str = ""
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, with top_logprobs > 0
+    # With return_router_ids: [P + len(tokens) - 1, num MoE layers, top_k] expert ids (uint8 for <= 256 experts) of
+    # every position fed to the model (the prompt, then each sampled token but the last), MoE layers in order.
+    router_ids: torch.Tensor | None = None
 
 
 def validate_params(p: SamplingParams) -> None:
@@ -64,10 +79,15 @@ def validate_params(p: SamplingParams) -> None:
         raise InvalidArgument(f"must satisfy 0 < top_p <= 1, got {p.top_p}", field="params.top_p")
     if p.top_k < 0:
         raise InvalidArgument(f"must be >= 0 (0 = no limit), got {p.top_k}", field="params.top_k")
+    if not (math.isfinite(p.min_p) and 0.0 <= p.min_p <= 1.0):
+        raise InvalidArgument(f"must satisfy 0 <= min_p <= 1 (0 = off), got {p.min_p}", field="params.min_p")
     if p.max_tokens < 1:
         raise InvalidArgument(f"must be >= 1, got {p.max_tokens}", field="params.max_tokens")
     if not 1 <= p.n <= MAX_N:
         raise InvalidArgument(f"must be between 1 and {MAX_N}, got {p.n}", field="params.n")
+    if not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument(f"must be between 0 and {MAX_TOP_LOGPROBS}, got {p.top_logprobs}",
+                              field="params.top_logprobs")
     if any(not s for s in p.stop):
         raise InvalidArgument("stop strings must be non-empty", field="params.stop")
     if any(t < 0 for t in p.stop_token_ids):
@@ -92,36 +112,98 @@ def validate_prompt(prompt_ids: Sequence[int], p: SamplingParams, *, vocab_size:
                               f"prompt takes {len(prompt_ids)}, so at most {room}", field="params.max_tokens")
 
 
-def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
+_MASK64 = 0xFFFF_FFFF_FFFF_FFFF
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E37_79B9_7F4A_7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58_476D_1CE4_E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D0_49BB_1331_11EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def sample_generators(seed: int | None, n: int, device: torch.device | str) -> list[torch.Generator]:
+    """One generator per sample: sample i is seeded with splitmix64(seed + i), so the samples draw independent
+    streams and sample i's stream does not depend on n. No seed: a fresh random one."""
     seed = secrets.randbits(63) if seed is None else seed
-    return torch.Generator(device=device).manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+    return [torch.Generator(device=device).manual_seed(_splitmix64((seed + i) & _MASK64)) for i in range(n)]
 
 
-def sample(logits_BV: torch.Tensor, p: SamplingParams, generator: torch.Generator
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next token per row and its logprob under the raw distribution (see the module docstring)."""
-    logits_BV = logits_BV.float()
-    logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
-    if p.temperature == 0:
-        tokens_B = logits_BV.argmax(dim=-1)
-    else:
-        probs_BV = torch.softmax(filter_logits(logits_BV / p.temperature, p.top_k, p.top_p), dim=-1)
-        tokens_B = torch.multinomial(probs_BV, 1, generator=generator).squeeze(1)
-    return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
+@dataclass(frozen=True)
+class SampleRow:
+    """Sample one token from logits row `row` with this sample's params and generator."""
+
+    row: int
+    params: SamplingParams
+    generator: torch.Generator
 
 
-def filter_logits(logits_BV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Logits with everything outside top-k, then outside the top-p nucleus, set to -inf."""
-    if 0 < top_k < logits_BV.shape[-1]:
-        kth_B1 = torch.topk(logits_BV, top_k, dim=-1).values[:, -1:]
+@dataclass
+class Sampled:
+    tokens: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]  # per row: params.top_logprobs alternatives
+
+
+def sample(logits_RV: torch.Tensor, logprobs_RV: torch.Tensor, rows: Sequence[SampleRow]) -> Sampled:
+    """A token per SampleRow, its raw logprob and the raw top alternatives (see the module docstring).
+    logits_RV: the rows' logits; logprobs_RV: log_softmax(logits_RV.float())."""
+    index_S = torch.tensor([r.row for r in rows], device=logits_RV.device)
+    logits_SV = logits_RV.index_select(0, index_S).float()
+    logprobs_SV = logprobs_RV.index_select(0, index_S)
+    tokens_S = logits_SV.argmax(dim=-1)
+    drawn = [i for i, r in enumerate(rows) if r.params.temperature > 0]
+    if drawn:
+        params = [rows[i].params for i in drawn]
+        drawn_D = torch.tensor(drawn, device=logits_RV.device)
+        temperature_D1 = torch.tensor([[p.temperature] for p in params], device=logits_RV.device)
+        logits_DV = filter_logits(logits_SV.index_select(0, drawn_D) / temperature_D1, [p.top_k for p in params],
+                                  [p.top_p for p in params], [p.min_p for p in params])
+        probs_DV = torch.softmax(logits_DV, dim=-1)
+        noise_DV = torch.stack([torch.empty_like(probs_DV[0]).exponential_(generator=rows[i].generator)
+                                for i in drawn])
+        tokens_S.index_copy_(0, drawn_D, (probs_DV / noise_DV).argmax(dim=-1))
+    chosen_S = logprobs_SV.gather(1, tokens_S[:, None]).squeeze(1)
+    ks = [r.params.top_logprobs for r in rows]
+    top: list[list[tuple[int, float]]] = [[] for _ in rows]
+    if max(ks):
+        values_SK, ids_SK = logprobs_SV.topk(max(ks), dim=-1)
+        # .tolist() syncs: the host needs the alternatives (as it needs the tokens below).
+        for i, (ids, values) in enumerate(zip(ids_SK.tolist(), values_SK.tolist())):
+            top[i] = list(zip(ids[:ks[i]], values[:ks[i]]))
+    return Sampled(tokens=tokens_S.tolist(), logprobs=chosen_S.tolist(), top_logprobs=top)
+
+
+def _per_row(value, rows: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(value if isinstance(value, (list, tuple)) else [value] * rows, dtype=dtype, device=device)
+
+
+def filter_logits(logits_BV: torch.Tensor, top_k, top_p, min_p=0.0) -> torch.Tensor:
+    """Logits with everything outside top-k, then outside the top-p nucleus, then below min_p times the largest
+    probability set to -inf. top_k / top_p / min_p: one value for every row or a list with one per row (top_k 0,
+    top_p 1 and min_p 0 are off)."""
+    B, V = logits_BV.shape
+    device = logits_BV.device
+    k_B = _per_row(top_k, B, torch.int64, device)
+    active_k_B = (k_B > 0) & (k_B < V)
+    if bool(active_k_B.any()):
+        k_max = int(k_B[active_k_B].max())
+        kth_B1 = logits_BV.topk(k_max, dim=-1).values.gather(1, (k_B.clamp(1, k_max) - 1)[:, None])
+        kth_B1 = kth_B1.masked_fill(~active_k_B[:, None], float("-inf"))
         logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
-    if top_p < 1.0:
+    p_B = _per_row(top_p, B, torch.float32, device)
+    if bool((p_B < 1.0).any()):
         sorted_BV, order_BV = torch.sort(logits_BV, dim=-1, descending=True, stable=True)
         probs_BV = torch.softmax(sorted_BV, dim=-1)
         mass_before_BV = probs_BV.cumsum(dim=-1) - probs_BV
-        drop_BV = mass_before_BV >= top_p
+        drop_BV = (mass_before_BV >= p_B[:, None]) & (p_B < 1.0)[:, None]
         drop_BV[:, 0] = False  # keep the most likely token whatever top_p is
         logits_BV = logits_BV.masked_fill(drop_BV.scatter(1, order_BV, drop_BV), float("-inf"))
+    min_p_B = _per_row(min_p, B, torch.float32, device)
+    if bool((min_p_B > 0.0).any()):
+        probs_BV = torch.softmax(logits_BV, dim=-1)
+        threshold_B1 = probs_BV.max(dim=-1, keepdim=True).values * min_p_B[:, None]
+        logits_BV = logits_BV.masked_fill(probs_BV < threshold_B1, float("-inf"))
     return logits_BV
 
 
@@ -147,11 +229,13 @@ class SequenceBuilder:
     def finished(self) -> bool:
         return bool(self.seq.finish_reason)
 
-    def append(self, token: int, logprob: float) -> bool:
+    def append(self, token: int, logprob: float, top_logprobs: list[tuple[int, float]] | None = None) -> bool:
         """Add one sampled token; returns True when the sequence is finished."""
         assert not self.finished
         self.seq.tokens.append(token)
         self.seq.logprobs.append(logprob)
+        if top_logprobs is not None:
+            self.seq.top_logprobs.append(top_logprobs)
         if token in self.stop_ids:
             self._emit(final=True)
             self.seq.finish_reason = "stop"
@@ -163,6 +247,13 @@ class SequenceBuilder:
             elif last:
                 self.seq.finish_reason = "length"
         return self.finished
+
+    def stable_text_len(self) -> int:
+        """How much of text is final: a stop string found later starts at most longest_stop - 1 characters before
+        the current end (and cuts the text there), so a stream holds those back until the sequence finishes."""
+        if self.finished or not self.stop:
+            return len(self.seq.text)
+        return max(0, len(self.seq.text) - self.longest_stop + 1)
 
     def _decode(self, start: int, end: int | None = None) -> str:
         return self.tokenizer.decode(self._text_tokens[start:end], skip_special_tokens=False)

@@ -1,23 +1,26 @@
 """gRPC adapter for the rollout core. No logic and no try/except here: errors map in the interceptor."""
 from __future__ import annotations
 
+import contextlib
+
+import torch
+
 from services.common.auth import current_caller
 from services.common.protoconv import opt
 from services.rollout.core import LoadedInfo, Prompt, RolloutCore
-from services.rollout.sampling import SamplingParams
+from services.rollout.engine_core import SequenceDelta
+from services.rollout.sampling import SampledSequence, SamplingParams
 from trainyard.v1 import rollout_pb2 as pb, rollout_pb2_grpc as rpc
 
 _DEFAULTS = SamplingParams()
+_OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "n", "top_logprobs", "prompt_logprobs",
+             "return_router_ids")
 
 
 def sampling_params(p: pb.SamplingParams) -> SamplingParams:
-    def get(name: str):
-        value = opt(p, name)
-        return getattr(_DEFAULTS, name) if value is None else value
-
-    return SamplingParams(temperature=get("temperature"), top_p=get("top_p"), top_k=get("top_k"),
-                          max_tokens=get("max_tokens"), stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids),
-                          seed=opt(p, "seed"), n=get("n"))
+    values = {name: opt(p, name) for name in _OPTIONAL}
+    return SamplingParams(**{k: getattr(_DEFAULTS, k) if v is None else v for k, v in values.items()},
+                          stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids), seed=opt(p, "seed"))
 
 
 def prompt(request: pb.SampleRequest) -> Prompt:
@@ -36,6 +39,28 @@ def loaded_model(info: LoadedInfo) -> pb.LoadedModel:
                           checkpoint_id=info.checkpoint_id)
 
 
+def top_logprobs(top: list[list[tuple[int, float]]]) -> list[pb.TopLogprobs]:
+    return [pb.TopLogprobs(token_ids=[t for t, _ in alts], logprobs=[lp for _, lp in alts]) for alts in top]
+
+
+def router_ids(ids_TLK: torch.Tensor | None, layers: list[int] | None) -> pb.RouterIds | None:
+    if ids_TLK is None:
+        return None
+    return pb.RouterIds(num_tokens=ids_TLK.shape[0], layers=layers, top_k=ids_TLK.shape[2],
+                        dtype=str(ids_TLK.dtype).removeprefix("torch."), ids=ids_TLK.contiguous().numpy().tobytes())
+
+
+def sampled_sequence(s: SampledSequence, layers: list[int] | None) -> pb.SampledSequence:
+    return pb.SampledSequence(tokens=s.tokens, text=s.text, logprobs=s.logprobs, finish_reason=s.finish_reason,
+                              top_logprobs=top_logprobs(s.top_logprobs), router_ids=router_ids(s.router_ids, layers))
+
+
+def sequence_delta(d: SequenceDelta, layers: list[int] | None) -> pb.SequenceDelta:
+    return pb.SequenceDelta(index=d.index, tokens=d.tokens, text=d.text, logprobs=d.logprobs,
+                            top_logprobs=top_logprobs(d.top_logprobs), finish_reason=d.finish_reason,
+                            router_ids=router_ids(d.router_ids, layers))
+
+
 class RolloutServicer(rpc.RolloutServiceServicer):
     def __init__(self, core: RolloutCore):
         self.core = core
@@ -43,9 +68,21 @@ class RolloutServicer(rpc.RolloutServiceServicer):
     def Sample(self, request, context):
         result = self.core.sample(current_caller().account_id, request.model, prompt(request),
                                   sampling_params(request.params))
-        return pb.SampleResponse(model=result.model, prompt_tokens=result.prompt_tokens, sequences=[
-            pb.SampledSequence(tokens=s.tokens, text=s.text, logprobs=s.logprobs, finish_reason=s.finish_reason)
-            for s in result.sequences])
+        return pb.SampleResponse(model=result.model, prompt_tokens=result.prompt_tokens,
+                                 sequences=[sampled_sequence(s, result.router_layers) for s in result.sequences],
+                                 prompt_logprobs=result.prompt_logprobs or [])
+
+    def SampleStream(self, request, context):
+        stream = self.core.sample_stream(current_caller().account_id, request.model, prompt(request),
+                                         sampling_params(request.params))
+        first = True
+        with contextlib.closing(stream.outputs()) as outputs:  # closing early (client gone) aborts the request
+            for out in outputs:
+                yield pb.SampleStreamResponse(
+                    model=stream.model if first else "", prompt_tokens=stream.prompt_tokens if first else [],
+                    deltas=[sequence_delta(d, stream.router_layers) for d in out.sequences], done=out.finished,
+                    prompt_logprobs=out.prompt_logprobs or [])
+                first = False
 
     def LoadDeployment(self, request, context):
         return loaded_model(self.core.load_deployment(current_caller().account_id, request.deployment_id))

@@ -7,6 +7,7 @@ import torch
 from pydantic import Field, field_validator
 
 from services.common.config import TrainyardSettings
+from services.rollout.engine_core import EngineConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -17,6 +18,17 @@ class RolloutSettings(TrainyardSettings):
     # Precision and device of the base weights; adapters stay float32 (as peft keeps them).
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = Field(default="cpu", description="torch device for the models, e.g. 'cpu' or 'cuda:0'")
+    # Continuous batching (services/rollout/scheduler.py): sequences and tokens in one engine step; a longer prefill
+    # is split into chunks of the remaining token budget.
+    max_num_seqs: int = Field(default=256, ge=1)
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    # Paged KV cache per base model: block size in tokens, and the pool size in blocks (0: from kv_cache_mb).
+    kv_block_size: int = Field(default=16, ge=1)
+    kv_cache_blocks: int = Field(default=0, ge=0)
+    kv_cache_mb: int = Field(default=1024, ge=1)
+    # Batch-invariant numerics: a request's tokens and logprobs are bitwise the same whatever else is batched with it
+    # (kernels/batch_invariant.py; slower).
+    deterministic: bool = False
 
     @field_validator("device")
     @classmethod
@@ -28,6 +40,13 @@ class RolloutSettings(TrainyardSettings):
 
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            max_loaded_adapters=self.max_loaded_adapters, dtype=self.torch_dtype(), device=self.device,
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            kv_block_size=self.kv_block_size, kv_cache_blocks=self.kv_cache_blocks or None,
+            kv_cache_mb=self.kv_cache_mb, deterministic=self.deterministic)
 
     def adapters_dir(self):
         return self.data_dir / "rollout" / "adapters"

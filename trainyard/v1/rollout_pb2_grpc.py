@@ -41,6 +41,11 @@ class RolloutServiceStub:
                 request_serializer=trainyard_dot_v1_dot_rollout__pb2.SampleRequest.SerializeToString,
                 response_deserializer=trainyard_dot_v1_dot_rollout__pb2.SampleResponse.FromString,
                 _registered_method=True)
+        self.SampleStream = channel.unary_stream(
+                '/trainyard.v1.RolloutService/SampleStream',
+                request_serializer=trainyard_dot_v1_dot_rollout__pb2.SampleRequest.SerializeToString,
+                response_deserializer=trainyard_dot_v1_dot_rollout__pb2.SampleStreamResponse.FromString,
+                _registered_method=True)
         self.LoadDeployment = channel.unary_unary(
                 '/trainyard.v1.RolloutService/LoadDeployment',
                 request_serializer=trainyard_dot_v1_dot_rollout__pb2.LoadDeploymentRequest.SerializeToString,
@@ -65,6 +70,15 @@ class RolloutServiceServicer:
 
     def Sample(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SampleStream(self, request, context):
+        """The same request, answered incrementally: one message per engine step with each sequence's new tokens, text and
+        logprobs, the sequence's last delta carrying its finish_reason (and router_ids); the final message has done set
+        (and prompt_logprobs). Cancelling the call aborts the request.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -95,6 +109,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.Sample,
                     request_deserializer=trainyard_dot_v1_dot_rollout__pb2.SampleRequest.FromString,
                     response_serializer=trainyard_dot_v1_dot_rollout__pb2.SampleResponse.SerializeToString,
+            ),
+            'SampleStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.SampleStream,
+                    request_deserializer=trainyard_dot_v1_dot_rollout__pb2.SampleRequest.FromString,
+                    response_serializer=trainyard_dot_v1_dot_rollout__pb2.SampleStreamResponse.SerializeToString,
             ),
             'LoadDeployment': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadDeployment,
@@ -141,6 +160,33 @@ class RolloutService:
             '/trainyard.v1.RolloutService/Sample',
             trainyard_dot_v1_dot_rollout__pb2.SampleRequest.SerializeToString,
             trainyard_dot_v1_dot_rollout__pb2.SampleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SampleStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/trainyard.v1.RolloutService/SampleStream',
+            trainyard_dot_v1_dot_rollout__pb2.SampleRequest.SerializeToString,
+            trainyard_dot_v1_dot_rollout__pb2.SampleStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

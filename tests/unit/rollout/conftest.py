@@ -1,6 +1,7 @@
-"""Fixtures for the rollout tests: the tiny model directory, a shared engine and LoRA adapters.
+"""Fixtures for the rollout tests: the tiny model directories (dense Qwen3, Qwen3-MoE, DeepSeek-V3 MLA), a shared
+engine and LoRA adapters.
 
-CPU only, float32, offline. The numerical reference is in rollout_reference.py.
+CPU only, float32, offline. The numerical reference and the engine-driving helpers are in rollout_reference.py.
 """
 
 import os
@@ -12,10 +13,10 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from models import load_pretrained  # noqa: E402
-from models.lora import LoraConfig, apply_lora, save_peft_adapter  # noqa: E402
 from models.tiny import build_tiny_model  # noqa: E402
 from services.rollout.engine import Engine  # noqa: E402
+
+from rollout_reference import SMALL_POOL_MB, write_adapter  # noqa: E402
 
 PROMPT = "The quick brown fox"
 
@@ -35,27 +36,24 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory, tiny_model_dir) -> dict[str, Path]:
+    """The tiny model of every family: qwen3 (dense), qwen3_moe (MoE, softmax router), deepseek_v3 (MLA + MoE)."""
+    dirs = {"qwen3": tiny_model_dir}
+    for family in ("qwen3_moe", "deepseek_v3"):
+        dirs[family] = build_tiny_model(tmp_path_factory.mktemp(family), family=family)
+    return dirs
+
+
+@pytest.fixture(scope="session")
 def engine() -> Engine:
-    return Engine(max_loaded_adapters=4)
+    engine = Engine(max_loaded_adapters=4, kv_cache_mb=SMALL_POOL_MB)
+    yield engine
+    engine.close()
 
 
 @pytest.fixture(scope="session")
 def prompt_ids(engine, tiny_model_dir) -> list[int]:
     return list(engine.base(str(tiny_model_dir)).tokenizer(PROMPT)["input_ids"])
-
-
-def write_adapter(model_dir: Path, out_dir: Path, *, seed: int, b_scale: float) -> Path:
-    """A PEFT adapter for the tiny model: A from the seed, B ~ N(0, b_scale) (b_scale 0: B is zeros, as peft
-    initialises it, so the adapter must not change the outputs)."""
-    model = load_pretrained(model_dir)
-    cfg = LoraConfig(rank=4, alpha=8.0)
-    params = apply_lora(model, cfg, "default", seed=seed)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for lora_B in params[1::2]:  # apply_lora returns [A, B] per wrapped layer
-            lora_B.copy_(torch.randn(lora_B.shape, generator=generator) * b_scale)
-    save_peft_adapter(model, cfg, out_dir, str(model_dir))
-    return out_dir
 
 
 @pytest.fixture(scope="session")

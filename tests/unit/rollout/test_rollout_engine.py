@@ -8,14 +8,16 @@ from services.common.errors import FailedPrecondition, NotFound
 from services.rollout.engine import Engine
 from services.rollout.sampling import SamplingParams
 
-from rollout_reference import naive_greedy
+from rollout_reference import SMALL_POOL_MB, naive_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
 
 
 @pytest.fixture
 def fresh_engine():
-    return Engine(max_loaded_adapters=2)
+    engine = Engine(max_loaded_adapters=2, kv_cache_mb=SMALL_POOL_MB)
+    yield engine
+    engine.close()
 
 
 def greedy(engine, model_dir, adapter, prompt_ids):

@@ -67,9 +67,11 @@ def test_n_samples_share_one_prefill(engine, tiny_model_dir, prompt_ids, monkeyp
 
     monkeypatch.setattr(model, "forward", recording)
     seqs = run(engine, tiny_model_dir, prompt_ids, n=6, max_tokens=5, seed=0)
+    # The engine packs a step's tokens in one row: the prompt once, then one token per unfinished sample per step.
     assert shapes[0] == (1, len(prompt_ids))
-    assert all(T == 1 and B <= 6 for B, T in shapes[1:])
+    assert all(B == 1 and T <= 6 for B, T in shapes[1:])
     assert len(shapes) == 1 + max(len(s.tokens) for s in seqs) - 1
+    assert sum(T for _, T in shapes) == len(prompt_ids) + sum(len(s.tokens) - 1 for s in seqs)
 
 
 def test_stop_string_cuts_text_and_keeps_the_completing_token(engine, tiny_model_dir, prompt_ids):
@@ -163,3 +165,86 @@ def test_incremental_text_holds_back_split_characters(engine, tiny_model_dir):
             break
     k = next(k for k in range(len(ids)) if "ö" in tokenizer.decode(ids[:k]))
     assert (builder.seq.text, builder.seq.tokens, builder.seq.finish_reason) == ("héllo w", ids[:k], "stop")
+
+
+# ---- min-p, top-logprob alternatives, prompt logprobs, per-sample seeds -----------------------------------------
+
+
+def naive_min_p(logits_V: torch.Tensor, min_p: float) -> set[int]:
+    """The tokens min-p keeps, written out: p >= min_p * max p."""
+    probs = torch.softmax(logits_V, dim=-1)
+    return {i for i, p in enumerate(probs.tolist()) if p >= min_p * float(probs.max())}
+
+
+def test_min_p_keeps_tokens_above_the_fraction_of_the_top_probability():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 3
+    for min_p in (0.0, 0.05, 0.3, 1.0):
+        out = sampling.filter_logits(logits, 0, 1.0, min_p)
+        for row in range(3):
+            assert set(torch.isfinite(out[row]).nonzero().flatten().tolist()) == naive_min_p(logits[row], min_p)
+
+
+def test_per_row_filters_equal_one_row_at_a_time():
+    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(1)) * 2
+    top_k, top_p, min_p = [0, 5, 20, 1], [0.9, 1.0, 0.5, 0.3], [0.0, 0.1, 0.0, 0.2]
+    batched = sampling.filter_logits(logits, top_k, top_p, min_p)
+    for row in range(4):
+        alone = sampling.filter_logits(logits[row:row + 1], top_k[row], top_p[row], min_p[row])
+        assert torch.equal(batched[row:row + 1], alone)
+
+
+def test_min_p_one_is_greedy(engine, tiny_model_dir, prompt_ids):
+    (greedy,) = run(engine, tiny_model_dir, prompt_ids, temperature=0, max_tokens=12)
+    seqs = run(engine, tiny_model_dir, prompt_ids, temperature=2.0, min_p=1.0, n=3, max_tokens=12)
+    assert all(s.tokens == greedy.tokens for s in seqs)
+
+
+def test_top_logprobs_and_prompt_logprobs_match_the_naive_forward(engine, tiny_model_dir, prompt_ids):
+    base = engine.base(str(tiny_model_dir))
+    handle = engine.submit(str(tiny_model_dir), None, prompt_ids,
+                           SamplingParams(n=2, seed=4, max_tokens=10, top_logprobs=5, prompt_logprobs=True))
+    result = handle.result()
+    P = len(prompt_ids)
+    lp_TV = naive_logprobs_TV(base.model, prompt_ids)
+    expected_prompt = lp_TV[:-1].gather(1, torch.tensor(prompt_ids[1:])[:, None]).squeeze(1)
+    assert len(result.prompt_logprobs) == P - 1
+    torch.testing.assert_close(torch.tensor(result.prompt_logprobs), expected_prompt, atol=TOL, rtol=0)
+    for seq in result.sequences:
+        lp_TV = naive_logprobs_TV(base.model, prompt_ids + seq.tokens)[P - 1:-1]
+        values, ids = lp_TV.topk(5, dim=-1)
+        assert [[t for t, _ in alts] for alts in seq.top_logprobs] == ids.tolist()
+        got = torch.tensor([[lp for _, lp in alts] for alts in seq.top_logprobs])
+        torch.testing.assert_close(got, values, atol=TOL, rtol=0)
+
+
+def test_a_sample_draws_the_same_whatever_n():
+    """Sample i's generator depends on (seed, i) only, so asking for more samples does not change the first ones."""
+    two = [g.initial_seed() for g in sampling.sample_generators(9, 2, "cpu")]
+    five = [g.initial_seed() for g in sampling.sample_generators(9, 5, "cpu")]
+    assert five[:2] == two and len(set(five)) == 5
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(min_p=-0.1), "params.min_p"),
+    (dict(min_p=1.5), "params.min_p"),
+    (dict(top_logprobs=21), "params.top_logprobs"),
+    (dict(top_logprobs=-1), "params.top_logprobs"),
+    (dict(return_router_ids=True), "params.return_router_ids"),  # the dense tiny model has no router
+])
+def test_invalid_new_params_name_the_field(engine, tiny_model_dir, prompt_ids, kw, field):
+    with pytest.raises(InvalidArgument) as exc:
+        run(engine, tiny_model_dir, prompt_ids, **kw)
+    assert exc.value.violations[0].field == field
+
+
+def test_stream_holds_back_text_that_could_start_a_stop_string(engine, tiny_model_dir, prompt_ids):
+    """Streamed text never has to be taken back: it is always a prefix of the final text."""
+    (full,) = run(engine, tiny_model_dir, prompt_ids, temperature=0, max_tokens=30)
+    stop = full.text[10:14]
+    handle = engine.submit(str(tiny_model_dir), None, prompt_ids,
+                           SamplingParams(temperature=0, max_tokens=30, stop=(stop,)))
+    streamed = ""
+    for out in handle:
+        for d in out.sequences:
+            streamed += d.text
+    assert streamed == full.text[:full.text.index(stop)]

@@ -3,10 +3,12 @@
 alice owns deployment "alice-dep" (a LoRA adapter that changes the outputs); bob owns "bob-dep"; the tiny model is a
 shared base model "tiny". Checks auth, account scoping, model resolution and INVALID_ARGUMENT field reporting.
 """
+import time
 from dataclasses import dataclass
 
 import grpc
 import pytest
+import torch
 
 from services.common import registry
 from services.common.auth import create_account
@@ -14,8 +16,12 @@ from services.common.blobstore import BlobStore
 from services.common.db import Database, migrate
 from services.common.schema import SHARED_SCOPE, Checkpoint, Deployment, new_id, utcnow
 from services.rollout.app import build
+from services.rollout.core import SampleStream
+from services.rollout.sampling import SamplingParams
 from services.rollout.settings import RolloutSettings
 from trainyard.v1 import common_pb2, rollout_pb2 as pb, rollout_pb2_grpc as rpc
+
+from rollout_reference import SMALL_POOL_MB
 
 GREEDY = pb.SamplingParams(temperature=0, max_tokens=12)
 
@@ -48,10 +54,10 @@ def _deploy(db, blobs, account_id, name, model_dir, adapter_dir) -> str:
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory, tiny_model_dir, adapter_dirs):
+def env(tmp_path_factory, tiny_model_dir, adapter_dirs, family_dirs):
     data_dir = tmp_path_factory.mktemp("rollout_service")
     settings = RolloutSettings(data_dir=data_dir, host="127.0.0.1", rollout_port=0, grpc_workers=4,
-                               shutdown_grace_s=0, max_loaded_adapters=2)
+                               shutdown_grace_s=0, max_loaded_adapters=2, kv_cache_mb=SMALL_POOL_MB)
     migrate(settings.database_url)
     db = Database(settings.database_url)
     blobs = BlobStore(settings.blob_dir)
@@ -59,6 +65,7 @@ def env(tmp_path_factory, tiny_model_dir, adapter_dirs):
     bob_acct, _, bob_key = create_account(db, "bob")
     with db.session() as s:
         registry.register_model(s, SHARED_SCOPE, "tiny", str(tiny_model_dir))
+        registry.register_model(s, SHARED_SCOPE, "tiny-moe", str(family_dirs["qwen3_moe"]))
     deps = {
         "alice-dep": _deploy(db, blobs, alice_acct.id, "alice-dep", tiny_model_dir, adapter_dirs["a"]),
         "bob-dep": _deploy(db, blobs, bob_acct.id, "bob-dep", tiny_model_dir, adapter_dirs["b"]),
@@ -173,3 +180,82 @@ def test_failed_deployment_is_not_served(env, tiny_model_dir, adapter_dirs):
         sample(env, "broken")
     assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "failed" in exc.value.details()
+
+
+# ---- SampleStream and the new SamplingParams fields ------------------------------------------------------------
+
+
+def _stream(env, model, params, who="alice", **prompt):
+    prompt = prompt or {"text": "The quick brown fox"}
+    return list(env.call("SampleStream", pb.SampleRequest(model=model, params=params, **prompt), who))
+
+
+def _joined(messages) -> dict[int, dict]:
+    seqs: dict[int, dict] = {}
+    for m in messages:
+        for d in m.deltas:
+            s = seqs.setdefault(d.index, {"tokens": [], "text": "", "logprobs": [], "top": [], "finish": []})
+            s["tokens"] += d.tokens
+            s["text"] += d.text
+            s["logprobs"] += d.logprobs
+            s["top"] += [list(t.token_ids) for t in d.top_logprobs]
+            s["finish"].append(d.finish_reason)
+    return seqs
+
+
+@pytest.mark.parametrize("model,who", [("tiny", "alice"), ("bob-dep", "bob")])  # alice-dep is deleted above
+def test_stream_is_the_unary_answer_in_pieces(env, model, who):
+    params = pb.SamplingParams(n=2, seed=3, max_tokens=9, top_logprobs=2, prompt_logprobs=True)
+    unary = sample(env, model, who=who, params=params)
+    messages = _stream(env, model, params, who=who)
+    assert (messages[0].model, list(messages[0].prompt_tokens)) == (model, list(unary.prompt_tokens))
+    assert [m.done for m in messages] == [False] * (len(messages) - 1) + [True]
+    assert list(messages[-1].prompt_logprobs) == list(unary.prompt_logprobs)
+    assert len(unary.prompt_logprobs) == len(unary.prompt_tokens) - 1
+    joined = _joined(messages)
+    assert len(messages) > 2 and sorted(joined) == [0, 1]  # incremental: more than one message per sequence
+    for i, seq in enumerate(unary.sequences):
+        got = joined[i]
+        assert (got["tokens"], got["text"], got["logprobs"]) == (list(seq.tokens), seq.text, list(seq.logprobs))
+        assert got["top"] == [list(t.token_ids) for t in seq.top_logprobs] and len(got["top"]) == len(seq.tokens)
+        assert got["finish"][-1] == seq.finish_reason and not any(got["finish"][:-1])  # only the last delta
+
+
+def test_router_ids_over_grpc(env):
+    params = pb.SamplingParams(temperature=0, max_tokens=5, return_router_ids=True)
+    (seq,) = sample(env, "tiny-moe", params=params).sequences
+    r = seq.router_ids
+    assert r.dtype == "uint8" and r.top_k == 2 and list(r.layers) == [1, 2, 3]  # layer 0 is dense (mlp_only)
+    ids = torch.frombuffer(bytearray(r.ids), dtype=torch.uint8).view(r.num_tokens, len(r.layers), r.top_k)
+    assert r.num_tokens == len(sample(env, "tiny-moe", params=params).prompt_tokens) + len(seq.tokens) - 1
+    assert int(ids.max()) < 8
+    (final,) = [d for m in _stream(env, "tiny-moe", params) for d in m.deltas if d.finish_reason]
+    assert final.router_ids.ids == r.ids
+
+
+@pytest.mark.parametrize("params,field", [
+    (pb.SamplingParams(min_p=1.5), "params.min_p"),
+    (pb.SamplingParams(top_logprobs=21), "params.top_logprobs"),
+    (pb.SamplingParams(return_router_ids=True), "params.return_router_ids"),  # "tiny" is dense
+])
+def test_new_params_are_checked_on_both_rpcs(env, params, field):
+    for call in (lambda: sample(env, "tiny", params=params), lambda: _stream(env, "tiny", params)):
+        with pytest.raises(grpc.RpcError) as exc:
+            call()
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert exc.value.details().startswith(field)
+
+
+def test_closing_a_stream_early_aborts_its_request(engine, tiny_model_dir, prompt_ids):
+    """What the servicer does when a SampleStream client goes away: close outputs() early."""
+    handle = engine.submit(str(tiny_model_dir), None, prompt_ids, SamplingParams(temperature=0, max_tokens=1500))
+    stream = SampleStream(model="tiny", prompt_tokens=prompt_ids, router_layers=None, handle=handle)
+    outputs = stream.outputs()
+    next(outputs)
+    outputs.close()
+    core = engine.base(str(tiny_model_dir)).core
+    deadline = time.monotonic() + 30
+    while core.has_work() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not core.has_work()
+    assert core.scheduler.blocks.num_free == core.scheduler.blocks.num_blocks
