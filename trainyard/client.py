@@ -309,9 +309,13 @@ class Client:
 
     # -- deployments ---------------------------------------------------------------------------------------------
     @translate
-    def create_deployment(self, name: str, *, job_id: str = "", checkpoint_id: str = "") -> pb.Deployment:
+    def create_deployment(self, name: str, *, job_id: str = "", checkpoint_id: str = "",
+                          lineage: str = "") -> pb.Deployment:
+        """Serve a job's final checkpoint, a checkpoint, or the current version of a weight lineage (hot-loaded as
+        new versions are published). Give exactly one."""
         return self.deployments.CreateDeployment(
-            pb.CreateDeploymentRequest(name=name, job_id=job_id, checkpoint_id=checkpoint_id), **self._kw(600))
+            pb.CreateDeploymentRequest(name=name, job_id=job_id, checkpoint_id=checkpoint_id, lineage=lineage),
+            **self._kw(600))
 
     @translate
     def list_deployments(self, include_deleted: bool = False) -> list[pb.Deployment]:

@@ -185,7 +185,10 @@ class Deployment(Base):
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     account_id: Mapped[str] = mapped_column(ForeignKey("accounts.id"), index=True)
     name: Mapped[str] = mapped_column(String(128))
-    checkpoint_id: Mapped[str] = mapped_column(ForeignKey("checkpoints.id"))
+    # What is served: a fixed checkpoint, or (lineage set, checkpoint_id None) the current version of a weight
+    # lineage, hot-loaded as new versions are published.
+    checkpoint_id: Mapped[str | None] = mapped_column(ForeignKey("checkpoints.id"), default=None)
+    lineage: Mapped[str | None] = mapped_column(String(128), default=None)
     base_model: Mapped[str] = mapped_column(String(128))
     status: Mapped[str] = mapped_column(String(16), default="deploying")
     error: Mapped[str] = mapped_column(Text, default="")
@@ -219,4 +222,34 @@ class WeightVersion(Base):
     base_model: Mapped[str] = mapped_column(String(128), default="")
     files: Mapped[list[Any]] = mapped_column(default=list)
     meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class WeightLineage(Base):
+    """A chain of weight versions (e.g. one Training API session) and the version consumers should serve now:
+    the newest by default, an older retained one after a rollback."""
+
+    __tablename__ = "weight_lineages"
+    __table_args__ = (UniqueConstraint("account_id", "lineage", name="uq_weight_lineages_account_lineage"),)
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    account_id: Mapped[str] = mapped_column(ForeignKey("accounts.id"), index=True)
+    lineage: Mapped[str] = mapped_column(String(128))
+    kind: Mapped[str] = mapped_column(String(16))
+    base_model: Mapped[str] = mapped_column(String(128), default="")
+    current_version_id: Mapped[str] = mapped_column(String(32))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class WeightDelta(Base):
+    """An encoded delta between two full-weight versions (services/weightsync/codec.py), computed on first request
+    and kept in the object store."""
+
+    __tablename__ = "weight_deltas"
+    __table_args__ = (UniqueConstraint("base_version_id", "version_id", name="uq_weight_deltas_pair"),)
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    base_version_id: Mapped[str] = mapped_column(ForeignKey("weight_versions.id"))
+    version_id: Mapped[str] = mapped_column(ForeignKey("weight_versions.id"), index=True)
+    sha256: Mapped[str] = mapped_column(String(64))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

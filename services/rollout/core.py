@@ -13,6 +13,7 @@ they double as the engine's adapter ids.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import tempfile
@@ -32,6 +33,7 @@ from services.common.schema import Checkpoint, Deployment
 from services.rollout import sampling
 from services.rollout.engine import Engine, RequestHandle, RequestOutput
 from services.rollout.sampling import SampledSequence, SamplingParams
+from services.rollout.weights import WeightFollower
 
 log = logging.getLogger("trainyard.rollout")
 
@@ -54,6 +56,10 @@ class LoadedInfo:
     base_model: str
     deployment_id: str = ""
     checkpoint_id: str = ""
+    lineage: str = ""
+    weight_version_id: str = ""
+    weight_version: int = 0
+    weight_error: str = ""
 
 
 @dataclass
@@ -63,6 +69,7 @@ class SampleResult:
     sequences: list[SampledSequence]
     prompt_logprobs: list[float] | None = None
     router_layers: list[int] | None = None  # decoder layer of each MoE layer in router_ids, with return_router_ids
+    weight_version_id: str = ""  # a deployment following a lineage: the version the request ran on
 
 
 @dataclass
@@ -74,6 +81,8 @@ class SampleStream:
     prompt_tokens: list[int]
     router_layers: list[int] | None
     handle: RequestHandle
+    weight_version_id: str = ""
+    tokenizer: object = None  # the model's, which spells the tokens (e.g. OpenAI-style logprobs)
 
     def outputs(self) -> Iterator[RequestOutput]:
         try:
@@ -84,50 +93,56 @@ class SampleStream:
 
 @dataclass(frozen=True)
 class _Target:
-    """Resolved weights: a base model directory and, for a deployment, its adapter."""
+    """Resolved weights: a base model directory and, for a deployment, its adapter (None: the base weights, or a
+    full-weight lineage's own copy of them)."""
 
     info: LoadedInfo
     model_dir: str
-    adapter_files: tuple[StoredFile, ...] = ()
-
-    @property
-    def adapter_id(self) -> str | None:
-        return self.info.deployment_id or None
+    adapter_id: str | None = None
+    adapter_files: tuple[StoredFile, ...] = ()  # a checkpoint deployment's files, laid out on first use
 
 
 class RolloutCore:
-    def __init__(self, db: Database, blobs: BlobStore, engine: Engine, adapters_dir: Path):
+    def __init__(self, db: Database, blobs: BlobStore, engine: Engine, adapters_dir: Path,
+                 follower: WeightFollower | None = None):
         self.db = db
         self.blobs = blobs
         self.engine = engine
         self.adapters_dir = adapters_dir
+        self.follower = follower  # deployments that follow a weight lineage (services/rollout/weights.py)
         self._materialize_lock = threading.Lock()
 
-    def sample(self, account_id: str, model: str, prompt: Prompt, params: SamplingParams) -> SampleResult:
-        stream = self.sample_stream(account_id, model, prompt, params)
+    def sample(self, account_id: str, model: str, prompt: Prompt, params: SamplingParams,
+               api_key: str = "") -> SampleResult:
+        stream = self.sample_stream(account_id, model, prompt, params, api_key)
         result = stream.handle.result()
         return SampleResult(model=model, prompt_tokens=stream.prompt_tokens, sequences=result.sequences,
-                            prompt_logprobs=result.prompt_logprobs, router_layers=stream.router_layers)
+                            prompt_logprobs=result.prompt_logprobs, router_layers=stream.router_layers,
+                            weight_version_id=stream.weight_version_id)
 
-    def sample_stream(self, account_id: str, model: str, prompt: Prompt, params: SamplingParams) -> SampleStream:
-        """Resolve, validate and submit; the request runs in the engine while the caller reads its outputs."""
+    def sample_stream(self, account_id: str, model: str, prompt: Prompt, params: SamplingParams,
+                      api_key: str = "") -> SampleStream:
+        """Resolve, validate and submit; the request runs in the engine while the caller reads its outputs.
+        api_key: the caller's, for following a lineage deployment's weights on its behalf."""
         sampling.validate_params(params)  # before anything is loaded for a request that cannot run
-        target = self._resolve(account_id, model)
-        if target.adapter_id is not None:
-            self.engine.load_adapter(target.adapter_id, target.model_dir, self._adapter_dir(target), eager=False)
-        base = self.engine.base(target.model_dir)
-        prompt_ids = self._encode(base.tokenizer, prompt)
-        handle = self.engine.submit(target.model_dir, target.adapter_id, prompt_ids, params)
+        with self._resolved(account_id, model, api_key) as target:
+            if target.adapter_files:
+                self.engine.load_adapter(target.adapter_id, target.model_dir, self._adapter_dir(target), eager=False)
+            base = self.engine.base(target.model_dir)
+            prompt_ids = self._encode(base.tokenizer, prompt)
+            handle = self.engine.submit(target.model_dir, target.adapter_id, prompt_ids, params)
         layers = list(base.core.moe_layers) if params.return_router_ids else None
-        return SampleStream(model=model, prompt_tokens=prompt_ids, router_layers=layers, handle=handle)
+        return SampleStream(model=model, prompt_tokens=prompt_ids, router_layers=layers, handle=handle,
+                            weight_version_id=target.info.weight_version_id, tokenizer=base.tokenizer)
 
-    def load_deployment(self, account_id: str, deployment_id: str) -> LoadedInfo:
+    def load_deployment(self, account_id: str, deployment_id: str, api_key: str = "") -> LoadedInfo:
         with self.db.session() as s:
             dep = registry.find_deployment(s, account_id, deployment_id) if deployment_id else None
             if dep is None:
                 raise not_found("deployment", deployment_id)
-            target = self._deployment_target(s, account_id, dep)
-        self.engine.load_adapter(target.adapter_id, target.model_dir, self._adapter_dir(target))
+        target = self._deployment_target(account_id, dep, api_key)
+        if target.adapter_files:
+            self.engine.load_adapter(target.adapter_id, target.model_dir, self._adapter_dir(target))
         log.info("deployment %s (%s) loaded on %s", dep.id, dep.name, target.model_dir)
         return target.info
 
@@ -137,6 +152,8 @@ class RolloutCore:
             dep = s.get(Deployment, deployment_id) if deployment_id else None
             if dep is None or dep.account_id != account_id:
                 raise not_found("deployment", deployment_id)
+        if dep.lineage:
+            return self.follower is not None and self.follower.forget(dep.id)
         unloaded = self.engine.unload_adapter(dep.id)
         with self._materialize_lock:
             shutil.rmtree(self.adapters_dir / dep.id, ignore_errors=True)
@@ -150,30 +167,74 @@ class RolloutCore:
             deps = s.scalars(select(Deployment).where(
                 Deployment.account_id == account_id, Deployment.deleted_at.is_(None),
                 Deployment.id.in_(adapter_ids)).order_by(Deployment.name)).all() if adapter_ids else []
-            out = [LoadedInfo(name=d.name, base_model=d.base_model, deployment_id=d.id, checkpoint_id=d.checkpoint_id)
-                   for d in deps]
+            out = [LoadedInfo(name=d.name, base_model=d.base_model, deployment_id=d.id,
+                              checkpoint_id=d.checkpoint_id or "") for d in deps]
+            followed = s.scalars(select(Deployment).where(
+                Deployment.account_id == account_id, Deployment.deleted_at.is_(None),
+                Deployment.lineage.is_not(None)).order_by(Deployment.name)).all() if self.follower else []
+            for d in followed:
+                served, error = self.follower.state(d.id)
+                if served is not None or error:
+                    out.append(self._lineage_info(d, served, error))
             out += [LoadedInfo(name=m.name, base_model=m.name)
                     for m in registry.visible_models(s, account_id) if m.path in model_dirs]
         return out
 
     # ---- resolution ---------------------------------------------------------------------------------------------
 
-    def _resolve(self, account_id: str, name: str) -> _Target:
+    @contextlib.contextmanager
+    def _resolved(self, account_id: str, name: str, api_key: str) -> Iterator[_Target]:
+        """The weights a request names; for a lineage deployment the version cannot switch inside the block."""
         if not name:
             raise InvalidArgument("required: a deployment name or a base model name", field="model")
         with self.db.session() as s:
             dep = registry.find_deployment(s, account_id, name)
-            if dep is not None:
-                return self._deployment_target(s, account_id, dep)
-            m = registry.find_model(s, account_id, name)
-            if m is not None:
-                return _Target(info=LoadedInfo(name=m.name, base_model=m.name), model_dir=m.path)
-        raise NotFound(f"model '{name}' not found: no deployment or base model with that name")
+            m = registry.find_model(s, account_id, name) if dep is None else None
+        if dep is not None and dep.lineage:
+            self._check_servable(dep)
+            with self._lineage_target(account_id, dep, api_key) as target:
+                yield target
+        elif dep is not None:
+            yield self._deployment_target(account_id, dep, api_key)
+        elif m is not None:
+            yield _Target(info=LoadedInfo(name=m.name, base_model=m.name), model_dir=m.path)
+        else:
+            raise NotFound(f"model '{name}' not found: no deployment or base model with that name")
 
-    def _deployment_target(self, s, account_id: str, dep: Deployment) -> _Target:
+    @staticmethod
+    def _check_servable(dep: Deployment) -> None:
         if dep.status not in SERVABLE_STATUSES:
             detail = f": {dep.error}" if dep.error else ""
             raise FailedPrecondition(f"deployment '{dep.name}' is {dep.status}{detail}; it cannot be served")
+
+    def _deployment_target(self, account_id: str, dep: Deployment, api_key: str) -> _Target:
+        self._check_servable(dep)
+        if dep.lineage:
+            with self._lineage_target(account_id, dep, api_key) as target:
+                return target
+        with self.db.session() as s:
+            return self._checkpoint_target(s, account_id, dep)
+
+    @contextlib.contextmanager
+    def _lineage_target(self, account_id: str, dep: Deployment, api_key: str) -> Iterator[_Target]:
+        if self.follower is None:
+            raise FailedPrecondition(f"deployment '{dep.name}' follows a weight lineage, and this rollout has no "
+                                     "weight-sync service configured")
+        with self.db.session() as s:
+            base = registry.find_model(s, account_id, dep.base_model)
+        if base is None:
+            raise FailedPrecondition(f"deployment '{dep.name}': its base model '{dep.base_model}' is not registered")
+        with self.follower.using(dep.id, dep.lineage, base.path, api_key) as served:
+            yield _Target(info=self._lineage_info(dep, served, ""), model_dir=served.model_dir,
+                          adapter_id=served.adapter_id)
+
+    @staticmethod
+    def _lineage_info(dep: Deployment, served, error: str) -> LoadedInfo:
+        return LoadedInfo(name=dep.name, base_model=dep.base_model, deployment_id=dep.id, lineage=dep.lineage,
+                          weight_version_id=served.version_id if served else "",
+                          weight_version=served.version if served else 0, weight_error=error)
+
+    def _checkpoint_target(self, s, account_id: str, dep: Deployment) -> _Target:
         ckpt: Checkpoint = registry.get_checkpoint(s, account_id, dep.checkpoint_id)
         if ckpt.kind != "lora_adapter":
             raise FailedPrecondition(f"deployment '{dep.name}': checkpoint {ckpt.id} is a {ckpt.kind} checkpoint; "
@@ -186,7 +247,7 @@ class RolloutCore:
                                          "registered")
             model_dir = base.path
         info = LoadedInfo(name=dep.name, base_model=dep.base_model, deployment_id=dep.id, checkpoint_id=ckpt.id)
-        return _Target(info=info, model_dir=model_dir,
+        return _Target(info=info, model_dir=model_dir, adapter_id=dep.id,
                        adapter_files=tuple(StoredFile.from_json(f) for f in ckpt.files))
 
     def _adapter_dir(self, target: _Target) -> Path:

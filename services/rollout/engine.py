@@ -269,6 +269,28 @@ class Engine:
                 self._drop_weights(entry)
             self._cv.notify_all()
 
+    # ---- base weights ------------------------------------------------------------------------------------------
+
+    def update_base_weights(self, model_dir: str, state: dict[str, torch.Tensor]) -> None:
+        """Write new values into a base model's parameters (our names; any subset) between two engine steps, and
+        return once they are in. Requests in flight go on with the new weights (their earlier positions' keys and
+        values stay as computed): a full-weight update is not pinned per request, unlike an adapter version.
+        Raises FailedPrecondition, with nothing written, when a name or shape does not fit the model."""
+        base = self.base(model_dir)
+        tensors = dict(base.model.named_parameters()) | dict(base.model.named_buffers())
+        unknown = sorted(set(state) - set(tensors))
+        wrong = [f"{k}: {tuple(v.shape)} vs {tuple(tensors[k].shape)}" for k, v in state.items()
+                 if k in tensors and v.shape != tensors[k].shape]
+        if unknown or wrong:
+            raise FailedPrecondition(f"new weights do not fit {model_dir}: unknown {unknown[:5]}; shapes {wrong[:5]}")
+
+        def write() -> None:  # in the loop thread, between steps, under the base lock
+            with torch.no_grad():
+                for name, value in state.items():
+                    tensors[name].copy_(value)
+
+        base.loop.call(write)
+
     # ---- generation --------------------------------------------------------------------------------------------
 
     def submit(self, model_dir: str, adapter_id: str | None, prompt_ids: Sequence[int],
@@ -358,6 +380,29 @@ class _Loop:
         with self._cv:
             self._inbox.append(do)
             self._cv.notify()
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run fn in this loop's thread between two steps (under the base lock) and wait for it; re-raises."""
+        done, failure = threading.Event(), []
+
+        def action() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - handed back to the caller's thread
+                failure.append(exc)
+            finally:
+                done.set()
+
+        with self._cv:
+            if self._stopped:
+                raise Unavailable("the rollout engine is shutting down")
+            self._inbox.append(action)
+            self._cv.notify()
+        while not done.wait(0.5):
+            if not self._thread.is_alive():  # stopped before it got to the action
+                raise Unavailable("the rollout engine is shutting down")
+        if failure:
+            raise failure[0]
 
     def collect(self, out: RequestOutput) -> None:
         """The core's sink (called in this thread): delivered after the step, outside the base lock."""

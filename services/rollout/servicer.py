@@ -36,7 +36,9 @@ def prompt(request: pb.SampleRequest) -> Prompt:
 
 def loaded_model(info: LoadedInfo) -> pb.LoadedModel:
     return pb.LoadedModel(name=info.name, base_model=info.base_model, deployment_id=info.deployment_id,
-                          checkpoint_id=info.checkpoint_id)
+                          checkpoint_id=info.checkpoint_id, lineage=info.lineage,
+                          weight_version_id=info.weight_version_id, weight_version=info.weight_version,
+                          weight_error=info.weight_error)
 
 
 def top_logprobs(top: list[list[tuple[int, float]]]) -> list[pb.TopLogprobs]:
@@ -66,26 +68,31 @@ class RolloutServicer(rpc.RolloutServiceServicer):
         self.core = core
 
     def Sample(self, request, context):
-        result = self.core.sample(current_caller().account_id, request.model, prompt(request),
-                                  sampling_params(request.params))
+        caller = current_caller()
+        result = self.core.sample(caller.account_id, request.model, prompt(request), sampling_params(request.params),
+                                  caller.api_key)
         return pb.SampleResponse(model=result.model, prompt_tokens=result.prompt_tokens,
                                  sequences=[sampled_sequence(s, result.router_layers) for s in result.sequences],
-                                 prompt_logprobs=result.prompt_logprobs or [])
+                                 prompt_logprobs=result.prompt_logprobs or [],
+                                 weight_version_id=result.weight_version_id)
 
     def SampleStream(self, request, context):
-        stream = self.core.sample_stream(current_caller().account_id, request.model, prompt(request),
-                                         sampling_params(request.params))
+        caller = current_caller()
+        stream = self.core.sample_stream(caller.account_id, request.model, prompt(request),
+                                         sampling_params(request.params), caller.api_key)
         first = True
         with contextlib.closing(stream.outputs()) as outputs:  # closing early (client gone) aborts the request
             for out in outputs:
                 yield pb.SampleStreamResponse(
                     model=stream.model if first else "", prompt_tokens=stream.prompt_tokens if first else [],
                     deltas=[sequence_delta(d, stream.router_layers) for d in out.sequences], done=out.finished,
-                    prompt_logprobs=out.prompt_logprobs or [])
+                    prompt_logprobs=out.prompt_logprobs or [],
+                    weight_version_id=stream.weight_version_id if first else "")
                 first = False
 
     def LoadDeployment(self, request, context):
-        return loaded_model(self.core.load_deployment(current_caller().account_id, request.deployment_id))
+        caller = current_caller()
+        return loaded_model(self.core.load_deployment(caller.account_id, request.deployment_id, caller.api_key))
 
     def UnloadDeployment(self, request, context):
         unloaded = self.core.unload_deployment(current_caller().account_id, request.deployment_id)

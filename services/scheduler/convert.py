@@ -104,6 +104,6 @@ def checkpoint(c: schema.Checkpoint) -> pb.Checkpoint:
 
 
 def deployment(d: schema.Deployment, job_id: str = "") -> pb.Deployment:
-    return pb.Deployment(id=d.id, name=d.name, checkpoint_id=d.checkpoint_id, base_model=d.base_model,
+    return pb.Deployment(id=d.id, name=d.name, checkpoint_id=d.checkpoint_id or "", base_model=d.base_model,
                          status=DEPLOYMENT_STATUS[d.status], error=d.error, created_at=ts(d.created_at),
-                         job_id=job_id)
+                         job_id=job_id, lineage=d.lineage or "")

@@ -1,4 +1,5 @@
-"""Deployments: a checkpoint served by the rollout service under a name of the account's choosing.
+"""Deployments: a checkpoint (or the current version of a weight lineage, hot-loaded as it moves) served by the
+rollout service under a name of the account's choosing.
 
 Create: validate -> row (deploying) -> rollout.LoadDeployment on the caller's behalf -> ready | failed.
 Delete: row marked deleted first (the rollout re-checks the row on every Sample, so a deleted deployment is never
@@ -24,7 +25,7 @@ from services.common.errors import (
     Unavailable,
     not_found,
 )
-from services.common.schema import Checkpoint, Deployment, Job, new_id, utcnow
+from services.common.schema import Checkpoint, Deployment, Job, WeightLineage, new_id, utcnow
 
 log = logging.getLogger("trainyard.deployments")
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -43,22 +44,31 @@ class DeploymentCore:
         self.load = load
         self.unload = unload
 
-    def create(self, account_id: str, api_key: str, name: str, checkpoint_id: str, job_id: str) -> Deployment:
+    def create(self, account_id: str, api_key: str, name: str, checkpoint_id: str, job_id: str,
+               lineage: str = "") -> Deployment:
         if not NAME_RE.fullmatch(name or ""):
             raise InvalidArgument("use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit",
                                   field="name")
-        if bool(checkpoint_id) == bool(job_id):
-            raise InvalidArgument("give exactly one of checkpoint_id and job_id", field="checkpoint_id")
+        if sum(map(bool, (checkpoint_id, job_id, lineage))) != 1:
+            raise InvalidArgument("give exactly one of checkpoint_id, job_id and lineage", field="checkpoint_id")
         with self.db.session() as s:
-            ckpt = self._resolve_checkpoint(s, account_id, checkpoint_id, job_id)
+            if lineage:
+                followed = s.scalar(select(WeightLineage).where(WeightLineage.account_id == account_id,
+                                                                WeightLineage.lineage == lineage))
+                if followed is None:
+                    raise not_found("lineage", lineage)
+                source = {"lineage": lineage, "checkpoint_id": None, "base_model": followed.base_model}
+            else:
+                ckpt = self._resolve_checkpoint(s, account_id, checkpoint_id, job_id)
+                source = {"checkpoint_id": ckpt.id, "base_model": ckpt.base_model}
             existing = registry.find_deployment(s, account_id, name)
             if existing is not None and existing.status == "failed":
                 existing.status, existing.deleted_at = "deleted", utcnow()  # a failed attempt frees its name
                 s.flush()
             elif existing is not None:
                 raise AlreadyExists(f"a deployment named '{name}' already exists; delete it or choose another name")
-            dep = Deployment(id=new_id("dep"), account_id=account_id, name=name, checkpoint_id=ckpt.id,
-                             base_model=ckpt.base_model, status="deploying", created_at=utcnow(), updated_at=utcnow())
+            dep = Deployment(id=new_id("dep"), account_id=account_id, name=name, status="deploying",
+                             created_at=utcnow(), updated_at=utcnow(), **source)
             s.add(dep)
             try:
                 s.flush()
@@ -112,6 +122,8 @@ class DeploymentCore:
             return list(s.scalars(q.order_by(Deployment.created_at.desc())))
 
     def job_of(self, dep: Deployment) -> str:
+        if dep.checkpoint_id is None:
+            return ""
         with self.db.session() as s:
             return s.scalar(select(Checkpoint.job_id).where(Checkpoint.id == dep.checkpoint_id)) or ""
 

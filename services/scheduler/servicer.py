@@ -201,7 +201,8 @@ class DeploymentServicer(rpc.DeploymentServiceServicer):
 
     def CreateDeployment(self, request, context):
         caller = current_caller()
-        dep = self.core.create(caller.account_id, caller.api_key, request.name, request.checkpoint_id, request.job_id)
+        dep = self.core.create(caller.account_id, caller.api_key, request.name, request.checkpoint_id, request.job_id,
+                               request.lineage)
         return convert.deployment(dep, self.core.job_of(dep))
 
     def ListDeployments(self, request, context):

@@ -1,6 +1,10 @@
 """The weight-sync process: versioned weights over gRPC (python -m services.weightsync)."""
 from __future__ import annotations
 
+import threading
+
+from pydantic import Field
+
 from services.common.auth import current_caller
 from services.common.blobstore import BlobStore
 from services.common.config import TrainyardSettings
@@ -23,9 +27,16 @@ def version_pb(v) -> pb.WeightVersion:
                             metadata=v.meta, created_at=ts(v.created_at))
 
 
+def lineage_pb(row, current, latest: int) -> pb.Lineage:
+    return pb.Lineage(lineage=row.lineage, kind=KINDS_BACK[row.kind], base_model=row.base_model,
+                      current=version_pb(current), latest_version=latest, updated_at=ts(row.updated_at))
+
+
 class WeightSyncServicer(rpc.WeightSyncServiceServicer):
-    def __init__(self, store: WeightStore):
+    def __init__(self, store: WeightStore, poll_s: float, stopping):
         self.store = store
+        self.poll_s = poll_s
+        self.stopping = stopping
 
     def PublishVersion(self, request_iterator, context):
         h, chunks = split_header(request_iterator)
@@ -42,26 +53,46 @@ class WeightSyncServicer(rpc.WeightSyncServiceServicer):
         rows = self.store.list(current_caller().account_id, request.lineage)
         return pb.ListVersionsResponse(versions=[version_pb(v) for v in rows])
 
+    def GetLineage(self, request, context):
+        return lineage_pb(*self.store.lineage(current_caller().account_id, request.lineage))
+
+    def WatchLineage(self, request, context):
+        for state in self.store.watch(current_caller().account_id, request.lineage, self.poll_s, context.is_active,
+                                      self.stopping):
+            yield lineage_pb(*state)
+
+    def Rollback(self, request, context):
+        return lineage_pb(*self.store.rollback(current_caller().account_id, request.lineage, request.version_id))
+
     def FetchVersion(self, request, context):
-        for c in self.store.fetch(current_caller().account_id, request.id, request.from_path, request.from_offset):
-            yield common_pb2.FileChunk(path=c.path, offset=c.offset, data=c.data, sha256=c.sha256)
+        for c in self.store.fetch(current_caller().account_id, request.id, request.from_path, request.from_offset,
+                                  request.base_version_id):
+            yield common_pb2.FileChunk(path=c.path, offset=c.offset, data=c.data, sha256=c.sha256,
+                                       file_size=c.file_size)
 
 
-def build(settings: TrainyardSettings) -> Server:
+class WeightSyncSettings(TrainyardSettings):
+    watch_poll_s: float = Field(default=0.2, gt=0, description="How often WatchLineage looks for a new version.")
+
+
+def build(settings: WeightSyncSettings) -> Server:
     settings.ensure_dirs()
     db = Database(settings.database_url)
     store = WeightStore(db, BlobStore(settings.blob_dir))
+    stopping = threading.Event()  # set at shutdown: WatchLineage streams end instead of holding the grace period
     spec = ServiceSpec(
         name="weightsync",
-        register=lambda server: rpc.add_WeightSyncServiceServicer_to_server(WeightSyncServicer(store), server),
+        register=lambda server: rpc.add_WeightSyncServiceServicer_to_server(
+            WeightSyncServicer(store, settings.watch_poll_s, stopping), server),
         service_names=[pb.DESCRIPTOR.services_by_name["WeightSyncService"].full_name],
         on_shutdown=db.dispose,
+        stopping=stopping,
     )
     return service_server(spec, settings, settings.weightsync_port, db)
 
 
 def main() -> None:
-    run_service(TrainyardSettings, build)
+    run_service(WeightSyncSettings, build)
 
 
 if __name__ == "__main__":

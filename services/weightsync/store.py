@@ -18,13 +18,16 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from sqlalchemy import select
+from safetensors.torch import load_file
 from sqlalchemy.exc import IntegrityError
 
 from services.common.blobstore import CHUNK, BlobStore
 from services.common.db import Database
 from services.common.errors import FailedPrecondition, InvalidArgument, not_found
-from services.common.schema import WeightVersion, new_id, utcnow
+from services.common.schema import WeightDelta, WeightLineage, WeightVersion, new_id, utcnow
+from services.weightsync.codec import iter_encode_delta
 
+DELTA_FILE = "delta"  # the one file of a delta fetch (codec.py's format)
 LINEAGE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
 KINDS = ("lora_adapter", "full")
 
@@ -52,6 +55,7 @@ class Chunk:
     offset: int
     data: bytes
     sha256: str
+    file_size: int = 0
 
 
 def check_header(h: PublishHeader) -> None:
@@ -135,6 +139,15 @@ class WeightStore:
         try:
             with self.db.session() as s:
                 s.add(row)
+                s.flush()
+                lineage = s.scalar(select(WeightLineage).where(WeightLineage.account_id == account_id,
+                                                               WeightLineage.lineage == header.lineage))
+                if lineage is None:
+                    s.add(WeightLineage(id=new_id("wl"), account_id=account_id, lineage=header.lineage,
+                                        kind=header.kind, base_model=header.base_model, current_version_id=row.id,
+                                        created_at=row.created_at, updated_at=row.created_at))
+                else:
+                    lineage.current_version_id, lineage.updated_at = row.id, row.created_at
         except IntegrityError:
             raise FailedPrecondition(f"lineage '{header.lineage}' gained version {row.version} while this one was "
                                      "uploading; publish again on top of the latest version") from None
@@ -161,6 +174,42 @@ class WeightStore:
         if received + len(chunk.data) > spec.size_bytes:
             raise InvalidArgument(f"{spec.path}: more bytes than the declared {spec.size_bytes}", field="chunk")
 
+    def lineage(self, account_id: str, lineage: str) -> tuple[WeightLineage, WeightVersion, int]:
+        """(lineage row, its current version, its newest version number)."""
+        with self.db.session() as s:
+            row = s.scalar(select(WeightLineage).where(WeightLineage.account_id == account_id,
+                                                       WeightLineage.lineage == lineage)) if lineage else None
+            if row is None:
+                raise not_found("lineage", lineage)
+            latest = s.scalar(select(WeightVersion.version).where(WeightVersion.account_id == account_id,
+                                                                  WeightVersion.lineage == lineage)
+                              .order_by(WeightVersion.version.desc()).limit(1))
+            return row, s.get(WeightVersion, row.current_version_id), latest
+
+    def rollback(self, account_id: str, lineage: str, version_id: str) -> tuple[WeightLineage, WeightVersion, int]:
+        target = self.get(account_id, version_id)
+        if target.lineage != lineage:
+            raise InvalidArgument(f"version {version_id} belongs to lineage '{target.lineage}', not '{lineage}'",
+                                  field="version_id")
+        with self.db.session() as s:
+            row = s.scalar(select(WeightLineage).where(WeightLineage.account_id == account_id,
+                                                       WeightLineage.lineage == lineage).with_for_update())
+            if row is None:
+                raise not_found("lineage", lineage)
+            row.current_version_id, row.updated_at = target.id, utcnow()
+        return self.lineage(account_id, lineage)
+
+    def watch(self, account_id: str, lineage: str, poll_s: float, is_active, stopping) -> Iterator:
+        """The lineage's state now, then again whenever its current version changes (polls the database)."""
+        state = self.lineage(account_id, lineage)
+        yield state
+        seen = (state[0].current_version_id, state[0].updated_at)
+        while is_active() and not stopping.wait(poll_s):
+            state = self.lineage(account_id, lineage)
+            if (state[0].current_version_id, state[0].updated_at) != seen:
+                seen = (state[0].current_version_id, state[0].updated_at)
+                yield state
+
     def get(self, account_id: str, version_id: str) -> WeightVersion:
         with self.db.session() as s:
             v = s.get(WeightVersion, version_id) if version_id else None
@@ -175,18 +224,56 @@ class WeightStore:
         with self.db.session() as s:
             return list(s.scalars(q.order_by(WeightVersion.lineage, WeightVersion.version)))
 
-    def fetch(self, account_id: str, version_id: str, from_path: str = "", from_offset: int = 0) -> Iterator[Chunk]:
+    def fetch(self, account_id: str, version_id: str, from_path: str = "", from_offset: int = 0,
+              base_version_id: str = "") -> Iterator[Chunk]:
         v = self.get(account_id, version_id)
-        paths = [f["path"] for f in v.files]
+        files = v.files
+        if base_version_id:
+            files = [self.delta_file(account_id, base_version_id, v)]
+        paths = [f["path"] for f in files]
         if from_path and from_path not in paths:
             raise InvalidArgument(f"version {version_id} has no file {from_path!r}", field="from_path")
         if from_offset < 0:
             raise InvalidArgument("must be >= 0", field="from_offset")
         start = paths.index(from_path) if from_path else 0
-        for i, f in enumerate(v.files[start:]):
+        for i, f in enumerate(files[start:]):
             offset = from_offset if i == 0 else 0
             if offset > f["size_bytes"]:
                 raise InvalidArgument(f"beyond the end of {f['path']} ({f['size_bytes']} bytes)", field="from_offset")
             for data in self.blobs.read_chunks(f["sha256"], offset=offset, chunk_size=CHUNK):
-                yield Chunk(path=f["path"], offset=offset, data=data, sha256=hashlib.sha256(data).hexdigest())
+                yield Chunk(path=f["path"], offset=offset, data=data, sha256=hashlib.sha256(data).hexdigest(),
+                            file_size=f["size_bytes"])
                 offset += len(data)
+
+    def delta_file(self, account_id: str, base_version_id: str, version: WeightVersion) -> dict:
+        """The file entry {path: DELTA_FILE, sha256, size_bytes} of the delta base -> version, encoded on first
+        request (services/weightsync/codec.py) and kept in the object store."""
+        base = self.get(account_id, base_version_id)
+        if base.lineage != version.lineage or base.kind != "full" or version.kind != "full":
+            raise InvalidArgument("deltas exist between full-weight versions of one lineage; fetch this version "
+                                  "without base_version_id", field="base_version_id")
+        with self.db.session() as s:
+            cached = s.scalar(select(WeightDelta).where(WeightDelta.base_version_id == base.id,
+                                                        WeightDelta.version_id == version.id))
+        if cached is None:
+            old, new = self._tensors(base), self._tensors(version)
+            if old.keys() != new.keys() or any(old[k].shape != new[k].shape or old[k].dtype != new[k].dtype
+                                               for k in new):
+                raise FailedPrecondition(f"versions {base.id} and {version.id} hold different tensors (names, shapes "
+                                         "or dtypes); fetch the version whole")
+            digest, size = self.blobs.put_stream(iter_encode_delta(old, new))
+            cached = WeightDelta(id=new_id("wd"), base_version_id=base.id, version_id=version.id, sha256=digest,
+                                 size_bytes=size, created_at=utcnow())
+            try:
+                with self.db.session() as s:
+                    s.add(cached)
+            except IntegrityError:  # encoded concurrently by another request: same bytes, same blob
+                pass
+        return {"path": DELTA_FILE, "sha256": cached.sha256, "size_bytes": cached.size_bytes}
+
+    def _tensors(self, version: WeightVersion) -> dict:
+        tensors: dict = {}
+        for f in version.files:
+            if f["path"].endswith(".safetensors"):
+                tensors.update(load_file(str(self.blobs.path(f["sha256"]))))
+        return tensors

@@ -88,16 +88,18 @@ class RouterIds(_message.Message):
     def __init__(self, num_tokens: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., top_k: _Optional[int] = ..., dtype: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
-    __slots__ = ("model", "prompt_tokens", "sequences", "prompt_logprobs")
+    __slots__ = ("model", "prompt_tokens", "sequences", "prompt_logprobs", "weight_version_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
     sequences: _containers.RepeatedCompositeFieldContainer[SampledSequence]
     prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, model: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., sequences: _Optional[_Iterable[_Union[SampledSequence, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    weight_version_id: str
+    def __init__(self, model: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., sequences: _Optional[_Iterable[_Union[SampledSequence, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., weight_version_id: _Optional[str] = ...) -> None: ...
 
 class SequenceDelta(_message.Message):
     __slots__ = ("index", "tokens", "text", "logprobs", "top_logprobs", "finish_reason", "router_ids")
@@ -118,18 +120,20 @@ class SequenceDelta(_message.Message):
     def __init__(self, index: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., router_ids: _Optional[_Union[RouterIds, _Mapping]] = ...) -> None: ...
 
 class SampleStreamResponse(_message.Message):
-    __slots__ = ("model", "prompt_tokens", "deltas", "done", "prompt_logprobs")
+    __slots__ = ("model", "prompt_tokens", "deltas", "done", "prompt_logprobs", "weight_version_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DELTAS_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
     deltas: _containers.RepeatedCompositeFieldContainer[SequenceDelta]
     done: bool
     prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, model: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., deltas: _Optional[_Iterable[_Union[SequenceDelta, _Mapping]]] = ..., done: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    weight_version_id: str
+    def __init__(self, model: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., deltas: _Optional[_Iterable[_Union[SequenceDelta, _Mapping]]] = ..., done: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., weight_version_id: _Optional[str] = ...) -> None: ...
 
 class LoadDeploymentRequest(_message.Message):
     __slots__ = ("deployment_id",)
@@ -138,16 +142,24 @@ class LoadDeploymentRequest(_message.Message):
     def __init__(self, deployment_id: _Optional[str] = ...) -> None: ...
 
 class LoadedModel(_message.Message):
-    __slots__ = ("name", "base_model", "deployment_id", "checkpoint_id")
+    __slots__ = ("name", "base_model", "deployment_id", "checkpoint_id", "lineage", "weight_version_id", "weight_version", "weight_error")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    LINEAGE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_ERROR_FIELD_NUMBER: _ClassVar[int]
     name: str
     base_model: str
     deployment_id: str
     checkpoint_id: str
-    def __init__(self, name: _Optional[str] = ..., base_model: _Optional[str] = ..., deployment_id: _Optional[str] = ..., checkpoint_id: _Optional[str] = ...) -> None: ...
+    lineage: str
+    weight_version_id: str
+    weight_version: int
+    weight_error: str
+    def __init__(self, name: _Optional[str] = ..., base_model: _Optional[str] = ..., deployment_id: _Optional[str] = ..., checkpoint_id: _Optional[str] = ..., lineage: _Optional[str] = ..., weight_version_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., weight_error: _Optional[str] = ...) -> None: ...
 
 class UnloadDeploymentRequest(_message.Message):
     __slots__ = ("deployment_id",)

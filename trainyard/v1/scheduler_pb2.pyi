@@ -568,7 +568,7 @@ class DownloadCheckpointRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ...) -> None: ...
 
 class Deployment(_message.Message):
-    __slots__ = ("id", "name", "checkpoint_id", "base_model", "status", "error", "created_at", "job_id")
+    __slots__ = ("id", "name", "checkpoint_id", "base_model", "status", "error", "created_at", "job_id", "lineage")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -577,6 +577,7 @@ class Deployment(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    LINEAGE_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     checkpoint_id: str
@@ -585,17 +586,20 @@ class Deployment(_message.Message):
     error: str
     created_at: _timestamp_pb2.Timestamp
     job_id: str
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., checkpoint_id: _Optional[str] = ..., base_model: _Optional[str] = ..., status: _Optional[_Union[DeploymentStatus, str]] = ..., error: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., job_id: _Optional[str] = ...) -> None: ...
+    lineage: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., checkpoint_id: _Optional[str] = ..., base_model: _Optional[str] = ..., status: _Optional[_Union[DeploymentStatus, str]] = ..., error: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., job_id: _Optional[str] = ..., lineage: _Optional[str] = ...) -> None: ...
 
 class CreateDeploymentRequest(_message.Message):
-    __slots__ = ("name", "checkpoint_id", "job_id")
+    __slots__ = ("name", "checkpoint_id", "job_id", "lineage")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    LINEAGE_FIELD_NUMBER: _ClassVar[int]
     name: str
     checkpoint_id: str
     job_id: str
-    def __init__(self, name: _Optional[str] = ..., checkpoint_id: _Optional[str] = ..., job_id: _Optional[str] = ...) -> None: ...
+    lineage: str
+    def __init__(self, name: _Optional[str] = ..., checkpoint_id: _Optional[str] = ..., job_id: _Optional[str] = ..., lineage: _Optional[str] = ...) -> None: ...
 
 class ListDeploymentsRequest(_message.Message):
     __slots__ = ("include_deleted",)

@@ -20,6 +20,42 @@ WEIGHT_KIND_UNSPECIFIED: WeightKind
 WEIGHT_KIND_LORA_ADAPTER: WeightKind
 WEIGHT_KIND_FULL: WeightKind
 
+class Lineage(_message.Message):
+    __slots__ = ("lineage", "kind", "base_model", "current", "latest_version", "updated_at")
+    LINEAGE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    lineage: str
+    kind: WeightKind
+    base_model: str
+    current: WeightVersion
+    latest_version: int
+    updated_at: _timestamp_pb2.Timestamp
+    def __init__(self, lineage: _Optional[str] = ..., kind: _Optional[_Union[WeightKind, str]] = ..., base_model: _Optional[str] = ..., current: _Optional[_Union[WeightVersion, _Mapping]] = ..., latest_version: _Optional[int] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class GetLineageRequest(_message.Message):
+    __slots__ = ("lineage",)
+    LINEAGE_FIELD_NUMBER: _ClassVar[int]
+    lineage: str
+    def __init__(self, lineage: _Optional[str] = ...) -> None: ...
+
+class WatchLineageRequest(_message.Message):
+    __slots__ = ("lineage",)
+    LINEAGE_FIELD_NUMBER: _ClassVar[int]
+    lineage: str
+    def __init__(self, lineage: _Optional[str] = ...) -> None: ...
+
+class RollbackRequest(_message.Message):
+    __slots__ = ("lineage", "version_id")
+    LINEAGE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_ID_FIELD_NUMBER: _ClassVar[int]
+    lineage: str
+    version_id: str
+    def __init__(self, lineage: _Optional[str] = ..., version_id: _Optional[str] = ...) -> None: ...
+
 class WeightFile(_message.Message):
     __slots__ = ("path", "sha256", "size_bytes")
     PATH_FIELD_NUMBER: _ClassVar[int]
@@ -109,11 +145,13 @@ class ListVersionsResponse(_message.Message):
     def __init__(self, versions: _Optional[_Iterable[_Union[WeightVersion, _Mapping]]] = ...) -> None: ...
 
 class FetchVersionRequest(_message.Message):
-    __slots__ = ("id", "from_path", "from_offset")
+    __slots__ = ("id", "from_path", "from_offset", "base_version_id")
     ID_FIELD_NUMBER: _ClassVar[int]
     FROM_PATH_FIELD_NUMBER: _ClassVar[int]
     FROM_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_ID_FIELD_NUMBER: _ClassVar[int]
     id: str
     from_path: str
     from_offset: int
-    def __init__(self, id: _Optional[str] = ..., from_path: _Optional[str] = ..., from_offset: _Optional[int] = ...) -> None: ...
+    base_version_id: str
+    def __init__(self, id: _Optional[str] = ..., from_path: _Optional[str] = ..., from_offset: _Optional[int] = ..., base_version_id: _Optional[str] = ...) -> None: ...

@@ -58,6 +58,21 @@ class WeightSyncServiceStub:
                 request_serializer=trainyard_dot_v1_dot_weightsync__pb2.FetchVersionRequest.SerializeToString,
                 response_deserializer=trainyard_dot_v1_dot_common__pb2.FileChunk.FromString,
                 _registered_method=True)
+        self.GetLineage = channel.unary_unary(
+                '/trainyard.v1.WeightSyncService/GetLineage',
+                request_serializer=trainyard_dot_v1_dot_weightsync__pb2.GetLineageRequest.SerializeToString,
+                response_deserializer=trainyard_dot_v1_dot_weightsync__pb2.Lineage.FromString,
+                _registered_method=True)
+        self.WatchLineage = channel.unary_stream(
+                '/trainyard.v1.WeightSyncService/WatchLineage',
+                request_serializer=trainyard_dot_v1_dot_weightsync__pb2.WatchLineageRequest.SerializeToString,
+                response_deserializer=trainyard_dot_v1_dot_weightsync__pb2.Lineage.FromString,
+                _registered_method=True)
+        self.Rollback = channel.unary_unary(
+                '/trainyard.v1.WeightSyncService/Rollback',
+                request_serializer=trainyard_dot_v1_dot_weightsync__pb2.RollbackRequest.SerializeToString,
+                response_deserializer=trainyard_dot_v1_dot_weightsync__pb2.Lineage.FromString,
+                _registered_method=True)
 
 
 class WeightSyncServiceServicer:
@@ -86,7 +101,29 @@ class WeightSyncServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def FetchVersion(self, request, context):
+        """A version's files, or with base_version_id (a full-weight version of the same lineage the consumer holds) a
+        delta from it: one file "delta" in services/weightsync/codec.py's format, usually far smaller.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetLineage(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchLineage(self, request, context):
+        """The lineage's state now and after every change (a publish, a rollback), until the client cancels.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Rollback(self, request, context):
+        """Make a retained version the one consumers serve; the next publish moves the lineage on from its newest version.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -113,6 +150,21 @@ def add_WeightSyncServiceServicer_to_server(servicer, server):
                     servicer.FetchVersion,
                     request_deserializer=trainyard_dot_v1_dot_weightsync__pb2.FetchVersionRequest.FromString,
                     response_serializer=trainyard_dot_v1_dot_common__pb2.FileChunk.SerializeToString,
+            ),
+            'GetLineage': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLineage,
+                    request_deserializer=trainyard_dot_v1_dot_weightsync__pb2.GetLineageRequest.FromString,
+                    response_serializer=trainyard_dot_v1_dot_weightsync__pb2.Lineage.SerializeToString,
+            ),
+            'WatchLineage': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchLineage,
+                    request_deserializer=trainyard_dot_v1_dot_weightsync__pb2.WatchLineageRequest.FromString,
+                    response_serializer=trainyard_dot_v1_dot_weightsync__pb2.Lineage.SerializeToString,
+            ),
+            'Rollback': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rollback,
+                    request_deserializer=trainyard_dot_v1_dot_weightsync__pb2.RollbackRequest.FromString,
+                    response_serializer=trainyard_dot_v1_dot_weightsync__pb2.Lineage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -226,6 +278,87 @@ class WeightSyncService:
             '/trainyard.v1.WeightSyncService/FetchVersion',
             trainyard_dot_v1_dot_weightsync__pb2.FetchVersionRequest.SerializeToString,
             trainyard_dot_v1_dot_common__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLineage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainyard.v1.WeightSyncService/GetLineage',
+            trainyard_dot_v1_dot_weightsync__pb2.GetLineageRequest.SerializeToString,
+            trainyard_dot_v1_dot_weightsync__pb2.Lineage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchLineage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/trainyard.v1.WeightSyncService/WatchLineage',
+            trainyard_dot_v1_dot_weightsync__pb2.WatchLineageRequest.SerializeToString,
+            trainyard_dot_v1_dot_weightsync__pb2.Lineage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rollback(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainyard.v1.WeightSyncService/Rollback',
+            trainyard_dot_v1_dot_weightsync__pb2.RollbackRequest.SerializeToString,
+            trainyard_dot_v1_dot_weightsync__pb2.Lineage.FromString,
             options,
             channel_credentials,
             insecure,

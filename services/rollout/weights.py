@@ -1,0 +1,284 @@
+"""Deployments that follow a weight lineage: each new version is fetched from the weight-sync service and hot-loaded
+between engine steps; while anything about a new version fails, the previous one keeps serving.
+
+Ordering for one deployment moving from version n to version m (the lineage's current version: m = n + 1 after a
+publish, any retained version after a rollback):
+1. WatchLineage reports current = m.
+2. Fetch. A LoRA adapter: m's files in checksummed chunks (a cut transfer resumes at the last verified byte) into
+   <root>/adapters/<deployment>@<m>/. Full weights: the delta n -> m (services/weightsync/codec.py), applied to the
+   CPU copy of n this follower holds; the codec checks that copy is n (else: fetch m whole) and every record's
+   checksum before it writes anything.
+3. Load. Adapter: engine.load_adapter under the id "<deployment>@<m>", next to n's. Full: engine.update_base_weights,
+   written between two engine steps.
+4. Switch: requests submitted from now on run on m. Adapter requests already running keep n's slot until they end
+   (then n's weights are freed); full-weight requests in flight finish on m.
+A failure in 2-3 leaves n serving, is recorded (LoadedModel.weight_error, the log) and retried with backoff for as
+long as m is the lineage's current version.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from safetensors.torch import load_file
+
+from models.families import family_for_config
+from models.checkpoint import read_config
+from services.common.channels import auth_metadata
+from services.common.errors import FailedPrecondition, Unavailable
+from services.weightsync.client import fetch_delta, fetch_version
+from services.weightsync.codec import BaseMismatchError, apply_delta
+from trainyard.v1 import weightsync_pb2 as wpb
+from trainyard.v1 import weightsync_pb2_grpc
+
+log = logging.getLogger("trainyard.rollout.weights")
+
+RETRY_S = (0.5, 1.0, 2.0, 5.0, 10.0)
+# Files of the base model a full-weight version does not carry but the engine needs to load it.
+BASE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt")
+
+
+@dataclass(frozen=True)
+class Served:
+    """What a deployment's requests run on now."""
+
+    model_dir: str
+    adapter_id: str | None  # None for full weights
+    version_id: str
+    version: int
+
+
+@dataclass(eq=False)
+class _Follow:
+    deployment_id: str
+    lineage: str
+    base_model_dir: str
+    api_key: str
+    served: Served | None = None
+    target: wpb.WeightVersion | None = None
+    kind: int = wpb.WEIGHT_KIND_UNSPECIFIED
+    error: str = ""
+    held: dict | None = None  # full weights: the served version's tensors (HF names, CPU)
+    held_version_id: str = ""
+    cv: threading.Condition = field(default_factory=threading.Condition)
+    stopped: bool = False
+    stream: object = None  # the WatchLineage call, cancelled by forget()
+    threads: list[threading.Thread] = field(default_factory=list)
+
+
+class WeightFollower:
+    def __init__(self, engine, weightsync_target: str, root: Path, *,
+                 stub_factory: Callable[[grpc.Channel], object] = weightsync_pb2_grpc.WeightSyncServiceStub,
+                 retry_s: tuple[float, ...] = RETRY_S):
+        self.engine = engine
+        self.root = Path(root)
+        self.retry_s = retry_s
+        self._channel = grpc.insecure_channel(weightsync_target, options=[
+            ("grpc.max_receive_message_length", 64 << 20), ("grpc.enable_http_proxy", 0)])
+        self.stub = stub_factory(self._channel)
+        self._follows: dict[str, _Follow] = {}
+        self._lock = threading.Lock()
+
+    # ---- what requests use -------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def using(self, deployment_id: str, lineage: str, base_model_dir: str, api_key: str) -> Iterator[Served]:
+        """serve(), holding the deployment's switch off for the block: submit the request inside it, so the
+        adapter it names cannot be unloaded before the request pins it."""
+        served = self.serve(deployment_id, lineage, base_model_dir, api_key)
+        with self._follows[deployment_id].cv:
+            follow = self._follows.get(deployment_id)
+            yield follow.served if follow is not None and follow.served is not None else served
+
+    def serve(self, deployment_id: str, lineage: str, base_model_dir: str, api_key: str) -> Served:
+        """The version requests of this deployment run on now. The first call starts following the lineage and
+        returns once its current version is loaded (raising if that fails); later calls return at once."""
+        with self._lock:
+            follow = self._follows.get(deployment_id)
+            if follow is None:
+                follow = _Follow(deployment_id, lineage, base_model_dir, api_key)
+                self._follows[deployment_id] = follow
+        with follow.cv:
+            follow.api_key = api_key  # the newest caller's key: a revoked key stops being used
+            if follow.served is not None:
+                return follow.served
+            if not follow.threads:
+                self._start(follow)
+            while follow.served is None and not follow.stopped:
+                if follow.error and follow.target is not None:
+                    raise Unavailable(f"deployment {deployment_id} could not load version {follow.target.version} "
+                                      f"of lineage '{lineage}': {follow.error}")
+                follow.cv.wait(0.2)
+            if follow.served is None:
+                raise Unavailable(f"deployment {deployment_id} is being unloaded")
+            return follow.served
+
+    def state(self, deployment_id: str) -> tuple[Served | None, str]:
+        with self._lock:
+            follow = self._follows.get(deployment_id)
+        if follow is None:
+            return None, ""
+        with follow.cv:
+            return follow.served, follow.error
+
+    def forget(self, deployment_id: str) -> bool:
+        """Stop following; unload what was served (running requests finish first)."""
+        with self._lock:
+            follow = self._follows.pop(deployment_id, None)
+        if follow is None:
+            return False
+        with follow.cv:
+            follow.stopped = True
+            follow.cv.notify_all()
+            served, stream = follow.served, follow.stream
+        if stream is not None:
+            stream.cancel()
+        if served is not None and served.adapter_id is not None:
+            self.engine.unload_adapter(served.adapter_id)
+        return True
+
+    def close(self) -> None:
+        for deployment_id in list(self._follows):
+            self.forget(deployment_id)
+        self._channel.close()
+
+    # ---- following ---------------------------------------------------------------------------------------------
+
+    def _start(self, follow: _Follow) -> None:
+        for target, name in ((self._watch, "watch"), (self._sync, "sync")):
+            t = threading.Thread(target=target, args=(follow,), daemon=True,
+                                 name=f"weights-{name}-{follow.deployment_id}")
+            follow.threads.append(t)
+            t.start()
+
+    def _watch(self, follow: _Follow) -> None:
+        """Keeps follow.target at the lineage's current version; reconnects after a dropped stream."""
+        attempt = 0
+        while not follow.stopped:
+            try:
+                stream = self.stub.WatchLineage(wpb.WatchLineageRequest(lineage=follow.lineage),
+                                                metadata=auth_metadata(follow.api_key))
+                with follow.cv:
+                    follow.stream = stream
+                for state in stream:
+                    attempt = 0
+                    with follow.cv:
+                        follow.kind = state.kind
+                        follow.target = state.current
+                        follow.cv.notify_all()
+                    if follow.stopped:
+                        stream.cancel()
+            except grpc.RpcError as exc:
+                if follow.stopped:
+                    return
+                with follow.cv:
+                    follow.error = f"watching lineage '{follow.lineage}': {exc.details()}"
+                    follow.cv.notify_all()
+                log.warning("deployment %s: %s", follow.deployment_id, follow.error)
+            with follow.cv:
+                follow.cv.wait(self.retry_s[min(attempt, len(self.retry_s) - 1)])
+            attempt += 1
+
+    def _sync(self, follow: _Follow) -> None:
+        """Moves the served version to follow.target, retrying failures with backoff while the target stands."""
+        attempt = 0
+        while True:
+            with follow.cv:
+                while not follow.stopped and (follow.target is None or (
+                        follow.served is not None and follow.served.version_id == follow.target.id)):
+                    follow.cv.wait()
+                if follow.stopped:
+                    return
+                target = follow.target
+            try:
+                served = self._load(follow, target)
+            except Exception as exc:  # noqa: BLE001 - any failure keeps the previous version serving
+                attempt += 1
+                with follow.cv:
+                    follow.error = f"version {target.version} ({target.id}): {exc}"
+                    follow.cv.notify_all()
+                log.warning("deployment %s keeps serving %s: %s", follow.deployment_id,
+                            follow.served.version_id if follow.served else "nothing", follow.error)
+                with follow.cv:  # wait, unless a newer target arrives meanwhile
+                    follow.cv.wait_for(lambda: follow.stopped or follow.target is not target,
+                                       self.retry_s[min(attempt - 1, len(self.retry_s) - 1)])
+                continue
+            attempt = 0
+            with follow.cv:  # no submit is between serve and pinning its adapter (see using())
+                previous, follow.served, follow.error = follow.served, served, ""
+                follow.cv.notify_all()
+                if previous is not None and previous.adapter_id is not None:
+                    self.engine.unload_adapter(previous.adapter_id)  # freed when its last running request ends
+            log.info("deployment %s now serves version %d (%s) of lineage '%s'", follow.deployment_id,
+                     target.version, target.id, follow.lineage)
+
+    def _load(self, follow: _Follow, target: wpb.WeightVersion) -> Served:
+        if target.kind == wpb.WEIGHT_KIND_LORA_ADAPTER:
+            adapter_id = f"{follow.deployment_id}@{target.id}"
+            path = self._fetch_files(follow, target, self.root / "adapters" / adapter_id)
+            self.engine.load_adapter(adapter_id, follow.base_model_dir, path, eager=True)
+            return Served(follow.base_model_dir, adapter_id, target.id, target.version)
+        if target.kind == wpb.WEIGHT_KIND_FULL:
+            return self._load_full(follow, target)
+        raise FailedPrecondition(f"version {target.id} has an unknown weight kind {target.kind}")
+
+    def _load_full(self, follow: _Follow, target: wpb.WeightVersion) -> Served:
+        model_dir = self.root / "full" / follow.deployment_id
+        if follow.held is None:  # first version: lay it out as a model directory and let the engine load it
+            path = self._fetch_files(follow, target, self.root / "full" / f"{follow.deployment_id}@{target.id}")
+            held = {}
+            for f in path.glob("*.safetensors"):
+                held.update(load_file(str(f)))
+            if not model_dir.exists():
+                staging = Path(tempfile.mkdtemp(dir=model_dir.parent, prefix=".layout-"))
+                for f in path.iterdir():
+                    (staging / f.name).symlink_to(f.resolve())
+                for name in BASE_FILES:
+                    src = Path(follow.base_model_dir) / name
+                    if src.is_file() and not (staging / name).exists():
+                        (staging / name).symlink_to(src.resolve())
+                staging.rename(model_dir)
+            self.engine.base(str(model_dir))
+            self._write_engine(model_dir, held)  # the engine may hold an older layout: make it exactly this version
+        else:
+            try:
+                delta = fetch_delta(self.stub, follow.api_key, target.id, follow.held_version_id)
+                held = apply_delta(follow.held, delta, inplace=False)
+            except BaseMismatchError:  # our copy is not what the server took as the base: fetch the version whole
+                log.warning("deployment %s: delta base mismatch; fetching version %s whole", follow.deployment_id,
+                            target.id)
+                path = self._fetch_files(follow, target, self.root / "full" / f"{follow.deployment_id}@{target.id}")
+                held = {}
+                for f in path.glob("*.safetensors"):
+                    held.update(load_file(str(f)))
+            self._write_engine(model_dir, held)
+        follow.held, follow.held_version_id = held, target.id
+        return Served(str(model_dir), None, target.id, target.version)
+
+    def _write_engine(self, model_dir: Path, held: dict) -> None:
+        config = read_config(model_dir)
+        family = family_for_config(config)
+        state = family.state_dict_adapter.from_hf(dict(held), family.ModelArgs.from_hf_config(config))
+        self.engine.update_base_weights(str(model_dir), state)
+
+    def _fetch_files(self, follow: _Follow, version: wpb.WeightVersion, dest: Path) -> Path:
+        """The version's files under dest (written whole, then renamed into place)."""
+        if dest.exists():
+            return dest
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".fetch-"))
+        try:
+            fetch_version(self.stub, follow.api_key, version, staging)
+            staging.rename(dest)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return dest
