@@ -111,6 +111,9 @@ class Stack:
             key = f"{svc_name}:{self._container_port(svc_name)}"
             if key in self.ports:
                 env[f"TRAINYARD_{svc_name.upper()}_PORT"] = str(self.ports[key])
+        for k, v in list(env.items()):  # a published port the service reads from its environment (OPENAI_PORT)
+            if k.endswith("_PORT") and f"{name}:{v}" in self.ports:
+                env[k] = str(self.ports[f"{name}:{v}"])
         env.update(self.extra_env)
         return env
 

@@ -6,10 +6,23 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
 def open_channel(target: str, max_message_mb: int = 64) -> grpc.Channel:
+    """A channel between services. Reconnect backoff is capped at 2 s (gRPC's default grows to 2 minutes), so a
+    restarted peer is reached again within seconds."""
     size = max_message_mb * 1024 * 1024
     return grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", size),
                                                   ("grpc.max_send_message_length", size),
-                                                  ("grpc.enable_http_proxy", 0)])
+                                                  ("grpc.enable_http_proxy", 0),
+                                                  ("grpc.initial_reconnect_backoff_ms", 200),
+                                                  ("grpc.max_reconnect_backoff_ms", 2000)])
+
+
+def ready(channel: grpc.Channel, timeout_s: float) -> bool:
+    """Whether the channel connects within timeout_s (it tries at once, past any reconnect backoff)."""
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout_s)
+        return True
+    except grpc.FutureTimeoutError:
+        return False
 
 
 def auth_metadata(api_key: str) -> tuple[tuple[str, str], ...]:

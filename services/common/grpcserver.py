@@ -187,7 +187,10 @@ class Server:
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
         self.start()
-        done.wait()
+        # Poll rather than block: the kernel may deliver SIGTERM to any thread, and Python runs signal handlers
+        # only when the main thread next executes bytecode, which a lock wait without timeout never does.
+        while not done.wait(0.5):
+            pass
         self.stop()
 
 

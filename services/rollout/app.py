@@ -1,13 +1,17 @@
-"""The rollout process: the sampling engine behind RolloutService."""
+"""The rollout process: the sampling engine behind RolloutService, and the OpenAI-compatible HTTP endpoint over the
+same core when openai_port is set (a background task of the gRPC server: it starts and stops with it)."""
 from __future__ import annotations
 
+from services.common.auth import KeyAuthenticator
 from services.common.blobstore import BlobStore
 from services.common.db import Database
 from services.common.grpcserver import Server, ServiceSpec, run_service, service_server
 from services.rollout.core import RolloutCore
 from services.rollout.engine import Engine
+from services.rollout.openai_http import OpenAIServer
 from services.rollout.servicer import RolloutServicer
 from services.rollout.settings import RolloutSettings
+from services.rollout.weights import WeightFollower
 from trainyard.v1 import rollout_pb2, rollout_pb2_grpc as rpc
 
 
@@ -16,17 +20,24 @@ def build(settings: RolloutSettings) -> Server:
     settings.apply_torch_threads()
     db = Database(settings.database_url)
     engine = Engine(settings.engine_config())
-    core = RolloutCore(db, BlobStore(settings.blob_dir), engine, settings.adapters_dir())
+    # Deployments that follow a weight lineage hot-load its versions from the weight-sync service.
+    follower = WeightFollower(engine, settings.weightsync_url, settings.data_dir / "rollout")
+    core = RolloutCore(db, BlobStore(settings.blob_dir), engine, settings.adapters_dir(), follower)
 
     def register(server) -> None:
         rpc.add_RolloutServiceServicer_to_server(RolloutServicer(core), server)
 
     def shutdown() -> None:
+        follower.close()
         engine.close()
         db.dispose()
 
     spec = ServiceSpec(name="rollout", register=register, on_shutdown=shutdown,
                        service_names=[rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name])
+    if settings.openai_port:
+        http = OpenAIServer(core, KeyAuthenticator(db).authenticate, host=settings.host, port=settings.openai_port,
+                            max_requests=settings.openai_max_requests, grace_s=settings.shutdown_grace_s)
+        spec.background.append(http.serve)
     return service_server(spec, settings, settings.rollout_port, db)
 
 

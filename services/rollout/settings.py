@@ -29,6 +29,12 @@ class RolloutSettings(TrainyardSettings):
     # Batch-invariant numerics: a request's tokens and logprobs are bitwise the same whatever else is batched with it
     # (kernels/batch_invariant.py; slower).
     deterministic: bool = False
+    # The OpenAI-compatible HTTP endpoint (services/rollout/openai_http.py, docs/openai.md), served by this process
+    # next to gRPC on `host`. 0 (the default) turns it off, so a rollout started in tests or next to another one
+    # takes no fixed port; docker-compose.yml sets 8000. At most openai_max_requests engine requests of HTTP calls
+    # (one per prompt) are waited on at once, each by a worker thread; more wait for a turn.
+    openai_port: int = Field(default=0, ge=0, le=65535)
+    openai_max_requests: int = Field(default=512, ge=1)
 
     @field_validator("device")
     @classmethod

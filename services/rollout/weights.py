@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 
 from models.families import family_for_config
 from models.checkpoint import read_config
-from services.common.channels import auth_metadata
+from services.common.channels import auth_metadata, open_channel
 from services.common.errors import FailedPrecondition, Unavailable
 from services.weightsync.client import fetch_delta, fetch_version
 from services.weightsync.codec import BaseMismatchError, apply_delta
@@ -81,8 +81,7 @@ class WeightFollower:
         self.engine = engine
         self.root = Path(root)
         self.retry_s = retry_s
-        self._channel = grpc.insecure_channel(weightsync_target, options=[
-            ("grpc.max_receive_message_length", 64 << 20), ("grpc.enable_http_proxy", 0)])
+        self._channel = open_channel(weightsync_target)
         self.stub = stub_factory(self._channel)
         self._follows: dict[str, _Follow] = {}
         self._lock = threading.Lock()

@@ -41,6 +41,8 @@ class RolloutGateway:
         self.stub = rollout_pb2_grpc.RolloutServiceStub(self.channel)
 
     def load(self, api_key: str, deployment_id: str) -> None:
+        # Wait briefly for a (re)starting rollout, then call: a down rollout fails in seconds, not at the deadline.
+        channels.ready(self.channel, timeout_s=10)
         self.stub.LoadDeployment(rollout_pb2.LoadDeploymentRequest(deployment_id=deployment_id),
                                  metadata=channels.auth_metadata(api_key), timeout=300)
 
