@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 MIN_ROWS = 16  # every GEMM issued here has both free dims >= this (zero rows pad smaller ones)
+GEMM_ROW_CHUNK = 256  # long GEMMs run this many rows at a time (any chunk size >= MIN_ROWS gives the same bits)
 KEY_BLOCK = 64  # attention sums P V over key blocks of this many keys, in increasing order
 QUERY_TILE_ROWS = 256  # attention query rows per tile; causal tiles skip key blocks no row of theirs can see
 SUM_CHUNK = 8192  # last-dim sums / means longer than this run in chunks of this size
@@ -69,10 +70,22 @@ def _pad_dim(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 
 
 def invariant_mm(x_MK: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
-    """x @ w as the transposed product (w^T x^T)^T with both free dims padded to MIN_ROWS; [M, N], contiguous."""
+    """x @ w as the transposed product (w^T x^T)^T with both free dims padded to MIN_ROWS; [M, N], contiguous.
+
+    More than 2 * GEMM_ROW_CHUNK rows go GEMM_ROW_CHUNK at a time (a short last chunk joins the one before), so
+    each chunk's transposed result is copied back while it is still in cache; any chunk of >= 12 rows gives a row
+    the same bits (see the module docstring)."""
     M, N = x_MK.shape[0], w_KN.shape[1]
-    out_NM = torch.mm(_pad_dim(w_KN.t(), 0, MIN_ROWS), _pad_dim(x_MK, 0, MIN_ROWS).t())
-    return out_NM.t()[:M, :N].contiguous()
+    w_NK = _pad_dim(w_KN.t(), 0, MIN_ROWS)
+    if M <= 2 * GEMM_ROW_CHUNK:
+        return torch.mm(w_NK, _pad_dim(x_MK, 0, MIN_ROWS).t()).t()[:M, :N].contiguous()
+    starts = list(range(0, M, GEMM_ROW_CHUNK))
+    if M - starts[-1] < MIN_ROWS:
+        starts.pop()
+    out_MN = x_MK.new_empty(M, N)
+    for start, end in zip(starts, [*starts[1:], M]):
+        out_MN[start:end] = torch.mm(w_NK, x_MK[start:end].t()).t()[:, :N]
+    return out_MN
 
 
 def invariant_bmm(a_BMK: torch.Tensor, b_BKN: torch.Tensor) -> torch.Tensor:
@@ -224,21 +237,24 @@ def _attention_tile(
     """One tile of query rows against keys 0..n_keys-1 (the last key any of its rows sees); [I, R, Dv].
 
     Only the GEMMs see the rows padded to MIN_ROWS and the keys padded to whole blocks; the elementwise softmax runs
-    on the real [I, R, n_keys] (elementwise ops and max round the same in any shape and layout). No in-place op
-    touches a tensor autograd saves."""
+    on the real [I, R, n_keys] (elementwise ops and max round the same in any shape and layout). In place only on
+    fresh buffers and only when autograd is not recording."""
     I, R, _ = q_IRD.shape
     Rp, S_pad = max(R, MIN_ROWS), -(-n_keys // KEY_BLOCK) * KEY_BLOCK
     # Scores as a GEMM with the keys on the w side and the query rows on the row side (see invariant_mm).
     scores_ISR = torch.bmm(_pad_dim(k_ISD[:, :n_keys], 1, MIN_ROWS), _pad_dim(q_IRD, 1, MIN_ROWS).transpose(1, 2))
     scores_IRS = scores_ISR[:, :n_keys, :R].transpose(1, 2) * scale
+    inplace = not (torch.is_grad_enabled() and scores_IRS.requires_grad)  # in place on fresh buffers only
     if mask_bhRS is not None:
-        scores_IRS = (scores_IRS.view(B, Kh, R, n_keys) + mask_bhRS[..., :n_keys]).view(I, R, n_keys)
+        mask_bhRS = mask_bhRS[..., :n_keys]
+        scores_bhRS = scores_IRS.view(B, Kh, R, n_keys)
+        scores_IRS = (scores_bhRS.add_(mask_bhRS) if inplace else scores_bhRS + mask_bhRS).view(I, R, n_keys)
     # Row max, exact in any order; clamped so that a row that sees no key gets exp(-inf) = 0, not NaN.
     max_IR1 = scores_IRS.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(scores_IRS.dtype).min)
     # Probabilities in a contiguous zero-padded [I, Rp, S_pad]: the block row sums below are then inner reductions
     # (torch reduces a strided dim with a kernel whose rounding depends on the number of rows).
     p_IRS = scores_IRS.new_zeros(I, Rp, S_pad)
-    p_IRS[:, :R, :n_keys] = torch.exp(scores_IRS - max_IR1)
+    p_IRS[:, :R, :n_keys] = scores_IRS.sub_(max_IR1).exp_() if inplace else torch.exp(scores_IRS - max_IR1)
     out_IVR = denominator_IR = None
     for start in range(0, S_pad, KEY_BLOCK):  # fixed order; blocks past a row's last key add exact zeros
         keys = slice(start, start + KEY_BLOCK)
@@ -289,14 +305,21 @@ def _tile_mask(mask_bhTS: torch.Tensor, t0: int, t1: int, Kh: int, G: int) -> to
 # --------------------------------------------------------------------------------------- elementwise and reductions
 
 
+def _one_plus_exp_neg(x32: torch.Tensor) -> torch.Tensor:
+    """1 + exp(-x); in place on one temporary when autograd is not recording (fewer fresh buffers to fault in)."""
+    if torch.is_grad_enabled() and x32.requires_grad:
+        return 1.0 + torch.exp(-x32)
+    return torch.neg(x32).exp_().add_(1.0)
+
+
 def invariant_silu(x: torch.Tensor) -> torch.Tensor:
     x32 = x.to(torch.promote_types(x.dtype, torch.float32))
-    return (x32 / (1.0 + torch.exp(-x32))).to(x.dtype)
+    return (x32 / _one_plus_exp_neg(x32)).to(x.dtype)
 
 
 def invariant_sigmoid(x: torch.Tensor) -> torch.Tensor:
     x32 = x.to(torch.promote_types(x.dtype, torch.float32))
-    return (1.0 / (1.0 + torch.exp(-x32))).to(x.dtype)
+    return _one_plus_exp_neg(x32).reciprocal_().to(x.dtype)
 
 
 def _reduction(func, *args, mean: bool, **kwargs) -> torch.Tensor:

@@ -19,6 +19,8 @@ from trainyard.v1 import trainer_pb2 as pb, trainer_pb2_grpc as rpc, weightsync_
 class TrainerSettings(TrainyardSettings):
     # How long a call waits for the calls with lower seq_id on its session before giving up.
     order_timeout_s: float = Field(default=600.0, gt=0)
+    # Batch-invariant forward passes, so logprobs equal a deterministic rollout's bitwise (slower).
+    deterministic: bool = False
 
 
 ADAM_DEFAULTS = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
@@ -84,7 +86,8 @@ def build(settings: TrainerSettings) -> Server:
                               directory=adapter_dir, metadata={"optim_steps": str(sess.optim_steps)})
         return version.id
 
-    sessions = SessionManager(db, BlobStore(settings.blob_dir), publish, settings.order_timeout_s)
+    sessions = SessionManager(db, BlobStore(settings.blob_dir), publish, settings.order_timeout_s,
+                              settings.deterministic)
 
     def shutdown() -> None:
         channel.close()

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import grpc
 import torch
-import torch.nn.functional as F
 
 from models import load_pretrained
 from models.lora import LoraConfig, apply_lora, save_peft_adapter
@@ -29,6 +28,7 @@ from services.common.db import Database
 from services.common.errors import FailedPrecondition, InvalidArgument, TrainyardError, Unavailable, not_found
 from services.common.schema import Checkpoint, TrainingSession, new_id, utcnow
 from services.trainer.sft_config import lora_settings, lora_target_problem
+from services.trainer.logprobs import target_logprobs
 from services.trainer.tensors import to_torch
 from trainyard.v1 import trainer_pb2 as pb
 
@@ -105,11 +105,14 @@ def parse_batch(data, loss_fn: str, vocab_size: int) -> Batch:
 
 
 class SessionManager:
-    def __init__(self, db: Database, blobs: BlobStore, publish, order_timeout_s: float = 600.0):
+    def __init__(self, db: Database, blobs: BlobStore, publish, order_timeout_s: float = 600.0,
+                 deterministic: bool = False):
         self.db = db
         self.blobs = blobs
         self.publish = publish  # (api_key, session, adapter_dir) -> version id
         self.order_timeout_s = order_timeout_s
+        # Batch-invariant numerics (services/trainer/logprobs.py): logprobs bitwise the deterministic rollout's.
+        self.deterministic = deterministic
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
 
@@ -195,9 +198,8 @@ class SessionManager:
         def run():
             batch = parse_batch(data, loss_fn or "cross_entropy", sess.model.args.vocab_size)
             with torch.set_grad_enabled(backward):
-                logits_BTV = sess.model(batch.tokens_BT).float()
-                logprobs_BT = torch.gather(F.log_softmax(logits_BTV, dim=-1), -1,
-                                           batch.targets_BT.unsqueeze(-1)).squeeze(-1)
+                logprobs_BT = target_logprobs(sess.model, batch.tokens_BT, batch.targets_BT,
+                                              deterministic=self.deterministic)
                 loss = -(batch.weights_BT * logprobs_BT).sum()
                 if backward:
                     loss.backward()

@@ -8,7 +8,7 @@ equal greedy tokens and logprobs within 1e-5 (float32). Every scenario ends with
 import pytest
 import torch
 
-from kernels.batch_invariant import batch_invariant_mode
+from services.trainer.logprobs import target_logprobs
 from models import load_pretrained
 from models.tokenizer import load_tokenizer
 from services.common.errors import InvalidArgument
@@ -154,12 +154,16 @@ def test_deterministic_rollout_logprobs_are_bitwise_the_trainer_forward(loaded, 
     others = [Arrival(f"o{i}", _prompt(4 + i, 20 + i), SamplingParams(n=2, seed=i, max_tokens=5)) for i in range(2)]
     run = drive(make_core(model, tokenizer, deterministic=True), [
         Arrival("gen", prompt, SamplingParams(n=3, seed=2, max_tokens=8)), *others])
-    for seq in run.results["gen"].sequences:
-        ids = torch.tensor([prompt + seq.tokens])
-        with torch.inference_mode(), batch_invariant_mode():
-            logprobs_TV = torch.log_softmax(model(ids).float()[0], dim=-1)
-        trainer = logprobs_TV[len(prompt) - 1:-1].gather(1, torch.tensor(seq.tokens)[:, None]).squeeze(1)
-        assert trainer.tolist() == seq.logprobs
+    sequences = run.results["gen"].sequences
+    # The trainer's own function (services/trainer/logprobs.py, what Training API Forward runs), on a right-padded
+    # batch of all the completions at once.
+    rows = [prompt + seq.tokens for seq in sequences]
+    T = max(len(r) for r in rows)
+    ids = torch.tensor([r + [0] * (T - len(r)) for r in rows])
+    with torch.inference_mode():
+        trainer = target_logprobs(model, ids[:, :-1], ids[:, 1:], deterministic=True)
+    for i, seq in enumerate(sequences):
+        assert trainer[i, len(prompt) - 1:len(prompt) - 1 + len(seq.tokens)].tolist() == seq.logprobs
 
 
 def test_a_request_that_cannot_fit_the_pool_is_invalid(loaded):
