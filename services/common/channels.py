@@ -12,6 +12,7 @@ def open_channel(target: str, max_message_mb: int = 64) -> grpc.Channel:
     return grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", size),
                                                   ("grpc.max_send_message_length", size),
                                                   ("grpc.enable_http_proxy", 0),
+                                                  ("grpc.use_local_subchannel_pool", 1),
                                                   ("grpc.initial_reconnect_backoff_ms", 200),
                                                   ("grpc.max_reconnect_backoff_ms", 2000)])
 
