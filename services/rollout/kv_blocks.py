@@ -110,8 +110,9 @@ class KVPool:
     [S, D] keys whose rows are contiguous, which batched matmuls take as they are (a [NB, BS, K, D] layout made
     every decode-attention matmul copy its keys first: measured ~2-4x slower on CPU).
 
-    Allocated uninitialised: attention never lets a slot that was not written influence a result (masked, or sliced
-    away), so zeroing gigabytes would only cost time."""
+    Allocated uninitialised (zeroing gigabytes up front would only cost time): the fast decode path zeroes a block
+    when a step first writes into it (services/rollout/paged_cache.py), and deterministic attention slices every
+    sequence to its own length."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str):

@@ -67,6 +67,7 @@ class ModelRunner:
         self.model, self.pool, self.deterministic = model, pool, deterministic
         self.device = pool.k.device
         self._mode = batch_invariant_mode if deterministic else contextlib.nullcontext
+        self._workspace: dict[str, torch.Tensor] = {}  # the paged cache's gather buffers, reused every step
         self.refresh_lora()
 
     def refresh_lora(self) -> None:
@@ -86,7 +87,7 @@ class ModelRunner:
             positions += range(row.start_pos, row.start_pos + len(row.tokens))
         ids_1N = torch.tensor([ids], dtype=torch.long, device=self.device)
         positions_1N = torch.tensor([positions], dtype=torch.long, device=self.device)
-        cache = PagedStepCache(self.pool, spans, deterministic=self.deterministic)
+        cache = PagedStepCache(self.pool, spans, deterministic=self.deterministic, workspace=self._workspace)
         recorder = RouterReplay.record() if any(r.record_router for r in batch.rows) else None
         adapters_N = [row.adapter for row in batch.rows for _ in row.tokens]
 
