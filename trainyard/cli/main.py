@@ -403,11 +403,19 @@ def deployments():
 @deployments.command("create")
 @click.argument("name")
 @click.option("--job", "job_id", default="", help="Deploy this job's final checkpoint.")
-@click.option("--checkpoint", "checkpoint_id", default="")
+@click.option("--checkpoint", "checkpoint_id", default="", help="Deploy this checkpoint.")
+@click.option("--lineage", default="", help="Serve the current version of this weight lineage (a Training API "
+              "session id), hot-loading each new version as it is published.")
 @click.pass_context
-def deployments_create(ctx, name, job_id, checkpoint_id):
+def deployments_create(ctx, name, job_id, checkpoint_id, lineage):
+    """Deploy exactly one of --job, --checkpoint or --lineage under NAME."""
+    given = [flag for flag, value in (("--job", job_id), ("--checkpoint", checkpoint_id), ("--lineage", lineage))
+             if value]
+    if len(given) != 1:
+        raise click.UsageError("give exactly one of --job, --checkpoint or --lineage"
+                               + (f" (got {', '.join(given)})" if given else ""))
     with console.status(f"deploying {name}..."):
-        d = client(ctx).create_deployment(name, job_id=job_id, checkpoint_id=checkpoint_id)
+        d = client(ctx).create_deployment(name, job_id=job_id, checkpoint_id=checkpoint_id, lineage=lineage)
     console.print(f"deployment [bold]{d.name}[/] ({d.id}) ready: sample with `trainyard sample {d.name} \"...\"`")
 
 

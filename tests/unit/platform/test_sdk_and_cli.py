@@ -41,3 +41,17 @@ def test_new_client_does_not_inherit_a_failed_connection():
     finally:
         first.close()
         server.stop(None)
+
+
+@pytest.mark.parametrize("args, expected", [
+    ([], "give exactly one of --job, --checkpoint or --lineage"),
+    (["--job", "job_1", "--lineage", "sess_1"], "(got --job, --lineage)"),
+])
+def test_deployments_create_needs_exactly_one_source(args, expected):
+    from click.testing import CliRunner
+
+    from trainyard.cli.main import cli
+
+    result = CliRunner().invoke(cli, ["deployments", "create", "policy", *args],
+                                env={"TRAINYARD_API_KEY": "k", "TRAINYARD_URL": "127.0.0.1:1"})
+    assert result.exit_code == 2 and expected in result.output, result.output
