@@ -1,6 +1,7 @@
 import datetime
 
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from trainyard.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -11,27 +12,39 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SessionLora(_message.Message):
-    __slots__ = ("rank", "alpha", "target_modules")
+    __slots__ = ("rank", "alpha", "target_modules", "train_attn", "train_mlp", "train_unembed")
     RANK_FIELD_NUMBER: _ClassVar[int]
     ALPHA_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_ATTN_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_MLP_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_UNEMBED_FIELD_NUMBER: _ClassVar[int]
     rank: int
     alpha: float
     target_modules: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ...) -> None: ...
+    train_attn: bool
+    train_mlp: bool
+    train_unembed: bool
+    def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., train_attn: _Optional[bool] = ..., train_mlp: _Optional[bool] = ..., train_unembed: _Optional[bool] = ...) -> None: ...
 
 class CreateSessionRequest(_message.Message):
-    __slots__ = ("base_model", "lora", "seed")
+    __slots__ = ("base_model", "lora", "seed", "full_parameter", "from_state", "with_optimizer")
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    FULL_PARAMETER_FIELD_NUMBER: _ClassVar[int]
+    FROM_STATE_FIELD_NUMBER: _ClassVar[int]
+    WITH_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     base_model: str
     lora: SessionLora
     seed: int
-    def __init__(self, base_model: _Optional[str] = ..., lora: _Optional[_Union[SessionLora, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+    full_parameter: bool
+    from_state: str
+    with_optimizer: bool
+    def __init__(self, base_model: _Optional[str] = ..., lora: _Optional[_Union[SessionLora, _Mapping]] = ..., seed: _Optional[int] = ..., full_parameter: _Optional[bool] = ..., from_state: _Optional[str] = ..., with_optimizer: _Optional[bool] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("id", "base_model", "lora_rank", "lora_alpha", "target_modules", "next_seq_id", "optim_steps", "closed", "error", "created_at", "num_trainable_parameters")
+    __slots__ = ("id", "base_model", "lora_rank", "lora_alpha", "target_modules", "next_seq_id", "optim_steps", "closed", "error", "created_at", "num_trainable_parameters", "full_parameter", "lineage", "vocab_size", "num_layers", "hidden_size", "architecture")
     ID_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +56,12 @@ class Session(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     NUM_TRAINABLE_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    FULL_PARAMETER_FIELD_NUMBER: _ClassVar[int]
+    LINEAGE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     id: str
     base_model: str
     lora_rank: int
@@ -54,7 +73,13 @@ class Session(_message.Message):
     error: str
     created_at: _timestamp_pb2.Timestamp
     num_trainable_parameters: int
-    def __init__(self, id: _Optional[str] = ..., base_model: _Optional[str] = ..., lora_rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., next_seq_id: _Optional[int] = ..., optim_steps: _Optional[int] = ..., closed: _Optional[bool] = ..., error: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., num_trainable_parameters: _Optional[int] = ...) -> None: ...
+    full_parameter: bool
+    lineage: str
+    vocab_size: int
+    num_layers: int
+    hidden_size: int
+    architecture: str
+    def __init__(self, id: _Optional[str] = ..., base_model: _Optional[str] = ..., lora_rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., next_seq_id: _Optional[int] = ..., optim_steps: _Optional[int] = ..., closed: _Optional[bool] = ..., error: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., num_trainable_parameters: _Optional[int] = ..., full_parameter: _Optional[bool] = ..., lineage: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., architecture: _Optional[str] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
     __slots__ = ("id",)
@@ -102,28 +127,62 @@ class Datum(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., loss_fn_inputs: _Optional[_Mapping[str, TensorData]] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("session_id", "seq_id", "data", "loss_fn")
+    __slots__ = ("session_id", "seq_id", "data", "loss_fn", "loss_fn_config")
+    class LossFnConfigEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     LOSS_FN_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FN_CONFIG_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     seq_id: int
     data: _containers.RepeatedCompositeFieldContainer[Datum]
     loss_fn: str
-    def __init__(self, session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., data: _Optional[_Iterable[_Union[Datum, _Mapping]]] = ..., loss_fn: _Optional[str] = ...) -> None: ...
+    loss_fn_config: _containers.ScalarMap[str, float]
+    def __init__(self, session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., data: _Optional[_Iterable[_Union[Datum, _Mapping]]] = ..., loss_fn: _Optional[str] = ..., loss_fn_config: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class ForwardBackwardRequest(_message.Message):
-    __slots__ = ("session_id", "seq_id", "data", "loss_fn")
+    __slots__ = ("session_id", "seq_id", "data", "loss_fn", "loss_fn_config", "micro_batch_tokens")
+    class LossFnConfigEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     LOSS_FN_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FN_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     seq_id: int
     data: _containers.RepeatedCompositeFieldContainer[Datum]
     loss_fn: str
-    def __init__(self, session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., data: _Optional[_Iterable[_Union[Datum, _Mapping]]] = ..., loss_fn: _Optional[str] = ...) -> None: ...
+    loss_fn_config: _containers.ScalarMap[str, float]
+    micro_batch_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., data: _Optional[_Iterable[_Union[Datum, _Mapping]]] = ..., loss_fn: _Optional[str] = ..., loss_fn_config: _Optional[_Mapping[str, float]] = ..., micro_batch_tokens: _Optional[int] = ...) -> None: ...
+
+class ForwardBackwardStreamRequest(_message.Message):
+    __slots__ = ("header", "datums")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATUMS_FIELD_NUMBER: _ClassVar[int]
+    header: ForwardBackwardRequest
+    datums: DatumBatch
+    def __init__(self, header: _Optional[_Union[ForwardBackwardRequest, _Mapping]] = ..., datums: _Optional[_Union[DatumBatch, _Mapping]] = ...) -> None: ...
+
+class DatumBatch(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: _containers.RepeatedCompositeFieldContainer[Datum]
+    def __init__(self, data: _Optional[_Iterable[_Union[Datum, _Mapping]]] = ...) -> None: ...
 
 class DatumOutput(_message.Message):
     __slots__ = ("loss_fn_outputs",)
@@ -205,9 +264,47 @@ class SaveWeightsRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
 
 class SaveWeightsResponse(_message.Message):
-    __slots__ = ("checkpoint_id", "version_id")
+    __slots__ = ("checkpoint_id", "version_id", "path")
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: str
     version_id: str
-    def __init__(self, checkpoint_id: _Optional[str] = ..., version_id: _Optional[str] = ...) -> None: ...
+    path: str
+    def __init__(self, checkpoint_id: _Optional[str] = ..., version_id: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class SaveStateRequest(_message.Message):
+    __slots__ = ("session_id", "seq_id", "name")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    seq_id: int
+    name: str
+    def __init__(self, session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+
+class SaveStateResponse(_message.Message):
+    __slots__ = ("checkpoint_id", "path")
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: str
+    path: str
+    def __init__(self, checkpoint_id: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoadStateRequest(_message.Message):
+    __slots__ = ("session_id", "seq_id", "path", "with_optimizer")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    WITH_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    seq_id: int
+    path: str
+    with_optimizer: bool
+    def __init__(self, session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., path: _Optional[str] = ..., with_optimizer: _Optional[bool] = ...) -> None: ...
+
+class GetTokenizerRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...

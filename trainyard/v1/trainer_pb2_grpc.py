@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from trainyard.v1 import common_pb2 as trainyard_dot_v1_dot_common__pb2
 from trainyard.v1 import trainer_pb2 as trainyard_dot_v1_dot_trainer__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -26,10 +27,12 @@ if _version_not_supported:
 
 
 class TrainerServiceStub:
-    """The Training API: a session holds a model (a LoRA adapter over a frozen base) and its optimizer state on the
-    trainer; the client drives the loop. Calls on one session run in the order of their seq_id: a call whose seq_id is
-    not the session's next one waits for the earlier ones (calls may be pipelined); after a call fails, later calls on
-    the session fail with FAILED_PRECONDITION until the session is reset with load_state or closed.
+    """The Training API (Tinker-shaped; docs/training_api.md). A session holds a model on the trainer: a LoRA adapter over
+    a frozen base shared with every other LoRA session on that base (swapped in per call), or a full copy of the base
+    for full-parameter training; plus its optimizer state. The client drives the loop. Calls on one session run in the
+    order of their seq_id: a call whose seq_id is not the session's next one waits for the earlier ones (calls may be
+    pipelined); a call with bad input fails with INVALID_ARGUMENT (naming the field) in its turn and changes nothing;
+    after any other failure, later calls on the session fail with FAILED_PRECONDITION until it is closed.
     """
 
     def __init__(self, channel):
@@ -63,6 +66,11 @@ class TrainerServiceStub:
                 request_serializer=trainyard_dot_v1_dot_trainer__pb2.ForwardBackwardRequest.SerializeToString,
                 response_deserializer=trainyard_dot_v1_dot_trainer__pb2.ForwardResponse.FromString,
                 _registered_method=True)
+        self.ForwardBackwardStream = channel.stream_unary(
+                '/trainyard.v1.TrainerService/ForwardBackwardStream',
+                request_serializer=trainyard_dot_v1_dot_trainer__pb2.ForwardBackwardStreamRequest.SerializeToString,
+                response_deserializer=trainyard_dot_v1_dot_trainer__pb2.ForwardResponse.FromString,
+                _registered_method=True)
         self.OptimStep = channel.unary_unary(
                 '/trainyard.v1.TrainerService/OptimStep',
                 request_serializer=trainyard_dot_v1_dot_trainer__pb2.OptimStepRequest.SerializeToString,
@@ -73,13 +81,30 @@ class TrainerServiceStub:
                 request_serializer=trainyard_dot_v1_dot_trainer__pb2.SaveWeightsRequest.SerializeToString,
                 response_deserializer=trainyard_dot_v1_dot_trainer__pb2.SaveWeightsResponse.FromString,
                 _registered_method=True)
+        self.SaveState = channel.unary_unary(
+                '/trainyard.v1.TrainerService/SaveState',
+                request_serializer=trainyard_dot_v1_dot_trainer__pb2.SaveStateRequest.SerializeToString,
+                response_deserializer=trainyard_dot_v1_dot_trainer__pb2.SaveStateResponse.FromString,
+                _registered_method=True)
+        self.LoadState = channel.unary_unary(
+                '/trainyard.v1.TrainerService/LoadState',
+                request_serializer=trainyard_dot_v1_dot_trainer__pb2.LoadStateRequest.SerializeToString,
+                response_deserializer=trainyard_dot_v1_dot_trainer__pb2.Session.FromString,
+                _registered_method=True)
+        self.GetTokenizer = channel.unary_stream(
+                '/trainyard.v1.TrainerService/GetTokenizer',
+                request_serializer=trainyard_dot_v1_dot_trainer__pb2.GetTokenizerRequest.SerializeToString,
+                response_deserializer=trainyard_dot_v1_dot_common__pb2.FileChunk.FromString,
+                _registered_method=True)
 
 
 class TrainerServiceServicer:
-    """The Training API: a session holds a model (a LoRA adapter over a frozen base) and its optimizer state on the
-    trainer; the client drives the loop. Calls on one session run in the order of their seq_id: a call whose seq_id is
-    not the session's next one waits for the earlier ones (calls may be pipelined); after a call fails, later calls on
-    the session fail with FAILED_PRECONDITION until the session is reset with load_state or closed.
+    """The Training API (Tinker-shaped; docs/training_api.md). A session holds a model on the trainer: a LoRA adapter over
+    a frozen base shared with every other LoRA session on that base (swapped in per call), or a full copy of the base
+    for full-parameter training; plus its optimizer state. The client drives the loop. Calls on one session run in the
+    order of their seq_id: a call whose seq_id is not the session's next one waits for the earlier ones (calls may be
+    pipelined); a call with bad input fails with INVALID_ARGUMENT (naming the field) in its turn and changes nothing;
+    after any other failure, later calls on the session fail with FAILED_PRECONDITION until it is closed.
     """
 
     def CreateSession(self, request, context):
@@ -101,13 +126,24 @@ class TrainerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Forward(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Logprobs of the targets (and the loss's value) without gradients.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ForwardBackward(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Forward and backward of a built-in loss in one pass; gradients accumulate until OptimStep.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ForwardBackwardStream(self, request_iterator, context):
+        """The same, as a client stream: the first message is the header, then datums (one or more per message) as they
+        become available. Micro-batches are computed as soon as they are complete; the result equals ForwardBackward on
+        the same datums in the same order bitwise (same micro-batches, same reduction order).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -119,7 +155,29 @@ class TrainerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SaveWeights(self, request, context):
-        """Saves the session's adapter as a PEFT checkpoint the scheduler can deploy.
+        """Saves the session's weights for sampling: a PEFT adapter (LoRA) or the full model, stored as a checkpoint the
+        scheduler can deploy and published to the weight-sync service as the next version of the session's lineage.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SaveState(self, request, context):
+        """Saves weights and optimizer state (to resume training: CreateSession with from_state, or LoadState).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadState(self, request, context):
+        """Replaces the session's weights (and optionally its optimizer state) with a saved state of the same shape.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTokenizer(self, request, context):
+        """The base model's tokenizer files (tokenizer.json, tokenizer_config.json, ...), chunked.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -153,6 +211,11 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     request_deserializer=trainyard_dot_v1_dot_trainer__pb2.ForwardBackwardRequest.FromString,
                     response_serializer=trainyard_dot_v1_dot_trainer__pb2.ForwardResponse.SerializeToString,
             ),
+            'ForwardBackwardStream': grpc.stream_unary_rpc_method_handler(
+                    servicer.ForwardBackwardStream,
+                    request_deserializer=trainyard_dot_v1_dot_trainer__pb2.ForwardBackwardStreamRequest.FromString,
+                    response_serializer=trainyard_dot_v1_dot_trainer__pb2.ForwardResponse.SerializeToString,
+            ),
             'OptimStep': grpc.unary_unary_rpc_method_handler(
                     servicer.OptimStep,
                     request_deserializer=trainyard_dot_v1_dot_trainer__pb2.OptimStepRequest.FromString,
@@ -163,6 +226,21 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     request_deserializer=trainyard_dot_v1_dot_trainer__pb2.SaveWeightsRequest.FromString,
                     response_serializer=trainyard_dot_v1_dot_trainer__pb2.SaveWeightsResponse.SerializeToString,
             ),
+            'SaveState': grpc.unary_unary_rpc_method_handler(
+                    servicer.SaveState,
+                    request_deserializer=trainyard_dot_v1_dot_trainer__pb2.SaveStateRequest.FromString,
+                    response_serializer=trainyard_dot_v1_dot_trainer__pb2.SaveStateResponse.SerializeToString,
+            ),
+            'LoadState': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadState,
+                    request_deserializer=trainyard_dot_v1_dot_trainer__pb2.LoadStateRequest.FromString,
+                    response_serializer=trainyard_dot_v1_dot_trainer__pb2.Session.SerializeToString,
+            ),
+            'GetTokenizer': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetTokenizer,
+                    request_deserializer=trainyard_dot_v1_dot_trainer__pb2.GetTokenizerRequest.FromString,
+                    response_serializer=trainyard_dot_v1_dot_common__pb2.FileChunk.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'trainyard.v1.TrainerService', rpc_method_handlers)
@@ -172,10 +250,12 @@ def add_TrainerServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class TrainerService:
-    """The Training API: a session holds a model (a LoRA adapter over a frozen base) and its optimizer state on the
-    trainer; the client drives the loop. Calls on one session run in the order of their seq_id: a call whose seq_id is
-    not the session's next one waits for the earlier ones (calls may be pipelined); after a call fails, later calls on
-    the session fail with FAILED_PRECONDITION until the session is reset with load_state or closed.
+    """The Training API (Tinker-shaped; docs/training_api.md). A session holds a model on the trainer: a LoRA adapter over
+    a frozen base shared with every other LoRA session on that base (swapped in per call), or a full copy of the base
+    for full-parameter training; plus its optimizer state. The client drives the loop. Calls on one session run in the
+    order of their seq_id: a call whose seq_id is not the session's next one waits for the earlier ones (calls may be
+    pipelined); a call with bad input fails with INVALID_ARGUMENT (naming the field) in its turn and changes nothing;
+    after any other failure, later calls on the session fail with FAILED_PRECONDITION until it is closed.
     """
 
     @staticmethod
@@ -314,6 +394,33 @@ class TrainerService:
             _registered_method=True)
 
     @staticmethod
+    def ForwardBackwardStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/trainyard.v1.TrainerService/ForwardBackwardStream',
+            trainyard_dot_v1_dot_trainer__pb2.ForwardBackwardStreamRequest.SerializeToString,
+            trainyard_dot_v1_dot_trainer__pb2.ForwardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def OptimStep(request,
             target,
             options=(),
@@ -357,6 +464,87 @@ class TrainerService:
             '/trainyard.v1.TrainerService/SaveWeights',
             trainyard_dot_v1_dot_trainer__pb2.SaveWeightsRequest.SerializeToString,
             trainyard_dot_v1_dot_trainer__pb2.SaveWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SaveState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainyard.v1.TrainerService/SaveState',
+            trainyard_dot_v1_dot_trainer__pb2.SaveStateRequest.SerializeToString,
+            trainyard_dot_v1_dot_trainer__pb2.SaveStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainyard.v1.TrainerService/LoadState',
+            trainyard_dot_v1_dot_trainer__pb2.LoadStateRequest.SerializeToString,
+            trainyard_dot_v1_dot_trainer__pb2.Session.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTokenizer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/trainyard.v1.TrainerService/GetTokenizer',
+            trainyard_dot_v1_dot_trainer__pb2.GetTokenizerRequest.SerializeToString,
+            trainyard_dot_v1_dot_common__pb2.FileChunk.FromString,
             options,
             channel_credentials,
             insecure,
