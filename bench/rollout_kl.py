@@ -19,10 +19,11 @@ temperature 1, no top-k / top-p, --max-tokens new tokens (a sample may stop earl
 all submitted at once to services.rollout.engine.Engine (EngineConfig(dtype, deterministic)), so its decode steps
 batch every sample together, while the trainer scores them all in one padded forward.
 
-Trainer side: what SessionManager.forward (services/trainer/sessions.py) runs for an RL loss: every sample is a datum
-with tokens = prompt + completion[:-1] and target_tokens = prompt[1:] + completion, all datums right-padded with 0
-into one [B, T] batch (parse_batch), and services.trainer.logprobs.target_logprobs(model, tokens, targets,
-deterministic=) with gradients enabled on a model loaded by models.load_pretrained in the same dtype as the rollout
+Trainer side: the logprobs the trainer's Forward / ForwardBackward computes for an RL loss (services/trainer/compute.py;
+bitwise in deterministic mode, to float32 rounding in the default mode, where datums are packed): every sample is a
+datum with tokens = prompt + completion[:-1] and target_tokens = prompt[1:] + completion, all datums right-padded
+with 0 into one [B, T] batch, and services.trainer.logprobs.target_logprobs(model, tokens, targets, deterministic=)
+with gradients enabled on a model loaded by models.load_pretrained in the same dtype as the rollout
 (deterministic= matches the rollout's mode). Extra rows:
 - "bf16 -> fp32 trainer": the bf16 default-mode samples scored by a float32 trainer model (what SessionManager
   loads today: load_pretrained's default dtype), so it adds the bf16 rounding of the weights to the numerics.
@@ -126,7 +127,7 @@ def rollout(model_dir: Path, dtype: torch.dtype, deterministic: bool, prompts: l
 
 def trainer_batch(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
     """The datums of an RL forward (tokens = prompt + completion[:-1], targets = the next tokens), right-padded with
-    0 into one batch as services/trainer/sessions.py's parse_batch does."""
+    0 into one batch, as the trainer's deterministic mode runs a micro-batch (services/trainer/compute.py)."""
     rows = [s.prompt + s.seq.tokens for s in samples]
     T = max(len(r) for r in rows) - 1
     tokens_BT = torch.zeros(len(rows), T, dtype=torch.int64)

@@ -206,6 +206,10 @@ class TrainingSession(Base):
     lora_alpha: Mapped[float] = mapped_column(Float)
     target_modules: Mapped[list[Any]] = mapped_column(default=list)
     seed: Mapped[int] = mapped_column(BigInteger, default=0)
+    # Full-parameter sessions train a copy of the base (lora_rank and lora_alpha are 0).
+    full_parameter: Mapped[bool] = mapped_column(Boolean, default=False)
+    # The SaveState path ("trainyard://state/<checkpoint id>") the session started from, or "".
+    from_state: Mapped[str] = mapped_column(String(64), default="")
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     closed_at: Mapped[datetime | None] = mapped_column(default=None)
 

@@ -1,19 +1,22 @@
 """The trainer process: Training API sessions over gRPC (python -m services.trainer)."""
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 from pydantic import Field
 
 from services.common import channels
 from services.common.auth import current_caller
-from services.common.blobstore import BlobStore
+from services.common.blobstore import CHUNK, BlobStore
 from services.common.config import TrainyardSettings
 from services.common.db import Database
 from services.common.grpcserver import Server, ServiceSpec, run_service, service_server
-from services.common.protoconv import ts
+from services.trainer.session_spec import CreateSpec, LoraSpec
 from services.trainer.sessions import SessionManager
 from services.trainer.tensors import from_torch
 from services.weightsync.client import publish_dir
-from trainyard.v1 import trainer_pb2 as pb, trainer_pb2_grpc as rpc, weightsync_pb2, weightsync_pb2_grpc
+from trainyard.v1 import common_pb2, trainer_pb2 as pb, trainer_pb2_grpc as rpc, weightsync_pb2, weightsync_pb2_grpc
 
 
 class TrainerSettings(TrainyardSettings):
@@ -21,10 +24,34 @@ class TrainerSettings(TrainyardSettings):
     order_timeout_s: float = Field(default=600.0, gt=0)
     # Batch-invariant forward passes, so logprobs equal a deterministic rollout's bitwise (slower).
     deterministic: bool = False
+    # Tokens per micro-batch of a Forward / ForwardBackward whose request leaves micro_batch_tokens at 0.
+    micro_batch_tokens: int = Field(default=2048, ge=1)
 
 
 ADAM_DEFAULTS = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
                  "grad_clip_norm": 0.0}
+WEIGHT_KINDS = {"lora_adapter": weightsync_pb2.WEIGHT_KIND_LORA_ADAPTER, "full": weightsync_pb2.WEIGHT_KIND_FULL}
+
+
+def _optional(msg, name: str):
+    return getattr(msg, name) if msg.HasField(name) else None
+
+
+def create_spec(request: pb.CreateSessionRequest) -> CreateSpec:
+    lora = None
+    if request.HasField("lora"):
+        m = request.lora
+        lora = LoraSpec(rank=_optional(m, "rank"), alpha=_optional(m, "alpha"), target_modules=tuple(m.target_modules),
+                        train_attn=_optional(m, "train_attn"), train_mlp=_optional(m, "train_mlp"),
+                        train_unembed=_optional(m, "train_unembed"))
+    return CreateSpec(base_model=request.base_model, lora=lora, seed=request.seed,
+                      full_parameter=request.full_parameter, from_state=request.from_state,
+                      with_optimizer=request.with_optimizer)
+
+
+def forward_response(outputs, metrics) -> pb.ForwardResponse:
+    return pb.ForwardResponse(outputs=[pb.DatumOutput(loss_fn_outputs={"logprobs": from_torch(o)}) for o in outputs],
+                              metrics=metrics)
 
 
 class TrainerServicer(rpc.TrainerServiceServicer):
@@ -32,34 +59,30 @@ class TrainerServicer(rpc.TrainerServiceServicer):
         self.sessions = sessions
 
     def _session(self, sess) -> pb.Session:
-        msg = self.sessions.info(sess)
-        msg.created_at.CopyFrom(ts(sess.created_at))
-        return msg
+        return self.sessions.info(sess)
 
     def CreateSession(self, request, context):
-        lora = request.lora
-        sess = self.sessions.create(
-            current_caller().account_id, request.base_model, lora.rank if lora.HasField("rank") else None,
-            lora.alpha if lora.HasField("alpha") else None, list(lora.target_modules), request.seed)
-        return self._session(sess)
+        return self._session(self.sessions.create(current_caller().account_id, create_spec(request)))
 
     def GetSession(self, request, context):
-        return self._session(self.sessions.get(current_caller().account_id, request.id))
+        return self.sessions.describe(current_caller().account_id, request.id)
 
     def CloseSession(self, request, context):
         return self._session(self.sessions.close(current_caller().account_id, request.id))
 
-    def _forward(self, request, backward: bool) -> pb.ForwardResponse:
-        outputs, metrics = self.sessions.forward(current_caller().account_id, request.session_id, request.seq_id,
-                                                 request.data, request.loss_fn, backward)
-        return pb.ForwardResponse(outputs=[pb.DatumOutput(loss_fn_outputs={"logprobs": from_torch(o)})
-                                           for o in outputs], metrics=metrics)
-
     def Forward(self, request, context):
-        return self._forward(request, backward=False)
+        return forward_response(*self.sessions.forward(
+            current_caller().account_id, request.session_id, request.seq_id, request.data, request.loss_fn,
+            request.loss_fn_config, backward=False))
 
     def ForwardBackward(self, request, context):
-        return self._forward(request, backward=True)
+        return forward_response(*self.sessions.forward(
+            current_caller().account_id, request.session_id, request.seq_id, request.data, request.loss_fn,
+            request.loss_fn_config, backward=True, micro_batch_tokens=request.micro_batch_tokens))
+
+    def ForwardBackwardStream(self, request_iterator, context):
+        return forward_response(*self.sessions.forward_backward_stream(current_caller().account_id,
+                                                                       request_iterator))
 
     def OptimStep(self, request, context):
         adam = {k: (getattr(request.adam, k) if request.adam.HasField(k) else v) for k, v in ADAM_DEFAULTS.items()}
@@ -68,9 +91,39 @@ class TrainerServicer(rpc.TrainerServiceServicer):
 
     def SaveWeights(self, request, context):
         caller = current_caller()
-        ckpt_id, version_id = self.sessions.save_weights(caller.account_id, caller.api_key, request.session_id,
-                                                         request.seq_id, request.name)
-        return pb.SaveWeightsResponse(checkpoint_id=ckpt_id, version_id=version_id)
+        ckpt_id, version_id, path = self.sessions.save_weights(caller.account_id, caller.api_key, request.session_id,
+                                                               request.seq_id, request.name)
+        return pb.SaveWeightsResponse(checkpoint_id=ckpt_id, version_id=version_id, path=path)
+
+    def SaveState(self, request, context):
+        ckpt_id, path = self.sessions.save_state(current_caller().account_id, request.session_id, request.seq_id,
+                                                 request.name)
+        return pb.SaveStateResponse(checkpoint_id=ckpt_id, path=path)
+
+    def LoadState(self, request, context):
+        return self._session(self.sessions.load_state(current_caller().account_id, request.session_id,
+                                                      request.seq_id, request.path, request.with_optimizer))
+
+    def GetTokenizer(self, request, context):
+        for path in self.sessions.tokenizer_files(current_caller().account_id, request.session_id):
+            size, offset = path.stat().st_size, 0
+            with open(path, "rb") as f:
+                while data := f.read(CHUNK):
+                    yield common_pb2.FileChunk(path=path.name, offset=offset, data=data, file_size=size,
+                                               sha256=hashlib.sha256(data).hexdigest())
+                    offset += len(data)
+
+
+def make_publisher(weightsync: weightsync_pb2_grpc.WeightSyncServiceStub):
+    """SessionManager's publish: the saved directory as the next version of the session's lineage."""
+
+    def publish(api_key: str, sess, directory: Path, kind: str) -> str:
+        version = publish_dir(weightsync, api_key, lineage=sess.id, parent_id=sess.weight_version_id,
+                              kind=WEIGHT_KINDS[kind], base_model=sess.base_model, directory=directory,
+                              metadata={"optim_steps": str(sess.optim_steps)})
+        return version.id
+
+    return publish
 
 
 def build(settings: TrainerSettings) -> Server:
@@ -80,14 +133,8 @@ def build(settings: TrainerSettings) -> Server:
     channel = channels.open_channel(settings.weightsync_url, settings.grpc_max_message_mb)
     weightsync = weightsync_pb2_grpc.WeightSyncServiceStub(channel)
 
-    def publish(api_key, sess, adapter_dir) -> str:
-        version = publish_dir(weightsync, api_key, lineage=sess.id, parent_id=sess.weight_version_id,
-                              kind=weightsync_pb2.WEIGHT_KIND_LORA_ADAPTER, base_model=sess.base_model,
-                              directory=adapter_dir, metadata={"optim_steps": str(sess.optim_steps)})
-        return version.id
-
-    sessions = SessionManager(db, BlobStore(settings.blob_dir), publish, settings.order_timeout_s,
-                              settings.deterministic)
+    sessions = SessionManager(db, BlobStore(settings.blob_dir), make_publisher(weightsync), settings.order_timeout_s,
+                              settings.deterministic, settings.micro_batch_tokens)
 
     def shutdown() -> None:
         channel.close()

@@ -1,38 +1,71 @@
-"""Training API sessions: a LoRA adapter over a frozen base, its optimizer, and strictly ordered calls.
+"""Training API sessions (protos/trainyard/v1/trainer.proto): models, optimizers and strictly ordered calls.
 
-Ordering: every call carries seq_id; a session runs seq_id n only after n-1 finished (later ones wait, so clients may
-pipeline). A call with bad input fails with INVALID_ARGUMENT in its turn (its seq_id is used up, so later calls do
-not wait for it) without touching any state, and the session goes on; a transient failure to publish weights is
-UNAVAILABLE and also leaves the session usable; any other failure marks the session failed, and later calls are
-refused with FAILED_PRECONDITION rather than run on state that may be half-updated.
+Models (services/trainer/bases.py): every LoRA session on a base model directory is a named adapter (its session
+id, with its own rank, alpha, targets and seed) in ONE shared frozen copy of that base; a full-parameter session
+trains a private copy. Each session has its own AdamW. A call holds the model's lock with the session's adapter
+active only while it computes (per micro-batch for Forward/ForwardBackward), so sessions of any accounts, ranks and
+optimizer settings interleave call by call, and a session's numbers do not depend on the others: interleaved
+sessions end with bitwise the weights and logprobs each gets alone (float32, CPU, fixed thread count; tested).
+Closing a session removes its adapter and frees its optimizer and gradients; the base is dropped with its last
+session. Sessions of another account are NOT_FOUND.
 
-cross_entropy, per datum (as the Tinker API defines it): loss = -sum_t weights[t] * logprob(target_tokens[t] | tokens[:t+1]),
-where logprob is the model's log-softmax at position t (no temperature). Metrics: "loss:sum" over the batch and
-"loss:mean" = loss:sum / sum of weights.
+Ordering: every call carries seq_id (0 = the next one); a session runs seq_id n only after n-1 finished (later ones
+wait up to order_timeout_s, so clients may pipeline). A ForwardBackwardStream's turn starts when its header arrives
+and its seq_id is the session's next; it keeps the turn until its last datum is in.
+
+Failure: a call with bad input fails with INVALID_ARGUMENT naming the field ("data[2].loss_fn_inputs['advantages']")
+in its turn, uses up its seq_id and changes nothing: every datum of a unary call is checked before any compute; a
+stream checks each datum as it arrives, and a bad datum (or a stream the client cancels, CANCELLED) fails the call
+after some of its micro-batches may have run: their gradients are dropped and the gradients held before the call are
+restored exactly (services/trainer/compute.py), so the session goes on as if the call never happened. A transient
+failure to publish weights is UNAVAILABLE and also leaves the session usable. Any other failure marks the session
+failed; later calls get FAILED_PRECONDITION rather than run on state that may be half-updated. Calls on a closed
+session are FAILED_PRECONDITION.
+
+Gradients accumulate across ForwardBackward calls until OptimStep (which applies them and clears them); LoadState
+clears them too. The losses and their batch factor are services/trainer/losses.py; micro-batching and the exactness
+of unary vs streamed calls, services/trainer/compute.py; saved states, services/trainer/state.py; LoRA defaults and
+request checks, services/trainer/session_spec.py.
 """
 from __future__ import annotations
 
+import contextlib
+import math
+import shutil
 import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import torch
 
-from models import load_pretrained
-from models.lora import LoraConfig, apply_lora, save_peft_adapter
+from models import save_pretrained
+from models.lora import LoraConfig, apply_lora, lora_state_dict, remove_adapter, save_peft_adapter, set_trainable
 from services.common import registry
-from services.common.blobstore import BlobStore
+from services.common.blobstore import BlobStore, StoredFile
 from services.common.db import Database
 from services.common.errors import FailedPrecondition, InvalidArgument, TrainyardError, Unavailable, not_found
+from services.common.protoconv import ts
 from services.common.schema import Checkpoint, TrainingSession, new_id, utcnow
-from services.trainer.sft_config import lora_settings, lora_target_problem
-from services.trainer.logprobs import target_logprobs
-from services.trainer.tensors import to_torch
+from services.trainer import state as saved_state
+from services.trainer.bases import ModelHolder, ModelPool
+from services.trainer.compute import (
+    LossCall, check_datum, check_loss_request, client_messages, run_call, stream_datums,
+)
+from services.trainer.session_spec import (
+    CreateSpec, LoraSpec, check_create_matches_state, resolve_lora, state_mismatch,
+)
 from trainyard.v1 import trainer_pb2 as pb
 
-LOSSES = ("cross_entropy",)
+WEIGHTS_PREFIX = "trainyard://weights/"
+STATE_PREFIX = "trainyard://state/"
+# Files GetTokenizer sends when the base model has them; a full-parameter SaveWeights copies them (and the
+# generation config) next to the weights, so the saved directory is a complete Hugging Face model.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
+MODEL_EXTRA_FILES = (*TOKENIZER_FILES, "generation_config.json")
 
 
 @dataclass
@@ -41,11 +74,14 @@ class Session:
     account_id: str
     base_model: str
     model_path: str
-    lora: LoraConfig
-    model: torch.nn.Module
+    holder: ModelHolder
+    lora: LoraConfig | None  # None: full-parameter
+    seed: int
     params: list[torch.nn.Parameter]
+    optimizer: torch.optim.AdamW
     created_at: object
-    optimizer: torch.optim.AdamW | None = None
+    from_state: str = ""
+    num_trainable: int = 0
     next_seq_id: int = 1
     optim_steps: int = 0
     error: str = ""
@@ -53,94 +89,117 @@ class Session:
     weight_version_id: str = ""
     cond: threading.Condition = field(default_factory=threading.Condition)
 
+    @property
+    def full_parameter(self) -> bool:
+        return self.lora is None
 
-@dataclass
-class Batch:
-    tokens_BT: torch.Tensor
-    targets_BT: torch.Tensor
-    weights_BT: torch.Tensor
-    lengths: list[int]
+    def use(self):
+        """The model with this session's weights active, held exclusively."""
+        return self.holder.use(None if self.full_parameter else self.id)
 
 
-def parse_batch(data, loss_fn: str, vocab_size: int) -> Batch:
-    if loss_fn not in LOSSES:
-        raise InvalidArgument(f"unknown loss {loss_fn!r}; available: {', '.join(LOSSES)}", field="loss_fn")
-    if not data:
-        raise InvalidArgument("at least one datum is required", field="data")
-    rows = []
-    for i, d in enumerate(data):
-        T = len(d.tokens)
-        if T == 0:
-            raise InvalidArgument("model input is empty", field=f"data[{i}].tokens")
-        tokens = torch.tensor(list(d.tokens), dtype=torch.int64)
-        if int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size:
-            raise InvalidArgument(f"token ids must be in [0, {vocab_size})", field=f"data[{i}].tokens")
-        if "target_tokens" not in d.loss_fn_inputs:
-            raise InvalidArgument("cross_entropy needs loss_fn_inputs['target_tokens']",
-                                  field=f"data[{i}].loss_fn_inputs")
-        targets = to_torch(d.loss_fn_inputs["target_tokens"], f"data[{i}].loss_fn_inputs['target_tokens']")
-        if targets.dtype != torch.int64 or tuple(targets.shape) != (T,):
-            raise InvalidArgument(f"must be int64 of shape [{T}] (one target per input token), got "
-                                  f"{str(targets.dtype).removeprefix('torch.')} {list(targets.shape)}",
-                                  field=f"data[{i}].loss_fn_inputs['target_tokens']")
-        if int(targets.min()) < 0 or int(targets.max()) >= vocab_size:
-            raise InvalidArgument(f"token ids must be in [0, {vocab_size})",
-                                  field=f"data[{i}].loss_fn_inputs['target_tokens']")
-        if "weights" in d.loss_fn_inputs:
-            w = to_torch(d.loss_fn_inputs["weights"], f"data[{i}].loss_fn_inputs['weights']")
-            if w.dtype != torch.float32 or tuple(w.shape) != (T,):
-                raise InvalidArgument(f"must be float32 of shape [{T}]", field=f"data[{i}].loss_fn_inputs['weights']")
-            if not torch.isfinite(w).all():
-                raise InvalidArgument("contains NaN or infinity", field=f"data[{i}].loss_fn_inputs['weights']")
-        else:
-            w = torch.ones(T)
-        rows.append((tokens, targets, w))
-    T = max(len(r[0]) for r in rows)
-    tok = torch.zeros(len(rows), T, dtype=torch.int64)
-    tgt = torch.zeros(len(rows), T, dtype=torch.int64)
-    wts = torch.zeros(len(rows), T)
-    for i, (a, b, c) in enumerate(rows):
-        tok[i, :len(a)], tgt[i, :len(b)], wts[i, :len(c)] = a, b, c
-    return Batch(tok, tgt, wts, [len(r[0]) for r in rows])
+def _state_checkpoint_id(path: str, field_name: str) -> str:
+    if not path.startswith(STATE_PREFIX) or len(path) == len(STATE_PREFIX):
+        raise InvalidArgument(f"must be '{STATE_PREFIX}<checkpoint id>' (the path SaveState returned), got {path!r}",
+                              field=field_name)
+    return path[len(STATE_PREFIX):]
 
 
 class SessionManager:
     def __init__(self, db: Database, blobs: BlobStore, publish, order_timeout_s: float = 600.0,
-                 deterministic: bool = False):
+                 deterministic: bool = False, micro_batch_tokens: int = 2048, device: str | None = None):
         self.db = db
         self.blobs = blobs
-        self.publish = publish  # (api_key, session, adapter_dir) -> version id
+        self.publish = publish  # (api_key, session, directory, kind "lora_adapter" | "full") -> version id
         self.order_timeout_s = order_timeout_s
-        # Batch-invariant numerics (services/trainer/logprobs.py): logprobs bitwise the deterministic rollout's.
+        # Batch-invariant numerics (services/trainer/compute.py): logprobs bitwise the deterministic rollout's.
         self.deterministic = deterministic
+        self.micro_batch_tokens = micro_batch_tokens
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.pool = ModelPool(self.device)
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
-    def create(self, account_id: str, base_model: str, rank: int | None, alpha: float | None,
-               target_modules: list[str], seed: int) -> Session:
-        lora, problems = lora_settings(rank, alpha, 0.0, target_modules, prefix="lora.")
-        if problems:
-            raise InvalidArgument(violations=problems)
-        rank, alpha, targets = lora["rank"], lora["alpha"], lora["target_modules"]
-        with self.db.session() as s:
-            model_row = registry.require_model(s, account_id, base_model, field="base_model")
-            name, path = model_row.name, model_row.path
-        cfg = LoraConfig(rank=rank, alpha=alpha, target_modules=targets)
-        problem = lora_target_problem(path, targets)
-        if problem:
-            raise InvalidArgument(problem, field="lora.target_modules")
-        model = load_pretrained(path)
-        params = apply_lora(model, cfg, seed=seed)
-        model.train()
-        row = TrainingSession(id=new_id("sess"), account_id=account_id, base_model=name, lora_rank=rank,
-                              lora_alpha=alpha, target_modules=list(targets), seed=seed, created_at=utcnow())
-        with self.db.session() as s:
-            s.add(row)
-        sess = Session(id=row.id, account_id=account_id, base_model=name, model_path=path, lora=cfg, model=model,
-                       params=params, created_at=row.created_at)
+    def create(self, account_id: str, spec: CreateSpec) -> Session:
+        if spec.full_parameter and spec.lora is not None and not spec.from_state:
+            raise InvalidArgument("must be unset for a full-parameter session", field="lora")
+        if spec.with_optimizer and not spec.from_state:
+            raise InvalidArgument("only applies with from_state", field="with_optimizer")
+        with contextlib.ExitStack() as stack:
+            saved = None
+            if spec.from_state:
+                saved = stack.enter_context(self._saved_state(account_id, spec.from_state, "from_state"))
+                if spec.with_optimizer and not saved.has_optimizer:
+                    raise InvalidArgument("the state holds no optimizer state", field="with_optimizer")
+            base_name = saved.base_model if saved else spec.base_model
+            with self.db.session() as s:
+                model_row = registry.require_model(s, account_id, base_name,
+                                                   field="from_state" if saved else "base_model")
+                name, path = model_row.name, model_row.path
+            if saved:
+                check_create_matches_state(spec, saved, path)
+                lora = saved.lora
+            else:
+                lora = None if spec.full_parameter else resolve_lora(spec.lora or LoraSpec(), path)
+            seed = saved.seed if saved else spec.seed
+            sess = self._build(account_id, name, path, lora, seed, saved, spec)
+        row = TrainingSession(id=sess.id, account_id=account_id, base_model=name,
+                              lora_rank=lora.rank if lora else 0, lora_alpha=lora.alpha if lora else 0.0,
+                              target_modules=list(lora.target_modules) if lora else [], seed=seed,
+                              full_parameter=lora is None, from_state=spec.from_state, created_at=sess.created_at)
+        try:
+            with self.db.session() as s:
+                s.add(row)
+        except BaseException:
+            self._free(sess)
+            raise
         with self._lock:
             self._sessions[sess.id] = sess
+        return sess
+
+    def _build(self, account_id: str, name: str, path: str, lora: LoraConfig | None, seed: int,
+               saved: saved_state.SavedState | None, spec: CreateSpec) -> Session:
+        """Load (or share) the model, add the session's adapter or make every weight trainable, restore a saved
+        state; on any failure nothing stays behind."""
+        sess_id = new_id("sess")
+        if lora is None:
+            model = None
+            if saved is not None:  # the state's weights are the session's model
+                try:
+                    model = self.pool.load(str(saved.weights_dir))
+                except ValueError as exc:
+                    raise InvalidArgument(str(exc), field="from_state") from None
+            holder = self.pool.private(path, sess_id, model)
+            params = set_trainable(holder.model, "full")
+        else:
+            holder = self.pool.acquire_base(path, sess_id)
+            try:
+                with holder.lock:
+                    params = apply_lora(holder.model, lora, adapter_name=sess_id, seed=seed)
+            except BaseException:
+                self.pool.release(holder, sess_id)
+                raise
+        optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+        sess = Session(id=sess_id, account_id=account_id, base_model=name, model_path=path, holder=holder, lora=lora,
+                       seed=seed, params=params, optimizer=optimizer, created_at=utcnow(),
+                       from_state=spec.from_state,
+                       num_trainable=sum(p.numel() for p in params))
+        if saved is not None:
+            try:
+                with sess.use() as model:
+                    if lora is not None:
+                        targets = lora_state_dict(model, sess.id)
+                        saved_state.copy_into(saved_state.lora_tensors(saved, model, sess.id), targets)
+                    if spec.with_optimizer:
+                        sess.optimizer.load_state_dict(saved_state.optimizer_state(saved, params, self.device))
+                        sess.optim_steps = saved.optim_steps
+            except saved_state.StateMismatch as exc:
+                self._free(sess)
+                raise InvalidArgument(str(exc), field="from_state") from None
+            except BaseException:
+                self._free(sess)
+                raise
         return sess
 
     def get(self, account_id: str, session_id: str) -> Session:
@@ -148,23 +207,55 @@ class SessionManager:
             sess = self._sessions.get(session_id)
         if sess is not None and sess.account_id == account_id:
             return sess
+        row = self._row(account_id, session_id)
+        if row.closed_at is not None:
+            raise FailedPrecondition(f"session '{session_id}' is closed")
+        raise FailedPrecondition(f"session '{session_id}' is no longer loaded (the trainer restarted); create a new "
+                                 "session (from a SaveState path to continue)")
+
+    def _row(self, account_id: str, session_id: str) -> TrainingSession:
         with self.db.session() as s:
             row = s.get(TrainingSession, session_id) if session_id else None
-        if row is None or row.account_id != account_id:
-            raise not_found("session", session_id)
-        raise FailedPrecondition(f"session '{session_id}' is no longer loaded (closed, or the trainer restarted); "
-                                 "create a new session")
+            if row is None or row.account_id != account_id:
+                raise not_found("session", session_id)
+            s.expunge(row)
+        return row
+
+    def describe(self, account_id: str, session_id: str) -> pb.Session:
+        """GetSession: a loaded session as it is now; a closed one (or one a restarted trainer lost) from its row."""
+        with self._lock:
+            sess = self._sessions.get(session_id)
+        if sess is not None and sess.account_id == account_id:
+            return self.info(sess)
+        row = self._row(account_id, session_id)
+        return pb.Session(id=row.id, base_model=row.base_model, lora_rank=row.lora_rank, lora_alpha=row.lora_alpha,
+                          target_modules=list(row.target_modules), closed=row.closed_at is not None,
+                          error="" if row.closed_at is not None else "no longer loaded (the trainer restarted)",
+                          full_parameter=row.full_parameter, lineage=row.id, created_at=ts(row.created_at))
 
     def close(self, account_id: str, session_id: str) -> Session:
         sess = self.get(account_id, session_id)
-        with sess.cond:
+        with sess.cond:  # after the running call, if any; waiting ones then see closed
+            if sess.closed:
+                raise FailedPrecondition(f"session '{session_id}' is closed")
             sess.closed = True
             sess.cond.notify_all()
         with self._lock:
             self._sessions.pop(session_id, None)
+        self._free(sess)
         with self.db.session() as s:
             s.get(TrainingSession, session_id).closed_at = utcnow()
         return sess
+
+    def _free(self, sess: Session) -> None:
+        if not sess.full_parameter:
+            with sess.holder.lock:
+                remove_adapter(sess.holder.model, sess.id)
+        self.pool.release(sess.holder, sess.id)
+        for p in sess.params:
+            p.grad = None
+        sess.params = []
+        sess.optimizer.state.clear()
 
     # -- ordered calls ---------------------------------------------------------------------------------------------
     def _in_order(self, sess: Session, seq_id: int, fn):
@@ -192,79 +283,205 @@ class SessionManager:
                 sess.next_seq_id = seq_id + 1
                 sess.cond.notify_all()
 
-    def forward(self, account_id: str, session_id: str, seq_id: int, data, loss_fn: str, backward: bool):
+    def _loss_call(self, sess: Session, loss_fn: str, config, micro_batch_tokens: int, backward: bool,
+                   prefix: str = "") -> LossCall:
+        req = check_loss_request(loss_fn, config, micro_batch_tokens, self.micro_batch_tokens, prefix)
+        return LossCall(sess.holder.model, sess.params, req, backward=backward, deterministic=self.deterministic,
+                        device=self.device, lock=sess.use)
+
+    def forward(self, account_id: str, session_id: str, seq_id: int, data, loss_fn: str, loss_fn_config,
+                backward: bool, micro_batch_tokens: int = 0) -> tuple[list[torch.Tensor], dict[str, float]]:
+        """Forward (backward=False) or ForwardBackward: (per-datum logprobs, metrics)."""
         sess = self.get(account_id, session_id)
 
         def run():
-            batch = parse_batch(data, loss_fn or "cross_entropy", sess.model.args.vocab_size)
-            with torch.set_grad_enabled(backward):
-                logprobs_BT = target_logprobs(sess.model, batch.tokens_BT, batch.targets_BT,
-                                              deterministic=self.deterministic)
-                loss = -(batch.weights_BT * logprobs_BT).sum()
-                if backward:
-                    loss.backward()
-            total_w = float(batch.weights_BT.sum())
-            outputs = [logprobs_BT[i, :n].detach() for i, n in enumerate(batch.lengths)]
-            metrics = {"loss:sum": float(loss), "loss:mean": float(loss) / total_w if total_w else 0.0}
-            return outputs, metrics
+            call = self._loss_call(sess, loss_fn, loss_fn_config, micro_batch_tokens, backward)
+            if not data:
+                raise InvalidArgument("at least one datum is required", field="data")
+            vocab_size = sess.holder.model.args.vocab_size
+            datums = [check_datum(d, i, call.req.loss_fn, vocab_size) for i, d in enumerate(data)]
+            return run_call(call, datums)
 
         return self._in_order(sess, seq_id, run)
+
+    def forward_backward_stream(self, account_id: str, messages: Iterator) -> tuple[list[torch.Tensor],
+                                                                                    dict[str, float]]:
+        """ForwardBackwardStream over its request messages (trainer_pb2.ForwardBackwardStreamRequest)."""
+        messages = client_messages(messages)
+        first = next(messages, None)
+        if first is None or first.WhichOneof("item") != "header":
+            raise InvalidArgument("the first message must be the header", field="header")
+        header = first.header
+        if header.data:
+            raise InvalidArgument("must be empty: datums follow in later messages", field="header.data")
+        sess = self.get(account_id, header.session_id)
+
+        def run():
+            call = self._loss_call(sess, header.loss_fn, header.loss_fn_config, header.micro_batch_tokens, True,
+                                   prefix="header.")
+            return run_call(call, stream_datums(messages, call.req.loss_fn, sess.holder.model.args.vocab_size))
+
+        return self._in_order(sess, header.seq_id, run)
 
     def optim_step(self, account_id: str, session_id: str, seq_id: int, adam: dict) -> tuple[int, dict]:
         sess = self.get(account_id, session_id)
         lr, b1, b2 = adam["learning_rate"], adam["beta1"], adam["beta2"]
-        checks = (("learning_rate", lr > 0 and lr < 1, "> 0 and < 1"), ("beta1", 0 <= b1 < 1, "in [0, 1)"),
+        checks = (("learning_rate", 0 < lr < 1, "> 0 and < 1"), ("beta1", 0 <= b1 < 1, "in [0, 1)"),
                   ("beta2", 0 <= b2 < 1, "in [0, 1)"), ("eps", adam["eps"] >= 0, ">= 0"),
                   ("weight_decay", adam["weight_decay"] >= 0, ">= 0"),
                   ("grad_clip_norm", adam["grad_clip_norm"] >= 0, ">= 0 (0 = no clipping)"))
 
         def run():
             for name, ok, rule in checks:
-                if not ok:
+                if not (ok and math.isfinite(adam[name])):
                     raise InvalidArgument(f"must be {rule}, got {adam[name]}", field=f"adam.{name}")
-            if sess.optimizer is None:
-                sess.optimizer = torch.optim.AdamW(sess.params, lr=lr)
-            for g in sess.optimizer.param_groups:
-                g.update(lr=lr, betas=(b1, b2), eps=adam["eps"], weight_decay=adam["weight_decay"])
-            grads = [p.grad for p in sess.params if p.grad is not None]
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])) if grads \
-                else torch.zeros(())
-            if adam["grad_clip_norm"] > 0:
-                torch.nn.utils.clip_grad_norm_(sess.params, adam["grad_clip_norm"])
-            sess.optimizer.step()
-            sess.optimizer.zero_grad(set_to_none=True)
+            with sess.use():
+                for g in sess.optimizer.param_groups:
+                    g.update(lr=lr, betas=(b1, b2), eps=adam["eps"], weight_decay=adam["weight_decay"])
+                grads = [p.grad for p in sess.params if p.grad is not None]
+                if adam["grad_clip_norm"] > 0:
+                    norm = torch.nn.utils.clip_grad_norm_(sess.params, adam["grad_clip_norm"])
+                else:
+                    norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+                sess.optimizer.step()
+                sess.optimizer.zero_grad(set_to_none=True)
             sess.optim_steps += 1
-            return sess.optim_steps, {"grad_norm": float(norm), "learning_rate": lr}
+            return sess.optim_steps, {"grad_norm": float(norm), "learning_rate": lr}  # float() syncs
 
         return self._in_order(sess, seq_id, run)
 
-    def save_weights(self, account_id: str, api_key: str, session_id: str, seq_id: int, name: str):
+    # -- weights and states ----------------------------------------------------------------------------------------
+    def save_weights(self, account_id: str, api_key: str, session_id: str, seq_id: int,
+                     name: str) -> tuple[str, str, str]:
+        """(checkpoint id, weight version id, path "trainyard://weights/<version id>")."""
         sess = self.get(account_id, session_id)
 
         def run():
             if len(name) > 256:
                 raise InvalidArgument("at most 256 characters", field="name")
-            with tempfile.TemporaryDirectory(prefix="adapter-") as tmp:
-                save_peft_adapter(sess.model, sess.lora, tmp, base_model_name_or_path=sess.base_model)
+            kind = "full" if sess.full_parameter else "lora_adapter"
+            with tempfile.TemporaryDirectory(prefix="weights-") as tmp:
+                with sess.use() as model:
+                    if sess.full_parameter:
+                        save_pretrained(model, tmp)
+                        for extra in MODEL_EXTRA_FILES:
+                            if (Path(sess.model_path) / extra).is_file():
+                                shutil.copyfile(Path(sess.model_path) / extra, Path(tmp) / extra)
+                    else:
+                        save_peft_adapter(model, sess.lora, tmp, base_model_name_or_path=sess.base_model,
+                                          adapter_name=sess.id)
                 files = [f.to_json() for f in self.blobs.put_tree(tmp)]
                 try:
-                    version_id = self.publish(api_key, sess, Path(tmp))
+                    version_id = self.publish(api_key, sess, Path(tmp), kind)
                 except grpc.RpcError as exc:  # the session's state is intact: the caller can save again
                     raise Unavailable(f"the weights were not published to the weight-sync service: "
                                       f"{exc.details()}") from None
             ckpt = Checkpoint(id=new_id("ckpt"), account_id=account_id, session_id=sess.id,
-                              name=name or f"{sess.id}-step{sess.optim_steps}", step=sess.optim_steps,
-                              kind="lora_adapter", base_model=sess.base_model, model_path=sess.model_path,
+                              name=name or f"{sess.id}-step{sess.optim_steps}", step=sess.optim_steps, kind=kind,
+                              base_model=sess.base_model, model_path="" if sess.full_parameter else sess.model_path,
                               files=files, final=True, metrics={}, created_at=utcnow())
             with self.db.session() as s:
                 s.add(ckpt)
             sess.weight_version_id = version_id
-            return ckpt.id, version_id
+            return ckpt.id, version_id, WEIGHTS_PREFIX + version_id
 
         return self._in_order(sess, seq_id, run)
 
+    def save_state(self, account_id: str, session_id: str, seq_id: int, name: str) -> tuple[str, str]:
+        """(checkpoint id, path "trainyard://state/<checkpoint id>"). The checkpoint's files are the weights (an
+        adapter or a model directory, its kind), its state the optimizer and counters (services/trainer/state.py)."""
+        sess = self.get(account_id, session_id)
+
+        def run():
+            if len(name) > 256:
+                raise InvalidArgument("at most 256 characters", field="name")
+            with tempfile.TemporaryDirectory(prefix="state-") as tmp:
+                with sess.use() as model:
+                    saved_state.write_state(Path(tmp), model=model, adapter=sess.id, lora=sess.lora,
+                                            base_model=sess.base_model, seed=sess.seed, optimizer=sess.optimizer,
+                                            optim_steps=sess.optim_steps, next_seq_id=sess.next_seq_id + 1)
+                files = [f.to_json() for f in self.blobs.put_tree(Path(tmp) / "weights")]
+                state = [f.to_json() for f in self.blobs.put_tree(Path(tmp) / "state")]
+            ckpt = Checkpoint(id=new_id("ckpt"), account_id=account_id, session_id=sess.id,
+                              name=name or f"{sess.id}-state-step{sess.optim_steps}", step=sess.optim_steps,
+                              kind="full" if sess.full_parameter else "lora_adapter", base_model=sess.base_model,
+                              model_path="" if sess.full_parameter else sess.model_path, files=files, state=state,
+                              final=False, metrics={}, created_at=utcnow())
+            with self.db.session() as s:
+                s.add(ckpt)
+            return ckpt.id, STATE_PREFIX + ckpt.id
+
+        return self._in_order(sess, seq_id, run)
+
+    def load_state(self, account_id: str, session_id: str, seq_id: int, path: str, with_optimizer: bool) -> Session:
+        """Replace the session's weights (and with_optimizer its AdamW state and step count) with a saved state of
+        the same base model, kind and LoRA config; pending gradients are dropped. Without with_optimizer the
+        optimizer state stays as it is."""
+        sess = self.get(account_id, session_id)
+
+        def run():
+            with self._saved_state(account_id, path, "path") as saved:
+                problem = state_mismatch(sess.full_parameter, sess.base_model, sess.lora, saved)
+                if problem:
+                    raise InvalidArgument(problem, field="path")
+                if with_optimizer and not saved.has_optimizer:
+                    raise InvalidArgument("the state holds no optimizer state", field="with_optimizer")
+                with sess.use() as model:
+                    try:  # every check before the first copy
+                        if sess.full_parameter:
+                            targets = model.state_dict()
+                            tensors = saved_state.full_tensors(saved, model)
+                        else:
+                            targets = lora_state_dict(model, sess.id)
+                            tensors = saved_state.lora_tensors(saved, model, sess.id)
+                        optim = saved_state.optimizer_state(saved, sess.params, self.device) if with_optimizer \
+                            else None
+                    except saved_state.StateMismatch as exc:
+                        raise InvalidArgument(str(exc), field="path") from None
+                    saved_state.copy_into(tensors, targets)
+                    for p in sess.params:
+                        p.grad = None
+                    if optim is not None:
+                        sess.optimizer.load_state_dict(optim)
+                        sess.optim_steps = saved.optim_steps
+            return sess
+
+        return self._in_order(sess, seq_id, run)
+
+    @contextlib.contextmanager
+    def _saved_state(self, account_id: str, path: str, field_name: str) -> Iterator[saved_state.SavedState]:
+        """A SaveState checkpoint of this account laid out in a temporary directory (NOT_FOUND for another
+        account's)."""
+        ckpt_id = _state_checkpoint_id(path, field_name)
+        with self.db.session() as s:
+            ckpt = registry.get_checkpoint(s, account_id, ckpt_id)
+            files, state = list(ckpt.files), list(ckpt.state or [])
+        if not any(f["path"] == saved_state.STATE_FILE for f in state):
+            raise InvalidArgument(f"checkpoint '{ckpt_id}' holds weights only, not a training state (save one with "
+                                  "SaveState)", field=field_name)
+        with tempfile.TemporaryDirectory(prefix="state-") as tmp:
+            root = Path(tmp)
+            self.blobs.materialize([StoredFile.from_json(f) for f in files], root / "weights")
+            self.blobs.materialize([StoredFile.from_json(f) for f in state], root / "state")
+            try:
+                saved = saved_state.read_state(root)
+            except saved_state.StateMismatch as exc:
+                raise InvalidArgument(str(exc), field=field_name) from None
+            yield saved
+
+    # -- model facts -----------------------------------------------------------------------------------------------
+    def tokenizer_files(self, account_id: str, session_id: str) -> list[Path]:
+        sess = self.get(account_id, session_id)
+        return [Path(sess.model_path) / n for n in TOKENIZER_FILES if (Path(sess.model_path) / n).is_file()]
+
     def info(self, sess: Session) -> pb.Session:
-        return pb.Session(id=sess.id, base_model=sess.base_model, lora_rank=sess.lora.rank,
-                          lora_alpha=sess.lora.alpha, target_modules=list(sess.lora.target_modules),
-                          next_seq_id=sess.next_seq_id, optim_steps=sess.optim_steps, closed=sess.closed,
-                          error=sess.error, num_trainable_parameters=sum(p.numel() for p in sess.params))
+        args = sess.holder.model.args
+        lora = sess.lora
+        return pb.Session(id=sess.id, base_model=sess.base_model, lora_rank=lora.rank if lora else 0,
+                          lora_alpha=lora.alpha if lora else 0.0,
+                          target_modules=list(lora.target_modules) if lora else [], next_seq_id=sess.next_seq_id,
+                          optim_steps=sess.optim_steps, closed=sess.closed, error=sess.error,
+                          num_trainable_parameters=sess.num_trainable, full_parameter=sess.full_parameter,
+                          lineage=sess.id, vocab_size=args.vocab_size, num_layers=args.num_layers,
+                          hidden_size=args.hidden_size, architecture=args.architecture,
+                          created_at=ts(sess.created_at))

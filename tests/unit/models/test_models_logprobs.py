@@ -67,6 +67,38 @@ def test_values_and_grads_match_naive_fp32(lead_shape, chunk_size, with_norm, re
         assert rel <= GRAD_RTOL, rel
 
 
+@pytest.mark.parametrize("with_norm", [True, False], ids=["norm", "no-norm"])
+def test_k_targets_per_token_match_naive_fp32(with_norm):
+    """[..., K] targets: K logprobs per token from the same logits (repeated ids and ignored slots included); the
+    entropy keeps the tokens' shape. A [..., 1] target gives the per-token form's values and gradients bitwise."""
+    hidden, norm_weight, unembed_VD, _, (cot, cot_entropy) = _inputs((3, 40), with_norm=with_norm)
+    gen = torch.Generator().manual_seed(1)
+    targets = torch.randint(0, unembed_VD.shape[0], (3, 40, 5), generator=gen)
+    targets[..., 4] = targets[..., 0]
+    targets.view(-1)[::9] = IGNORE_INDEX
+    cot_K = torch.randn(3, 40, 5, generator=gen)
+    got_values, got_grads = _values_and_grads(
+        lambda *a, **kw: chunked_logprobs(*a, chunk_size=17, **kw), hidden, norm_weight, unembed_VD, targets,
+        (cot_K, cot_entropy), True,
+    )
+    ref_values, ref_grads = _values_and_grads(
+        logprobs_reference, hidden, norm_weight, unembed_VD, targets, (cot_K, cot_entropy), True
+    )
+    assert got_values[0].shape == (3, 40, 5) and got_values[1].shape == (3, 40)
+    for got, ref in zip(got_values, ref_values):
+        assert (got - ref).abs().max().item() <= VALUE_ATOL
+    assert torch.all(got_values[0][targets == IGNORE_INDEX] == 0)
+    for got, ref in zip(got_grads, ref_grads):
+        assert ((got - ref).abs().max() / ref.abs().max()).item() <= GRAD_RTOL
+    flat_targets = targets[..., 1]
+    flat = _values_and_grads(lambda *a, **kw: chunked_logprobs(*a, chunk_size=17, **kw), hidden, norm_weight,
+                             unembed_VD, flat_targets, (cot,), False)
+    one = _values_and_grads(lambda *a, **kw: chunked_logprobs(*a, chunk_size=17, **kw), hidden, norm_weight,
+                            unembed_VD, flat_targets[..., None], (cot[..., None],), False)
+    assert torch.equal(flat[0][0], one[0][0][..., 0])
+    assert all(torch.equal(a, b) for a, b in zip(flat[1], one[1]))
+
+
 def test_bf16_inputs_match_naive_bf16_semantics():
     """bf16 hidden and weights: the same bf16 matmul per token, so the float32 values agree to float32 rounding;
     the bf16 gradients within a few bf16 rounding steps (4 * 2^-8 of the largest entry: the chunked unembedding

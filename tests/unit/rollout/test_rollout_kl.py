@@ -66,8 +66,9 @@ def _rollout(model_dir, deterministic: bool, seed: int = 0) -> list[tuple[list[i
 
 
 def _trainer(model, samples, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rollout logprobs, trainer logprobs, trainer entropy) over every sampled token. The trainer's batch is what
-    SessionManager.forward builds: tokens = prompt + completion[:-1], targets shifted by one, right-padded with 0."""
+    """(rollout logprobs, trainer logprobs, trainer entropy) over every sampled token. The trainer's batch is a
+    micro-batch of the trainer's deterministic mode (services/trainer/compute.py): tokens = prompt + completion[:-1],
+    targets shifted by one, right-padded with 0."""
     rows = [prompt + tokens for prompt, tokens, _ in samples]
     T = max(len(r) for r in rows) - 1
     tokens_BT = torch.zeros(len(rows), T, dtype=torch.int64)

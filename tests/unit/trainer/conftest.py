@@ -54,3 +54,13 @@ def deterministic():
     torch.use_deterministic_algorithms(True)
     yield
     torch.use_deterministic_algorithms(was_deterministic)
+
+
+@pytest.fixture
+def api_env(tmp_path, tiny_model_dir):
+    """The Training API's platform in process: SQLite, a real blob store, accounts alice and bob, model "tiny"."""
+    from api_helpers import ApiEnv
+
+    env = ApiEnv(tmp_path / "api", tiny_model_dir)
+    yield env
+    env.close()

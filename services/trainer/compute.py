@@ -1,0 +1,312 @@
+"""One Forward / ForwardBackward call of a Training API session: checked datums, micro-batches, the loss, gradients.
+
+Shapes: T tokens of a datum, N tokens of a micro-batch (its datums back to back), K targets per position ([T, K]
+targets), D hidden, V vocab, C tokens per logprob chunk.
+
+Micro-batches: the call's datums, in order, are packed greedily into micro-batches of at most micro_batch_tokens
+tokens (a datum longer than that is a micro-batch alone). The rule looks only at the datums' lengths, so a stream
+that receives the same datums builds the same micro-batches, and it can close a micro-batch as soon as the next datum
+does not fit (or the micro-batch is exactly full).
+
+A micro-batch is one packed forward to the final hidden states (models' Packing: attention stays inside each datum,
+positions restart at 0 in each; in deterministic mode right-padded rows instead, see _hidden_states), then the
+logprobs of its targets (token_logprobs: never [N, V] logits), then each datum's losses.datum_loss summed in datum
+order, then one backward. The call's loss is c * sum_i datum_loss_i with
+c = losses.batch_scale over all the call's datums; c is known only when the last datum is in, so the micro-batches
+backpropagate the unscaled sum and the call's gradients are multiplied by c at the end. Gradients of earlier calls
+since the last OptimStep are set aside at the start and added back at the end (grads accumulate across calls until
+OptimStep, as in Tinker), so a call that fails part-way restores them exactly and leaves no partial gradients.
+
+Exactness (float32 on CPU with a fixed thread count): the result depends only on the datums, their order, the loss
+and micro_batch_tokens, so the unary and the streamed call give bitwise the same gradients, logprobs and metrics.
+With deterministic=True the forward and the logprobs run under kernels.batch_invariant and the logprobs are the
+rollout's formula (log_softmax of the logits, gathered) on batch-invariant logits: each datum's logprobs are bitwise
+those of services.trainer.logprobs.target_logprobs(deterministic=True), and so of a deterministic rollout, whatever
+micro-batch it shared (tested). Without it, logprobs agree with target_logprobs to float32 rounding (~1e-6).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import grpc
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from kernels import Packing
+from kernels.batch_invariant import batch_invariant_mode
+from kernels.logprobs import IGNORE_INDEX, chunked_logprobs, default_chunk_size
+from services.common.errors import InvalidArgument, TrainyardError
+from services.trainer import losses
+from services.trainer.tensors import to_torch
+
+
+@dataclass
+class Datum:
+    """One checked datum: its model input tokens and its loss inputs as losses.check_datum normalized them."""
+
+    tokens: torch.Tensor  # int64 [T]
+    inputs: dict[str, torch.Tensor]
+
+    @property
+    def length(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def targets(self) -> torch.Tensor:
+        return self.inputs["target_tokens"]
+
+
+@dataclass(frozen=True)
+class LossRequest:
+    loss_fn: str
+    config: dict[str, float]
+    micro_batch_tokens: int
+
+
+def check_loss_request(loss_fn: str, config, micro_batch_tokens: int, default_micro_batch_tokens: int,
+                       prefix: str = "") -> LossRequest:
+    """The call's loss settings, checked (prefix: "header." for a stream's header)."""
+    loss_fn = loss_fn or losses.DEFAULT_LOSS
+    try:
+        resolved = losses.resolve_config(loss_fn, dict(config))
+    except InvalidArgument as exc:
+        raise _prefixed(exc, prefix) from None
+    if micro_batch_tokens < 0:
+        raise InvalidArgument(f"must be >= 0 (0 takes the trainer's default, {default_micro_batch_tokens}), got "
+                              f"{micro_batch_tokens}", field=f"{prefix}micro_batch_tokens")
+    return LossRequest(loss_fn, resolved, micro_batch_tokens or default_micro_batch_tokens)
+
+
+def _prefixed(exc: InvalidArgument, prefix: str) -> InvalidArgument:
+    if not prefix:
+        return exc
+    return InvalidArgument(violations=[type(v)(field=prefix + v.field, reason=v.reason, row=v.row)
+                                       for v in exc.violations])
+
+
+def check_datum(d, index: int, loss_fn: str, vocab_size: int) -> Datum:
+    """A wire Datum (trainer_pb2.Datum) checked against the loss; every error names data[index] and the field."""
+    where = f"data[{index}]"
+    if not d.tokens:
+        raise InvalidArgument("model input is empty", field=f"{where}.tokens")
+    tokens = torch.tensor(list(d.tokens), dtype=torch.int64)
+    if int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size:
+        raise InvalidArgument(f"token ids must be in [0, {vocab_size})", field=f"{where}.tokens")
+    raw = {key: to_torch(t, f"{where}.loss_fn_inputs['{key}']") for key, t in d.loss_fn_inputs.items()}
+    return Datum(tokens, losses.check_datum(loss_fn, raw, len(tokens), vocab_size, where=where))
+
+
+class MicroBatcher:
+    """Greedy packing of datums, in order, into micro-batches of at most max_tokens tokens."""
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+        self._open: list[Datum] = []
+        self._tokens = 0
+
+    def add(self, datum: Datum) -> list[list[Datum]]:
+        """Micro-batches this datum completes (0, 1 or 2 of them), in order."""
+        done = []
+        if self._open and self._tokens + datum.length > self.max_tokens:
+            done.append(self._close())
+        self._open.append(datum)
+        self._tokens += datum.length
+        if self._tokens >= self.max_tokens:  # full: no later datum (>= 1 token) can join it
+            done.append(self._close())
+        return done
+
+    def finish(self) -> list[list[Datum]]:
+        return [self._close()] if self._open else []
+
+    def _close(self) -> list[Datum]:
+        mb, self._open, self._tokens = self._open, [], 0
+        return mb
+
+
+def token_logprobs(model: nn.Module, hidden_ND: torch.Tensor, targets: torch.Tensor, *,
+                   deterministic: bool) -> torch.Tensor:
+    """float32 logprobs of targets ([N] or [N, K]; IGNORE_INDEX gives 0) under the model's raw distribution at
+    hidden_ND (final-normed), C tokens at a time, never holding [N, V] logits.
+
+    A plain unembedding goes through kernels.logprobs.chunked_logprobs (logit - logsumexp, backward recomputing
+    each chunk). In deterministic mode, and when LoRA wraps lm_head (no single unembedding matrix), each chunk is
+    model.logits -> log_softmax -> gather, recomputed in backward (torch.utils.checkpoint): the rollout's formula."""
+    head = model.lm_head
+    chunk = default_chunk_size(head.out_features)
+    if not deterministic and type(head) is nn.Linear and head.bias is None:
+        return chunked_logprobs(hidden_ND, None, 0.0, head.weight, targets, chunk_size=chunk)
+    parts = [checkpoint(_chunk_logprobs, model, hidden_ND[i:i + chunk], targets[i:i + chunk], deterministic,
+                        use_reentrant=False) for i in range(0, hidden_ND.shape[0], chunk)]
+    return torch.cat(parts)
+
+
+def _chunk_logprobs(model: nn.Module, hidden_CD: torch.Tensor, targets: torch.Tensor,
+                    deterministic: bool) -> torch.Tensor:
+    # The mode is entered here (not around the caller) so that the recomputation in backward, which runs outside
+    # any mode, computes the same ops as the forward did.
+    with batch_invariant_mode(deterministic):
+        logprobs_CV = F.log_softmax(model.logits(hidden_CD).float(), dim=-1)
+    targets_CK = targets if targets.dim() == 2 else targets[:, None]
+    valid_CK = targets_CK != IGNORE_INDEX
+    out_CK = torch.where(valid_CK, logprobs_CV.gather(1, torch.where(valid_CK, targets_CK, 0)), 0.0)
+    return out_CK if targets.dim() == 2 else out_CK[:, 0]
+
+
+def _hidden_states(model: nn.Module, datums: list[Datum], *, deterministic: bool,
+                   device: torch.device) -> torch.Tensor:
+    """[N, D] final hidden states of the datums' tokens, back to back: one packed forward. In deterministic mode,
+    one forward of the datums as right-padded rows instead: the batch-invariant attention sums over key blocks
+    counted from a row's first key, which a datum packed after another does not start on, so packing would change
+    its bits (padding never does: causal attention, and rows are independent under the mode)."""
+    lengths = [d.length for d in datums]
+    if not deterministic:
+        tokens_1N = torch.cat([d.tokens for d in datums])[None].to(device)
+        return model(tokens_1N, packing=Packing.from_lengths(lengths, device), return_hidden=True)[0]
+    tokens_BT = torch.zeros(len(datums), max(lengths), dtype=torch.int64)
+    for b, d in enumerate(datums):
+        tokens_BT[b, :d.length] = d.tokens
+    with batch_invariant_mode():  # the backward runs outside the mode, as torch computes it
+        hidden_BTD = model(tokens_BT.to(device), return_hidden=True)
+    return torch.cat([hidden_BTD[b, :n] for b, n in enumerate(lengths)])
+
+
+@dataclass
+class MicroBatchResult:
+    logprobs: list[torch.Tensor]  # per datum, detached: [T] or [T, K]
+    metric_sums: list[dict[str, torch.Tensor]]
+
+
+def run_micro_batch(model: nn.Module, datums: list[Datum], req: LossRequest, *, backward: bool,
+                    deterministic: bool, device: torch.device) -> MicroBatchResult:
+    """One packed forward (+ backward of the summed, unscaled datum losses) over the datums."""
+    lengths = [d.length for d in datums]
+    k_max = max((d.targets.shape[1] for d in datums if d.targets.dim() == 2), default=0)
+    if k_max:  # [T] and [T, K] datums together: K-wide targets, the extra slots ignored
+        targets = torch.cat([F.pad(d.targets if d.targets.dim() == 2 else d.targets[:, None],
+                                   (0, k_max - (d.targets.shape[1] if d.targets.dim() == 2 else 1)),
+                                   value=IGNORE_INDEX) for d in datums])
+    else:
+        targets = torch.cat([d.targets for d in datums])
+    with torch.set_grad_enabled(backward):
+        hidden_ND = _hidden_states(model, datums, deterministic=deterministic, device=device)
+        logprobs = token_logprobs(model, hidden_ND, targets.to(device), deterministic=deterministic)
+        per_datum, total, sums = [], None, []
+        for d, lp in zip(datums, torch.split(logprobs, lengths)):
+            if k_max:
+                lp = lp[:, :d.targets.shape[1]] if d.targets.dim() == 2 else lp[:, 0]
+            loss, metric_sums = losses.datum_loss(req.loss_fn, req.config, lp,
+                                                  {k: v.to(device) for k, v in d.inputs.items()})
+            total = loss if total is None else total + loss
+            per_datum.append(lp.detach())
+            sums.append(metric_sums)
+        if backward:
+            total.backward()
+    return MicroBatchResult(per_datum, sums)
+
+
+class LossCall:
+    """The computation of one call (driven by run_call): begin(), then checked datums in order (micro-batches run
+    as they complete), then finish() for (per-datum logprobs, metrics). With backward, the call's gradients land on
+    params at finish(); abort() puts back exactly the gradients held at begin()."""
+
+    def __init__(self, model: nn.Module, params: list[nn.Parameter], req: LossRequest, *, backward: bool,
+                 deterministic: bool, device: torch.device, lock):
+        self.model, self.params, self.req = model, params, req
+        self.backward, self.deterministic, self.device, self.lock = backward, deterministic, device, lock
+        self.batcher = MicroBatcher(req.micro_batch_tokens)
+        self.inputs: list[dict[str, torch.Tensor]] = []
+        self.logprobs: list[torch.Tensor] = []
+        self.metric_sums: list[dict[str, torch.Tensor]] = []
+        self.held: list[torch.Tensor | None] = []
+
+    def begin(self) -> None:
+        """Set aside the gradients of earlier calls since the last OptimStep; this call's accumulate alone."""
+        if self.backward:
+            self.held = [p.grad for p in self.params]
+            for p in self.params:
+                p.grad = None
+
+    def add(self, datum: Datum) -> None:
+        self.inputs.append(datum.inputs)
+        for mb in self.batcher.add(datum):
+            self._run(mb)
+
+    def finish(self) -> tuple[list[torch.Tensor], dict[str, float]]:
+        if not self.inputs:
+            raise InvalidArgument("at least one datum is required", field="data")
+        for mb in self.batcher.finish():
+            self._run(mb)
+        c = losses.batch_scale(self.req.loss_fn, self.req.config, self.inputs)
+        if not math.isfinite(c):
+            raise InvalidArgument(f"the batch factor of loss '{self.req.loss_fn}' is {c}", field="loss_fn_config")
+        metrics = losses.batch_metrics(self.req.loss_fn, c, self.metric_sums)
+        if self.backward:
+            with torch.no_grad():
+                for p, held in zip(self.params, self.held):
+                    if p.grad is not None and c != 1.0:
+                        p.grad.mul_(c)
+                    if held is not None:
+                        p.grad = held if p.grad is None else held.add_(p.grad)
+            self.held = []
+        return self.logprobs, {k: float(v) for k, v in metrics.items()}
+
+    def abort(self) -> None:
+        """Drop this call's gradients and restore the ones held before it."""
+        if self.backward and self.held:
+            for p, held in zip(self.params, self.held):
+                p.grad = held
+        self.held = []
+
+    def _run(self, mb: list[Datum]) -> None:
+        with self.lock():
+            out = run_micro_batch(self.model, mb, self.req, backward=self.backward,
+                                  deterministic=self.deterministic, device=self.device)
+        self.logprobs.extend(out.logprobs)
+        self.metric_sums.extend(out.metric_sums)
+
+
+def run_call(call: LossCall, datums: Iterable[Datum]) -> tuple[list[torch.Tensor], dict[str, float]]:
+    """Feed every datum and finish; on any failure the gradients held before the call are restored."""
+    try:
+        call.begin()
+        for d in datums:
+            call.add(d)
+        return call.finish()
+    except BaseException:
+        call.abort()
+        raise
+
+
+class Cancelled(TrainyardError):
+    code = grpc.StatusCode.CANCELLED
+
+
+def client_messages(messages: Iterable) -> Iterator:
+    """A client stream's messages; a stream the client cancels or breaks ends the call as CANCELLED (the session is
+    not at fault, and the call restores its gradients like any failed call)."""
+    it = iter(messages)
+    while True:
+        try:
+            msg = next(it)
+        except StopIteration:
+            return
+        except grpc.RpcError:
+            raise Cancelled("the client ended the stream before its last message") from None
+        yield msg
+
+
+def stream_datums(messages: Iterator, loss_fn: str, vocab_size: int) -> Iterator[Datum]:
+    """The checked datums of a ForwardBackwardStream's messages after the header, numbered across messages as
+    data[0], data[1], ... (as in the unary call)."""
+    index = 0
+    for n, msg in enumerate(messages, start=1):
+        if msg.WhichOneof("item") != "datums":
+            raise InvalidArgument("only the first message is a header; later ones carry datums",
+                                  field=f"messages[{n}]")
+        for d in msg.datums.data:
+            yield check_datum(d, index, loss_fn, vocab_size)
+            index += 1

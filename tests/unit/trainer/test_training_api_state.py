@@ -1,0 +1,120 @@
+"""SaveState / LoadState / CreateSession(from_state) (services/trainer/state.py): a saved state restores weights and
+optimizer bit for bit, so training continues exactly as if it never stopped (LoRA and full-parameter sessions); a
+state that does not fit is INVALID_ARGUMENT naming the field and changes nothing; another account's is NOT_FOUND."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from api_helpers import ADAM, grads, lora, random_tokens, same, sft_datum, weights
+from services.common.errors import InvalidArgument, NotFound
+from services.common.schema import Checkpoint, new_id, utcnow
+from services.trainer.session_spec import CreateSpec, LoraSpec
+
+
+def _data(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return [sft_datum(random_tokens(gen, n)) for n in (14, 23, 9)]
+
+
+def _steps(manager, account, sess, seeds, lr=1e-2):
+    for seed in seeds:
+        manager.forward(account, sess.id, 0, _data(seed), "", {}, backward=True)
+        manager.optim_step(account, sess.id, 0, {**ADAM, "learning_rate": lr})
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_resuming_from_a_saved_state_continues_bitwise(api_env, kind):
+    spec = lora(rank=4, seed=3) if kind == "lora" else CreateSpec(base_model="tiny", full_parameter=True)
+    lr = 1e-2 if kind == "lora" else 1e-3
+    manager = api_env.manager()
+    straight = manager.create(api_env.alice, spec)
+    _steps(manager, api_env.alice, straight, [1, 2], lr)
+    ckpt_id, path = manager.save_state(api_env.alice, straight.id, 0, "")
+    assert path == f"trainyard://state/{ckpt_id}"
+    _steps(manager, api_env.alice, straight, [3, 4], lr)
+    probe = _data(9)
+    want = manager.forward(api_env.alice, straight.id, 0, probe, "", {}, backward=False)
+
+    manager_b = api_env.manager()  # a fresh trainer
+    resumed = manager_b.create(api_env.alice, CreateSpec(from_state=path, with_optimizer=True))
+    assert resumed.optim_steps == 2 and resumed.full_parameter == (kind == "full")
+    _steps(manager_b, api_env.alice, resumed, [3, 4], lr)
+    assert same(weights(resumed), weights(straight))
+    assert same(manager_b.forward(api_env.alice, resumed.id, 0, probe, "", {}, backward=False)[0], want[0])
+    assert resumed.optim_steps == straight.optim_steps == 4
+
+    fresh_optimizer = manager_b.create(api_env.alice, CreateSpec(from_state=path))
+    assert fresh_optimizer.optim_steps == 0 and len(fresh_optimizer.optimizer.state) == 0
+    _steps(manager_b, api_env.alice, fresh_optimizer, [3, 4], lr)
+    assert not same(weights(fresh_optimizer), weights(straight))  # Adam's moments and step counts did matter
+
+
+def test_load_state_replaces_weights_and_optimizer_in_place(api_env):
+    manager = api_env.manager()
+    sess = manager.create(api_env.alice, lora(rank=4, seed=3))
+    _steps(manager, api_env.alice, sess, [1, 2])
+    saved = weights(sess)
+    _, path = manager.save_state(api_env.alice, sess.id, 0, "two steps")
+    _steps(manager, api_env.alice, sess, [3, 4])
+    want = weights(sess)
+    manager.forward(api_env.alice, sess.id, 0, _data(5), "", {}, backward=True)  # pending gradients get dropped
+    info = manager.load_state(api_env.alice, sess.id, 0, path, with_optimizer=True)
+    assert info is sess and sess.optim_steps == 2
+    assert same(weights(sess), saved) and grads(sess) == [None] * len(sess.params)
+    _steps(manager, api_env.alice, sess, [3, 4])
+    assert same(weights(sess), want)
+    # Without the optimizer: the weights only; the session's own AdamW state stays as it was.
+    moments = [sess.optimizer.state[p]["exp_avg"].clone() for p in sess.params]
+    manager.load_state(api_env.alice, sess.id, 0, path, with_optimizer=False)
+    assert same(weights(sess), saved) and sess.optim_steps == 4
+    assert same([sess.optimizer.state[p]["exp_avg"] for p in sess.params], moments)
+
+
+def test_states_that_do_not_fit_are_refused_by_field(api_env):
+    manager = api_env.manager()
+    rank4 = manager.create(api_env.alice, lora(rank=4, seed=3))
+    _steps(manager, api_env.alice, rank4, [1])
+    _, path = manager.save_state(api_env.alice, rank4.id, 0, "")
+    rank8 = manager.create(api_env.alice, lora(rank=8))
+    attn = manager.create(api_env.alice, lora(rank=4, train_mlp=False))
+    full = manager.create(api_env.alice, CreateSpec(base_model="tiny", full_parameter=True))
+    with api_env.db.session() as s:  # a weights-only checkpoint (as SaveWeights stores)
+        weights_only = Checkpoint(id=new_id("ckpt"), account_id=api_env.alice, session_id=rank4.id, kind="lora_adapter",
+                                  base_model="tiny", files=[], created_at=utcnow())
+        s.add(weights_only)
+    before = {s.id: weights(s) for s in (rank8, attn, full)}
+    cases = [
+        (lambda: manager.load_state(api_env.alice, rank8.id, 0, path, True), "path", "lora.rank"),
+        (lambda: manager.load_state(api_env.alice, attn.id, 0, path, True), "path", "lora.target_modules"),
+        (lambda: manager.load_state(api_env.alice, full.id, 0, path, True), "path", "LoRA session"),
+        (lambda: manager.load_state(api_env.alice, rank8.id, 0, "ckpt_x", True), "path", "trainyard://state/"),
+        (lambda: manager.load_state(api_env.alice, rank8.id, 0, f"trainyard://state/{weights_only.id}", False),
+         "path", "weights only"),
+        (lambda: manager.create(api_env.alice, CreateSpec(from_state=path, lora=LoraSpec(rank=8))), "lora.rank",
+         "rank is 4"),
+        (lambda: manager.create(api_env.alice, CreateSpec(from_state=path, lora=LoraSpec(alpha=2.0))),
+         "lora.alpha", "alpha"),
+        (lambda: manager.create(api_env.alice, CreateSpec(from_state=path, lora=LoraSpec(train_mlp=False))),
+         "lora.target_modules", "target_modules"),
+        (lambda: manager.create(api_env.alice, CreateSpec(from_state=path, base_model="other")), "base_model",
+         "tiny"),
+        (lambda: manager.create(api_env.alice, CreateSpec(from_state=path, full_parameter=True)), "full_parameter",
+         "LoRA"),
+    ]
+    for call, field, words in cases:
+        with pytest.raises(InvalidArgument) as exc:
+            call()
+        assert [v.field for v in exc.value.violations] == [field] and words in str(exc.value), exc.value
+    for s in (rank8, attn, full):
+        assert same(weights(s), before[s.id]) and s.error == ""
+    # Equal settings are accepted.
+    same_lora = manager.create(api_env.alice, CreateSpec(from_state=path, base_model="tiny",
+                                                          lora=LoraSpec(rank=4, alpha=32.0)))
+    assert same(weights(same_lora), weights(rank4))
+    # Another account's state does not exist for bob.
+    bobs = manager.create(api_env.bob, lora(rank=4))
+    with pytest.raises(NotFound):
+        manager.load_state(api_env.bob, bobs.id, 0, path, True)
+    with pytest.raises(NotFound):
+        manager.create(api_env.bob, CreateSpec(from_state=path))
