@@ -1,6 +1,7 @@
 """Where the SDK and CLI connect, and with which key.
 
-Precedence: explicit arguments > environment (TRAINYARD_URL, TRAINYARD_ROLLOUT_URL, TRAINYARD_API_KEY) > the file
+Precedence: explicit arguments > environment (TRAINYARD_URL, TRAINYARD_ROLLOUT_URL, TRAINYARD_TRAINER_URL,
+TRAINYARD_API_KEY) > the file
 written by `trainyard login` (TRAINYARD_CLIENT_CONFIG or ~/.config/trainyard/client.json) > local defaults.
 """
 from __future__ import annotations
@@ -12,10 +13,16 @@ from pathlib import Path
 
 DEFAULT_URL = "127.0.0.1:50051"
 DEFAULT_ROLLOUT_URL = "127.0.0.1:50053"
+DEFAULT_TRAINER_URL = "127.0.0.1:50052"  # the Training API (trainyard.training.ServiceClient)
 
 
 def config_path() -> Path:
     return Path(os.environ.get("TRAINYARD_CLIENT_CONFIG") or Path.home() / ".config" / "trainyard" / "client.json")
+
+
+def cache_dir() -> Path:
+    """Where the SDK keeps downloaded files (tokenizers): TRAINYARD_CACHE_DIR or ~/.cache/trainyard."""
+    return Path(os.environ.get("TRAINYARD_CACHE_DIR") or Path.home() / ".cache" / "trainyard")
 
 
 @dataclass
@@ -23,9 +30,11 @@ class ClientConfig:
     url: str = DEFAULT_URL
     rollout_url: str = DEFAULT_ROLLOUT_URL
     api_key: str = ""
+    trainer_url: str = DEFAULT_TRAINER_URL
 
     @classmethod
-    def resolve(cls, url: str | None = None, rollout_url: str | None = None, api_key: str | None = None) -> "ClientConfig":
+    def resolve(cls, url: str | None = None, rollout_url: str | None = None, api_key: str | None = None,
+                trainer_url: str | None = None) -> "ClientConfig":
         saved: dict = {}
         path = config_path()
         if path.is_file():
@@ -35,6 +44,8 @@ class ClientConfig:
             rollout_url=rollout_url or os.environ.get("TRAINYARD_ROLLOUT_URL") or saved.get("rollout_url")
             or DEFAULT_ROLLOUT_URL,
             api_key=api_key or os.environ.get("TRAINYARD_API_KEY") or saved.get("api_key") or "",
+            trainer_url=trainer_url or os.environ.get("TRAINYARD_TRAINER_URL") or saved.get("trainer_url")
+            or DEFAULT_TRAINER_URL,
         )
 
     def save(self) -> Path:

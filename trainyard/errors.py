@@ -35,6 +35,11 @@ class TrainyardError(Exception):
         self.message = message
         self.violations = violations or []
 
+    @property
+    def field(self) -> str:
+        """The first field the server named as wrong ("" when none): e.g. "data[2].loss_fn_inputs['weights']"."""
+        return self.violations[0].field if self.violations else ""
+
 
 def from_rpc_error(exc: grpc.RpcError) -> TrainyardError:
     code = exc.code().name if hasattr(exc, "code") else "UNKNOWN"

@@ -9,6 +9,7 @@ from services.common.grpcserver import Server, ServiceSpec, run_service, service
 from services.rollout.core import RolloutCore
 from services.rollout.engine import Engine
 from services.rollout.openai_http import OpenAIServer
+from services.rollout.pinned import PinnedWeights
 from services.rollout.servicer import RolloutServicer
 from services.rollout.settings import RolloutSettings
 from services.rollout.weights import WeightFollower
@@ -22,7 +23,10 @@ def build(settings: RolloutSettings) -> Server:
     engine = Engine(settings.engine_config())
     # Deployments that follow a weight lineage hot-load its versions from the weight-sync service.
     follower = WeightFollower(engine, settings.weightsync_url, settings.data_dir / "rollout")
-    core = RolloutCore(db, BlobStore(settings.blob_dir), engine, settings.adapters_dir(), follower)
+    # Weight versions sampled by path ("trainyard://weights/<id>"), fetched over the follower's channel.
+    pinned = PinnedWeights(engine, follower.stub, settings.data_dir / "rollout" / "pinned",
+                           settings.max_pinned_full_versions)
+    core = RolloutCore(db, BlobStore(settings.blob_dir), engine, settings.adapters_dir(), follower, pinned)
 
     def register(server) -> None:
         rpc.add_RolloutServiceServicer_to_server(RolloutServicer(core), server)

@@ -6,6 +6,8 @@ A SampleRequest.model is resolved for the caller's account on every call, agains
    its weights are still loaded (the scheduler marks the row deleted before it asks for the unload);
 2. else a base model visible to the account (its own, then shared) -> the base weights alone;
 3. else NotFound.
+A name "trainyard://weights/<version id>" is a weight version the account owns in the weight-sync service (a Training
+API SaveWeights): that exact version, on its base model (services/rollout/pinned.py); NotFound for another account's.
 
 A deployment's checkpoint files are laid out from the object store under <adapters_dir>/<deployment_id>/ once
 (hard links, renamed into place whole) and handed to the engine by that directory; deployment ids are global, so
@@ -32,6 +34,7 @@ from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.common.schema import Checkpoint, Deployment
 from services.rollout import sampling
 from services.rollout.engine import Engine, RequestHandle, RequestOutput
+from services.rollout.pinned import WEIGHTS_PREFIX, PinnedWeights
 from services.rollout.sampling import SampledSequence, SamplingParams
 from services.rollout.weights import WeightFollower
 
@@ -104,12 +107,13 @@ class _Target:
 
 class RolloutCore:
     def __init__(self, db: Database, blobs: BlobStore, engine: Engine, adapters_dir: Path,
-                 follower: WeightFollower | None = None):
+                 follower: WeightFollower | None = None, pinned: PinnedWeights | None = None):
         self.db = db
         self.blobs = blobs
         self.engine = engine
         self.adapters_dir = adapters_dir
         self.follower = follower  # deployments that follow a weight lineage (services/rollout/weights.py)
+        self.pinned = pinned  # weight versions sampled by path (services/rollout/pinned.py)
         self._materialize_lock = threading.Lock()
 
     def sample(self, account_id: str, model: str, prompt: Prompt, params: SamplingParams,
@@ -187,6 +191,10 @@ class RolloutCore:
         """The weights a request names; for a lineage deployment the version cannot switch inside the block."""
         if not name:
             raise InvalidArgument("required: a deployment name or a base model name", field="model")
+        if name.startswith(WEIGHTS_PREFIX):
+            with self._version_target(account_id, name, api_key) as target:
+                yield target
+            return
         with self.db.session() as s:
             dep = registry.find_deployment(s, account_id, name)
             m = registry.find_model(s, account_id, name) if dep is None else None
@@ -227,6 +235,28 @@ class RolloutCore:
         with self.follower.using(dep.id, dep.lineage, base.path, api_key) as served:
             yield _Target(info=self._lineage_info(dep, served, ""), model_dir=served.model_dir,
                           adapter_id=served.adapter_id)
+
+    @contextlib.contextmanager
+    def _version_target(self, account_id: str, name: str, api_key: str) -> Iterator[_Target]:
+        version_id = name.removeprefix(WEIGHTS_PREFIX)
+        if not version_id:
+            raise InvalidArgument(f"expected '{WEIGHTS_PREFIX}<version id>'", field="model")
+        if self.pinned is None:
+            raise FailedPrecondition(f"'{name}' names a weight version, and this rollout has no weight-sync service "
+                                     "configured")
+
+        def base_model_dir(base_model: str) -> str:
+            with self.db.session() as s:
+                base = registry.find_model(s, account_id, base_model)
+            if base is None:
+                raise FailedPrecondition(f"weight version '{version_id}': its base model '{base_model}' is not "
+                                         "registered")
+            return base.path
+
+        with self.pinned.using(account_id, api_key, version_id, base_model_dir) as (served, version):
+            info = LoadedInfo(name=name, base_model=version.base_model, lineage=version.lineage,
+                              weight_version_id=version.id, weight_version=version.version)
+            yield _Target(info=info, model_dir=served.model_dir, adapter_id=served.adapter_id)
 
     @staticmethod
     def _lineage_info(dep: Deployment, served, error: str) -> LoadedInfo:

@@ -3,6 +3,7 @@
 Interface (docs/rollout.md):
     engine = Engine(EngineConfig(...))             # or Engine(max_loaded_adapters=..., dtype=..., device=...)
     engine.base(model_dir)                         # load a base model (tokenizer, eos ids, its engine loop)
+    engine.unload_base(model_dir)                  # free it once its running requests finish
     engine.load_adapter(adapter_id, model_dir, adapter_dir, eager=True) / engine.unload_adapter(adapter_id)
     handle = engine.submit(model_dir, adapter_id | None, prompt_ids, params)
     for out in handle: ...                         # RequestOutput per engine step (incremental), the last finished
@@ -174,6 +175,18 @@ class Engine:
             with self._lock:
                 self._bases[model_dir] = base
             return base
+
+    def unload_base(self, model_dir: str) -> bool:
+        """Free a base model: the next request for model_dir loads it again; requests running on it finish first
+        (its loop stops once it has no work left). Callers make sure no request is being submitted to it meanwhile
+        (one that is fails with Unavailable). False when it was not loaded."""
+        with self._lock:
+            base = self._bases.pop(model_dir, None)
+        if base is None:
+            return False
+        log.info("unloading base model %s once its running requests finish", model_dir)
+        base.loop.stop_when_idle()
+        return True
 
     def loaded_models(self) -> list[str]:
         with self._lock:
@@ -358,6 +371,7 @@ class _Loop:
         self._handles: dict[str, tuple[RequestHandle, Callable[[], None]]] = {}
         self._collected: list[RequestOutput] = []
         self._stopped = False
+        self._draining = False  # stop once there is no work left
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"rollout-loop-{id(self):x}")
 
     def start(self) -> None:
@@ -414,10 +428,18 @@ class _Loop:
             self._cv.notify()
         self._thread.join()
 
+    def stop_when_idle(self) -> None:
+        with self._cv:
+            self._draining = True
+            self._cv.notify()
+
     def _run(self) -> None:
         while True:
             with self._cv:
                 while not self._inbox and not self.core.has_work() and not self._stopped:
+                    if self._draining:
+                        self._stopped = True
+                        break
                     self._cv.wait()
                 if self._stopped:
                     break

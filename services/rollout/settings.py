@@ -15,6 +15,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class RolloutSettings(TrainyardSettings):
     # LoRA adapters holding weights at once (least recently used are freed first and reloaded on their next use).
     max_loaded_adapters: int = Field(default=8, ge=1)
+    # Full-weight versions sampled by path ("trainyard://weights/<id>") held in memory at once, each a copy of the
+    # base model (the least recently used idle one is unloaded first and reloaded from disk on its next use).
+    max_pinned_full_versions: int = Field(default=2, ge=1)
     # Precision and device of the base weights; adapters stay float32 (as peft keeps them).
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = Field(default="cpu", description="torch device for the models, e.g. 'cpu' or 'cuda:0'")

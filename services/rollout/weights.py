@@ -237,14 +237,7 @@ class WeightFollower:
             for f in path.glob("*.safetensors"):
                 held.update(load_file(str(f)))
             if not model_dir.exists():
-                staging = Path(tempfile.mkdtemp(dir=model_dir.parent, prefix=".layout-"))
-                for f in path.iterdir():
-                    (staging / f.name).symlink_to(f.resolve())
-                for name in BASE_FILES:
-                    src = Path(follow.base_model_dir) / name
-                    if src.is_file() and not (staging / name).exists():
-                        (staging / name).symlink_to(src.resolve())
-                staging.rename(model_dir)
+                layout_full_version(path, follow.base_model_dir, model_dir)
             self.engine.base(str(model_dir))
             self._write_engine(model_dir, held)  # the engine may hold an older layout: make it exactly this version
         else:
@@ -269,15 +262,35 @@ class WeightFollower:
         self.engine.update_base_weights(str(model_dir), state)
 
     def _fetch_files(self, follow: _Follow, version: wpb.WeightVersion, dest: Path) -> Path:
-        """The version's files under dest (written whole, then renamed into place)."""
-        if dest.exists():
-            return dest
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".fetch-"))
-        try:
-            fetch_version(self.stub, follow.api_key, version, staging)
-            staging.rename(dest)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
+        return fetch_files(self.stub, follow.api_key, version, dest)
+
+
+def fetch_files(stub, api_key: str, version: wpb.WeightVersion, dest: Path) -> Path:
+    """The version's files under dest (written whole, then renamed into place; a dest that exists is complete).
+    Callers fetching one version at once into one dest must take turns."""
+    if dest.exists():
         return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".fetch-"))
+    try:
+        fetch_version(stub, api_key, version, staging)
+        staging.rename(dest)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return dest
+
+
+def layout_full_version(files_dir: Path, base_model_dir: str, model_dir: Path) -> Path:
+    """A model directory for a full-weight version: links to its files, plus the base model's files it does not
+    carry (config, tokenizer); built beside model_dir and renamed into place whole."""
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=model_dir.parent, prefix=".layout-"))
+    for f in files_dir.iterdir():
+        (staging / f.name).symlink_to(f.resolve())
+    for name in BASE_FILES:
+        src = Path(base_model_dir) / name
+        if src.is_file() and not (staging / name).exists():
+            (staging / name).symlink_to(src.resolve())
+    staging.rename(model_dir)
+    return model_dir

@@ -65,10 +65,11 @@ def out_json(msg) -> None:
 @cli.command()
 @click.option("--url", default=None)
 @click.option("--rollout-url", default=None)
+@click.option("--trainer-url", default=None, help="Trainer address, for the Training API (trainyard.ServiceClient).")
 @click.option("--api-key", prompt=True, hide_input=True)
-def login(url, rollout_url, api_key):
+def login(url, rollout_url, trainer_url, api_key):
     """Save the server addresses and API key for later commands."""
-    cfg = ClientConfig.resolve(url, rollout_url, api_key)
+    cfg = ClientConfig.resolve(url, rollout_url, api_key, trainer_url)
     with Client(cfg.url, cfg.api_key, cfg.rollout_url) as c:
         account = c.whoami()
     path = cfg.save()

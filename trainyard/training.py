@@ -1,0 +1,527 @@
+"""The Training API SDK, shaped like the Tinker API (docs/training_api.md), over the trainer and rollout services.
+
+    from trainyard import ServiceClient, types
+    service = ServiceClient()                     # TRAINYARD_TRAINER_URL / TRAINYARD_API_KEY or `trainyard login`
+    tc = service.create_lora_training_client("tiny-qwen3", rank=8)
+    fb = tc.forward_backward(data, "cross_entropy")                # sent now ...
+    opt = tc.optim_step(types.AdamParams(learning_rate=1e-3))      # ... and so is this: the trainer runs it after fb
+    print(fb.result().metrics["loss:mean"]); opt.result()
+    sampler = tc.save_weights_and_get_sampling_client("step-1")
+    out = sampler.sample(types.ModelInput.from_ints(prompt), 4, types.SamplingParams(max_tokens=32)).result()
+
+Ordering. Every call on a TrainingClient takes the session's next seq_id when it is made (under a lock, in the order
+the caller makes them) and is queued at once for a worker thread that sends it; the trainer runs a session's calls in
+seq_id order, so calls are pipelined: optim_step is on the wire before forward_backward's result is back. Workers
+take calls first in, first out, so a call is never sent before an earlier call of its client was, and no call waits
+on the server for one still queued here. forward_backward_custom takes two consecutive seq_ids (a Forward, then a
+ForwardBackward with the gradient of the user's loss as weights).
+
+Failures mirror the trainer's (trainer.proto): INVALID_ARGUMENT uses up the call's seq_id and changes nothing, so the
+client goes on. Any other failure may have left the session half-updated: the trainer refuses its later calls
+(FAILED_PRECONDITION), and this client refuses calls made after it learned of the failure, without sending them,
+with a TrainyardError (FAILED_PRECONDITION) naming the failed call.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import secrets
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from trainyard import types
+from trainyard.client import _channel
+from trainyard.config import ClientConfig, cache_dir
+from trainyard.errors import TrainyardError, from_rpc_error
+from trainyard.futures import APIFuture
+from trainyard.sampling_client import WEIGHTS_PREFIX, SamplingClient
+from trainyard.v1 import rollout_pb2_grpc, trainer_pb2 as tpb, trainer_pb2_grpc
+
+__all__ = ["APIFuture", "SamplingClient", "ServiceClient", "TrainingClient"]
+
+STATE_PREFIX = "trainyard://state/"
+# Calls of all TrainingClients of a ServiceClient in flight at once; more wait here, in order.
+MAX_CALLS_IN_FLIGHT = 16
+CustomLossFn = Callable[[list[types.Datum], list[Any]], tuple[Any, dict[str, float]]]
+
+
+class _SessionUnchanged(Exception):
+    """Raised by a call's body for a failure that left the session as it was (the client goes on)."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
+class ServiceClient:
+    """Entry point: creates training clients (trainer sessions) and sampling clients.
+
+    base_url is the trainer's address (host:port); rollout_url the rollout's. Unset ones come from the same place as
+    trainyard.Client's: the environment (TRAINYARD_TRAINER_URL, TRAINYARD_ROLLOUT_URL, TRAINYARD_API_KEY), then the
+    file `trainyard login` writes, then the local defaults."""
+
+    def __init__(self, base_url: str | None = None, api_key: str | None = None, rollout_url: str | None = None):
+        self.config = ClientConfig.resolve(rollout_url=rollout_url, api_key=api_key, trainer_url=base_url)
+        self._trainer_channel = _channel(self.config.trainer_url)
+        self._rollout_channel = _channel(self.config.rollout_url)
+        self.trainer = trainer_pb2_grpc.TrainerServiceStub(self._trainer_channel)
+        self.rollout = rollout_pb2_grpc.RolloutServiceStub(self._rollout_channel)
+        self.metadata = (("authorization", f"Bearer {self.config.api_key}"),) if self.config.api_key else ()
+        self.pool = ThreadPoolExecutor(MAX_CALLS_IN_FLIGHT, thread_name_prefix="trainyard-training")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self._trainer_channel.close()
+        self._rollout_channel.close()
+
+    def __enter__(self) -> ServiceClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- training clients ---------------------------------------------------------------------------------------
+    def create_lora_training_client(self, base_model: str, rank: int = 32, alpha: float | None = None,
+                                    seed: int | None = None, train_mlp: bool = True, train_attn: bool = True,
+                                    train_unembed: bool = False) -> TrainingClient:
+        """A LoRA adapter over base_model (alpha defaults to 32 whatever the rank, as Tinker's). seed None: random."""
+        if not (train_mlp or train_attn or train_unembed):
+            raise ValueError("train_mlp, train_attn, train_unembed: at least one must be True")
+        lora = tpb.SessionLora(rank=rank, train_mlp=train_mlp, train_attn=train_attn, train_unembed=train_unembed)
+        if alpha is not None:
+            lora.alpha = alpha
+        return self._create(tpb.CreateSessionRequest(base_model=base_model, lora=lora, seed=_seed(seed)))
+
+    def create_training_client(self, base_model: str, seed: int | None = None) -> TrainingClient:
+        """Full-parameter training: the session trains every parameter of its own copy of base_model."""
+        return self._create(tpb.CreateSessionRequest(base_model=base_model, full_parameter=True, seed=_seed(seed)))
+
+    def create_training_client_from_state(self, path: str) -> TrainingClient:
+        """A new session with the weights saved by save_state at path (a fresh optimizer)."""
+        return self._create(tpb.CreateSessionRequest(from_state=_check_path(path, STATE_PREFIX, "save_state")))
+
+    def create_training_client_from_state_with_optimizer(self, path: str) -> TrainingClient:
+        """As create_training_client_from_state, also restoring the optimizer (Adam moments and step count)."""
+        return self._create(tpb.CreateSessionRequest(from_state=_check_path(path, STATE_PREFIX, "save_state"),
+                                                     with_optimizer=True))
+
+    async def create_lora_training_client_async(self, *args, **kwargs) -> TrainingClient:
+        return await asyncio.to_thread(self.create_lora_training_client, *args, **kwargs)
+
+    async def create_training_client_async(self, *args, **kwargs) -> TrainingClient:
+        return await asyncio.to_thread(self.create_training_client, *args, **kwargs)
+
+    async def create_training_client_from_state_async(self, path: str) -> TrainingClient:
+        return await asyncio.to_thread(self.create_training_client_from_state, path)
+
+    async def create_training_client_from_state_with_optimizer_async(self, path: str) -> TrainingClient:
+        return await asyncio.to_thread(self.create_training_client_from_state_with_optimizer, path)
+
+    def _create(self, request: tpb.CreateSessionRequest) -> TrainingClient:
+        try:
+            session = self.trainer.CreateSession(request, metadata=self.metadata)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        return TrainingClient(self, session)
+
+    # -- sampling clients ---------------------------------------------------------------------------------------
+    def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None) -> SamplingClient:
+        """Sample from saved weights (model_path "trainyard://weights/<version id>", from save_weights_for_sampler:
+        that exact version) or from a base model (or a deployment) by name."""
+        if model_path is None and base_model is None:
+            raise ValueError("model_path, base_model: give one of them")
+        if model_path is not None:
+            return SamplingClient(self, _check_path(model_path, WEIGHTS_PREFIX, "save_weights_for_sampler"),
+                                  base_model)
+        return SamplingClient(self, base_model, base_model)
+
+    async def create_sampling_client_async(self, model_path: str | None = None,
+                                           base_model: str | None = None) -> SamplingClient:
+        return self.create_sampling_client(model_path, base_model)
+
+
+def _seed(seed: int | None) -> int:
+    return secrets.randbits(31) if seed is None else seed
+
+
+def _check_path(path: str, prefix: str, maker: str) -> str:
+    if not isinstance(path, str) or not path.startswith(prefix) or len(path) == len(prefix):
+        raise ValueError(f"path: expected '{prefix}<id>' (as {maker} returns), got {path!r}")
+    return path
+
+
+class TrainingClient:
+    """One trainer session: a LoRA adapter (or full weights) and its optimizer state. Calls return APIFutures."""
+
+    def __init__(self, service: ServiceClient, session: tpb.Session):
+        self.service = service
+        self.model_id = session.id
+        self.base_model = session.base_model
+        self._stub, self._md = service.trainer, service.metadata
+        self._lock = threading.Lock()
+        self._next_seq_id = session.next_seq_id or 1
+        self._failure = ""  # the first call that failed and may have left the session half-updated
+        self._closed = False
+        self._pending: set = set()
+        self._tokenizer = None
+
+    def __enter__(self) -> TrainingClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- ordered calls ------------------------------------------------------------------------------------------
+    def _submit(self, name: str, n_seq_ids: int, body: Callable[[int], Any]) -> APIFuture:
+        with self._lock:
+            if self._closed:
+                return APIFuture.failed(TrainyardError("FAILED_PRECONDITION", f"{name}: the training client of "
+                                                       f"session {self.model_id} is closed"))
+            if self._failure:
+                return APIFuture.failed(TrainyardError("FAILED_PRECONDITION", (
+                    f"{name} was not sent: an earlier call on session {self.model_id} failed ({self._failure}), so "
+                    "the session may be half-updated and its later calls are refused; start a new training client "
+                    "(e.g. from a state saved with save_state)")))
+            seq_id = self._next_seq_id
+            self._next_seq_id += n_seq_ids
+            future = self.service.pool.submit(self._run, name, seq_id, body)
+            self._pending.add(future)
+        future.add_done_callback(self._done)
+        return APIFuture(future)
+
+    def _done(self, future) -> None:
+        with self._lock:
+            self._pending.discard(future)
+
+    def _run(self, name: str, seq_id: int, body: Callable[[int], Any]) -> Any:
+        try:
+            return body(seq_id)
+        except _SessionUnchanged as exc:
+            raise exc.error from None
+        except grpc.RpcError as exc:
+            error = from_rpc_error(exc)
+            if error.code != "INVALID_ARGUMENT":
+                self._fail(f"{name}, seq_id {seq_id}: {error}")
+            raise error from None
+        except Exception as exc:
+            self._fail(f"{name}, seq_id {seq_id}: {type(exc).__name__}: {exc}")
+            raise
+
+    def _fail(self, description: str) -> None:
+        with self._lock:
+            self._failure = self._failure or description
+
+    def _call(self, method: str, request) -> Any:
+        return getattr(self._stub, method)(request, metadata=self._md)
+
+    @staticmethod
+    def _data(data: Iterable[types.Datum]) -> list[types.Datum]:
+        if isinstance(data, types.Datum) or not isinstance(data, Iterable):
+            raise ValueError("data: must be a list of Datum")
+        data = list(data)
+        if not data:
+            raise ValueError("data: at least one datum is required")
+        for i, d in enumerate(data):
+            if not isinstance(d, types.Datum):
+                raise ValueError(f"data[{i}]: must be a Datum, got {type(d).__name__}")
+            d.check(f"data[{i}]")
+        return data
+
+    @staticmethod
+    def _loss_fn(loss_fn: str) -> str:
+        if not isinstance(loss_fn, str) or not loss_fn:
+            raise ValueError(f"loss_fn: must be the name of a built-in loss (e.g. 'cross_entropy'), got {loss_fn!r}")
+        return loss_fn
+
+    def forward(self, data: list[types.Datum], loss_fn: str = "cross_entropy",
+                loss_fn_config: dict[str, float] | None = None) -> APIFuture[types.ForwardBackwardOutput]:
+        """Logprobs of the targets and the loss's value, without gradients."""
+        request = tpb.ForwardRequest(session_id=self.model_id, data=[d.to_proto() for d in self._data(data)],
+                                     loss_fn=self._loss_fn(loss_fn),
+                                     loss_fn_config=types.check_loss_fn_config(loss_fn_config))
+
+        def body(seq_id: int) -> types.ForwardBackwardOutput:
+            request.seq_id = seq_id
+            return types.ForwardBackwardOutput.from_proto(self._call("Forward", request))
+
+        return self._submit("forward", 1, body)
+
+    def forward_backward(self, data: list[types.Datum], loss_fn: str,
+                         loss_fn_config: dict[str, float] | None = None, *,
+                         micro_batch_tokens: int = 0) -> APIFuture[types.ForwardBackwardOutput]:
+        """Forward and backward of a built-in loss; gradients accumulate until optim_step."""
+        request = tpb.ForwardBackwardRequest(session_id=self.model_id, data=[d.to_proto() for d in self._data(data)],
+                                             loss_fn=self._loss_fn(loss_fn),
+                                             loss_fn_config=types.check_loss_fn_config(loss_fn_config),
+                                             micro_batch_tokens=micro_batch_tokens)
+
+        def body(seq_id: int) -> types.ForwardBackwardOutput:
+            request.seq_id = seq_id
+            return types.ForwardBackwardOutput.from_proto(self._call("ForwardBackward", request))
+
+        return self._submit("forward_backward", 1, body)
+
+    def forward_backward_stream(self, data: Iterable[types.Datum], loss_fn: str,
+                                loss_fn_config: dict[str, float] | None = None, *,
+                                micro_batch_tokens: int = 0) -> APIFuture[types.ForwardBackwardOutput]:
+        """forward_backward over datums sent as the iterable yields them (the trainer computes micro-batches as they
+        fill; same result as forward_backward on the same datums). An iterable that raises, or yields a bad datum,
+        aborts the call after some micro-batches may have run: the session counts as failed."""
+        header = tpb.ForwardBackwardRequest(session_id=self.model_id, loss_fn=self._loss_fn(loss_fn),
+                                            loss_fn_config=types.check_loss_fn_config(loss_fn_config),
+                                            micro_batch_tokens=micro_batch_tokens)
+
+        def body(seq_id: int) -> types.ForwardBackwardOutput:
+            header.seq_id = seq_id
+            failure: list[BaseException] = []
+
+            def requests():
+                yield tpb.ForwardBackwardStreamRequest(header=header)
+                try:
+                    for i, d in enumerate(data):
+                        if not isinstance(d, types.Datum):
+                            raise ValueError(f"data[{i}]: must be a Datum, got {type(d).__name__}")
+                        d.check(f"data[{i}]")
+                        yield tpb.ForwardBackwardStreamRequest(datums=tpb.DatumBatch(data=[d.to_proto()]))
+                except Exception as exc:
+                    failure.append(exc)
+                    raise  # gRPC cancels the call
+
+            try:
+                return types.ForwardBackwardOutput.from_proto(self._stub.ForwardBackwardStream(requests(),
+                                                                                               metadata=self._md))
+            except grpc.RpcError:
+                if failure:
+                    raise failure[0] from None
+                raise
+
+        return self._submit("forward_backward_stream", 1, body)
+
+    def forward_backward_custom(self, data: list[types.Datum],
+                                loss_fn: CustomLossFn) -> APIFuture[types.ForwardBackwardOutput]:
+        """Any differentiable function of the logprobs, in two passes: Forward gives each datum's logprobs of its
+        target_tokens; loss, metrics = loss_fn(data, logprobs_list) runs here with torch autograd (one tensor per
+        datum, shaped like its target_tokens: [T] or [T, K]); then ForwardBackward with the built-in cross_entropy
+        and weights = -dloss/dlogprobs, whose gradient is exactly dloss/dparams. metrics of the result: the user's,
+        with "loss" = the user's loss (the surrogate's own loss:* values are left out)."""
+        data = self._data(data)
+        for i, d in enumerate(data):
+            if "target_tokens" not in d.loss_fn_inputs:
+                raise ValueError(f"data[{i}].loss_fn_inputs['target_tokens']: required (the logprobs are of these "
+                                 "tokens)")
+        targets = [d.loss_fn_inputs["target_tokens"] for d in data]
+        forward = tpb.ForwardRequest(session_id=self.model_id, loss_fn="cross_entropy", data=[
+            types.Datum(d.model_input, {"target_tokens": t}).to_proto() for d, t in zip(data, targets)])
+
+        def body(seq_id: int) -> types.ForwardBackwardOutput:
+            forward.seq_id = seq_id
+            try:
+                out = types.ForwardBackwardOutput.from_proto(self._call("Forward", forward))
+            except grpc.RpcError:
+                self._skip(seq_id + 1)
+                raise
+            try:
+                weights, loss, metrics = _custom_weights(data, out, loss_fn)
+            except Exception as exc:
+                self._skip(seq_id + 1)
+                raise _SessionUnchanged(exc) from None
+            backward = tpb.ForwardBackwardRequest(session_id=self.model_id, seq_id=seq_id + 1, loss_fn="cross_entropy",
+                                                  data=[types.Datum(d.model_input, {"target_tokens": t, "weights": w})
+                                                        .to_proto() for d, t, w in zip(data, targets, weights)])
+            result = types.ForwardBackwardOutput.from_proto(self._call("ForwardBackward", backward))
+            kept = {k: v for k, v in result.metrics.items() if not k.startswith("loss:")}
+            result.metrics = kept | {"loss": loss} | metrics
+            return result
+
+        return self._submit("forward_backward_custom", 2, body)
+
+    def _skip(self, seq_id: int) -> None:
+        """Use up a reserved seq_id without touching the session: a ForwardBackward with no datums is bad input,
+        which the trainer refuses (INVALID_ARGUMENT) in its turn, changing nothing; later calls then do not wait for
+        it."""
+        try:
+            self._call("ForwardBackward", tpb.ForwardBackwardRequest(session_id=self.model_id, seq_id=seq_id,
+                                                                     loss_fn="cross_entropy"))
+        except grpc.RpcError:
+            pass  # the expected refusal (or the session already failed)
+
+    def optim_step(self, adam_params: types.AdamParams | None = None) -> APIFuture[types.OptimStepResponse]:
+        """One Adam(W) step on the accumulated gradients, which it then clears."""
+        request = tpb.OptimStepRequest(session_id=self.model_id, adam=(adam_params or types.AdamParams()).to_proto())
+
+        def body(seq_id: int) -> types.OptimStepResponse:
+            request.seq_id = seq_id
+            resp = self._call("OptimStep", request)
+            return types.OptimStepResponse(metrics=dict(resp.metrics), step=resp.step)
+
+        return self._submit("optim_step", 1, body)
+
+    def save_state(self, name: str = "") -> APIFuture[types.SaveWeightsResponse]:
+        """Weights and optimizer state, to resume later; the result's path is "trainyard://state/<checkpoint id>"."""
+        def body(seq_id: int) -> types.SaveWeightsResponse:
+            resp = self._call("SaveState", tpb.SaveStateRequest(session_id=self.model_id, seq_id=seq_id, name=name))
+            return types.SaveWeightsResponse(path=resp.path or f"{STATE_PREFIX}{resp.checkpoint_id}",
+                                             checkpoint_id=resp.checkpoint_id)
+
+        return self._submit("save_state", 1, body)
+
+    def load_state(self, path: str) -> APIFuture[types.LoadWeightsResponse]:
+        """Replace the weights with a saved state's (same shape); the optimizer state is kept."""
+        return self._load(path, with_optimizer=False)
+
+    def load_state_with_optimizer(self, path: str) -> APIFuture[types.LoadWeightsResponse]:
+        return self._load(path, with_optimizer=True)
+
+    def _load(self, path: str, with_optimizer: bool) -> APIFuture[types.LoadWeightsResponse]:
+        path = _check_path(path, STATE_PREFIX, "save_state")
+
+        def body(seq_id: int) -> types.LoadWeightsResponse:
+            self._call("LoadState", tpb.LoadStateRequest(session_id=self.model_id, seq_id=seq_id, path=path,
+                                                         with_optimizer=with_optimizer))
+            return types.LoadWeightsResponse(path=path)
+
+        return self._submit("load_state_with_optimizer" if with_optimizer else "load_state", 1, body)
+
+    def save_weights_for_sampler(self, name: str = "") -> APIFuture[types.SaveWeightsForSamplerResponse]:
+        """Publish the weights as the next version of the session's lineage; the result's path
+        ("trainyard://weights/<version id>") is what a SamplingClient samples, pinned to that version."""
+        def body(seq_id: int) -> types.SaveWeightsForSamplerResponse:
+            resp = self._call("SaveWeights", tpb.SaveWeightsRequest(session_id=self.model_id, seq_id=seq_id,
+                                                                    name=name))
+            return types.SaveWeightsForSamplerResponse(path=resp.path or f"{WEIGHTS_PREFIX}{resp.version_id}",
+                                                       version_id=resp.version_id, checkpoint_id=resp.checkpoint_id)
+
+        return self._submit("save_weights_for_sampler", 1, body)
+
+    def save_weights_and_get_sampling_client(self, name: str = "") -> SamplingClient:
+        saved = self.save_weights_for_sampler(name).result()
+        return SamplingClient(self.service, saved.path, self.base_model)
+
+    def create_sampling_client(self, model_path: str) -> SamplingClient:
+        return self.service.create_sampling_client(model_path=model_path)
+
+    # Async variants, as Tinker's: `fut = await tc.forward_backward_async(...)`, then `result = await fut`.
+    async def forward_async(self, *args, **kwargs) -> APIFuture[types.ForwardBackwardOutput]:
+        return self.forward(*args, **kwargs)
+
+    async def forward_backward_async(self, *args, **kwargs) -> APIFuture[types.ForwardBackwardOutput]:
+        return self.forward_backward(*args, **kwargs)
+
+    async def forward_backward_stream_async(self, *args, **kwargs) -> APIFuture[types.ForwardBackwardOutput]:
+        return self.forward_backward_stream(*args, **kwargs)
+
+    async def forward_backward_custom_async(self, *args, **kwargs) -> APIFuture[types.ForwardBackwardOutput]:
+        return self.forward_backward_custom(*args, **kwargs)
+
+    async def optim_step_async(self, *args, **kwargs) -> APIFuture[types.OptimStepResponse]:
+        return self.optim_step(*args, **kwargs)
+
+    async def save_state_async(self, name: str = "") -> APIFuture[types.SaveWeightsResponse]:
+        return self.save_state(name)
+
+    async def load_state_async(self, path: str) -> APIFuture[types.LoadWeightsResponse]:
+        return self.load_state(path)
+
+    async def load_state_with_optimizer_async(self, path: str) -> APIFuture[types.LoadWeightsResponse]:
+        return self.load_state_with_optimizer(path)
+
+    async def save_weights_for_sampler_async(self, name: str = "") -> APIFuture[types.SaveWeightsForSamplerResponse]:
+        return self.save_weights_for_sampler(name)
+
+    async def save_weights_and_get_sampling_client_async(self, name: str = "") -> SamplingClient:
+        saved = await self.save_weights_for_sampler(name)
+        return SamplingClient(self.service, saved.path, self.base_model)
+
+    # -- unordered calls ----------------------------------------------------------------------------------------
+    def get_info(self) -> types.GetInfoResponse:
+        try:
+            session = self._call("GetSession", tpb.GetSessionRequest(id=self.model_id))
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        return types.GetInfoResponse.from_proto(session)
+
+    async def get_info_async(self) -> types.GetInfoResponse:
+        return await asyncio.to_thread(self.get_info)
+
+    def get_tokenizer(self):
+        """The base model's tokenizer (transformers), its files fetched from the trainer into the cache directory
+        (TRAINYARD_CACHE_DIR, default ~/.cache/trainyard) once per client."""
+        if self._tokenizer is None:
+            from models.tokenizer import load_tokenizer
+
+            self._tokenizer = load_tokenizer(_download_tokenizer(self._stub, self._md, self.model_id))
+        return self._tokenizer
+
+    def close(self) -> None:
+        """Wait for this client's calls in flight, then close the session (its memory on the trainer is freed)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pending = list(self._pending)
+        wait(pending)
+        try:
+            self._call("CloseSession", tpb.CloseSessionRequest(id=self.model_id))
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
+
+def _custom_weights(data: list[types.Datum], out: types.ForwardBackwardOutput,
+                    loss_fn: CustomLossFn) -> tuple[list[Any], float, dict[str, float]]:
+    """The user's loss on the Forward's logprobs, and -dloss/dlogprobs per datum (zero where it does not depend)."""
+    import torch
+
+    logprobs = [o["logprobs"].to_torch().requires_grad_(True) for o in out.loss_fn_outputs]
+    returned = loss_fn(data, logprobs)
+    if not (isinstance(returned, tuple) and len(returned) == 2):
+        raise TypeError("loss_fn must return (loss, metrics): a scalar torch tensor and a dict of floats")
+    loss, metrics = returned
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+        raise TypeError("loss_fn's loss must be a scalar torch tensor computed from the logprobs it was given")
+    loss.backward()
+    weights = [-(lp.grad if lp.grad is not None else torch.zeros_like(lp)) for lp in logprobs]
+    metrics = {k: float(v.detach() if isinstance(v, torch.Tensor) else v) for k, v in dict(metrics or {}).items()}
+    return weights, float(loss.detach()), metrics
+
+
+def _download_tokenizer(stub, metadata, session_id: str) -> Path:
+    """GetTokenizer's files, each chunk checked against its sha256, under <cache>/tokenizers/<digest of the files>
+    (written whole, then renamed into place)."""
+    root = cache_dir() / "tokenizers"
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=root, prefix=".download-"))
+    try:
+        digests: dict[str, Any] = {}
+        try:
+            for chunk in stub.GetTokenizer(tpb.GetTokenizerRequest(session_id=session_id), metadata=metadata):
+                if hashlib.sha256(chunk.data).hexdigest() != chunk.sha256:
+                    raise TrainyardError("DATA_LOSS", f"tokenizer file {chunk.path} at {chunk.offset}: bad checksum")
+                target = (staging / chunk.path).resolve()
+                if not target.is_relative_to(staging.resolve()):
+                    raise TrainyardError("DATA_LOSS", f"refusing to write outside the cache: {chunk.path}")
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with open(target, "r+b" if target.exists() else "wb") as f:
+                    f.seek(chunk.offset)
+                    f.write(chunk.data)
+                digests.setdefault(chunk.path, hashlib.sha256()).update(chunk.data)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        if not digests:
+            raise TrainyardError("NOT_FOUND", f"the trainer sent no tokenizer files for session {session_id}")
+        key = hashlib.sha256("".join(f"{p}:{d.hexdigest()};" for p, d in sorted(digests.items())).encode())
+        dest = root / key.hexdigest()[:32]
+        if not dest.exists():
+            try:
+                staging.rename(dest)
+            except OSError:  # another process put the same files there first
+                pass
+        return dest
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
