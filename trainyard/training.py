@@ -17,7 +17,9 @@ on the server for one still queued here. forward_backward_custom takes two conse
 ForwardBackward with the gradient of the user's loss as weights).
 
 Failures mirror the trainer's (trainer.proto): INVALID_ARGUMENT uses up the call's seq_id and changes nothing, so the
-client goes on. Any other failure may have left the session half-updated: the trainer refuses its later calls
+client goes on. UNAVAILABLE is treated as fatal here even though the trainer keeps a session whose publish failed
+usable: from the client's side it cannot be told apart from a call lost on the way (whose seq_id the trainer would
+then wait for). Any other failure may have left the session half-updated: the trainer refuses its later calls
 (FAILED_PRECONDITION), and this client refuses calls made after it learned of the failure, without sending them,
 with a TrainyardError (FAILED_PRECONDITION) naming the failed call.
 """

@@ -31,8 +31,10 @@ class TrainerServiceStub:
     a frozen base shared with every other LoRA session on that base (swapped in per call), or a full copy of the base
     for full-parameter training; plus its optimizer state. The client drives the loop. Calls on one session run in the
     order of their seq_id: a call whose seq_id is not the session's next one waits for the earlier ones (calls may be
-    pipelined); a call with bad input fails with INVALID_ARGUMENT (naming the field) in its turn and changes nothing;
-    after any other failure, later calls on the session fail with FAILED_PRECONDITION until it is closed.
+    pipelined). These failures use up the call's seq_id and change nothing, so the session goes on: bad input
+    (INVALID_ARGUMENT, naming the field), a ForwardBackwardStream the client cancels (CANCELLED; the gradients of its
+    micro-batches already computed are dropped) and a SaveWeights whose publish to weight sync failed (UNAVAILABLE).
+    After any other failure, later calls on the session fail with FAILED_PRECONDITION until it is closed.
     """
 
     def __init__(self, channel):
@@ -103,8 +105,10 @@ class TrainerServiceServicer:
     a frozen base shared with every other LoRA session on that base (swapped in per call), or a full copy of the base
     for full-parameter training; plus its optimizer state. The client drives the loop. Calls on one session run in the
     order of their seq_id: a call whose seq_id is not the session's next one waits for the earlier ones (calls may be
-    pipelined); a call with bad input fails with INVALID_ARGUMENT (naming the field) in its turn and changes nothing;
-    after any other failure, later calls on the session fail with FAILED_PRECONDITION until it is closed.
+    pipelined). These failures use up the call's seq_id and change nothing, so the session goes on: bad input
+    (INVALID_ARGUMENT, naming the field), a ForwardBackwardStream the client cancels (CANCELLED; the gradients of its
+    micro-batches already computed are dropped) and a SaveWeights whose publish to weight sync failed (UNAVAILABLE).
+    After any other failure, later calls on the session fail with FAILED_PRECONDITION until it is closed.
     """
 
     def CreateSession(self, request, context):
@@ -254,8 +258,10 @@ class TrainerService:
     a frozen base shared with every other LoRA session on that base (swapped in per call), or a full copy of the base
     for full-parameter training; plus its optimizer state. The client drives the loop. Calls on one session run in the
     order of their seq_id: a call whose seq_id is not the session's next one waits for the earlier ones (calls may be
-    pipelined); a call with bad input fails with INVALID_ARGUMENT (naming the field) in its turn and changes nothing;
-    after any other failure, later calls on the session fail with FAILED_PRECONDITION until it is closed.
+    pipelined). These failures use up the call's seq_id and change nothing, so the session goes on: bad input
+    (INVALID_ARGUMENT, naming the field), a ForwardBackwardStream the client cancels (CANCELLED; the gradients of its
+    micro-batches already computed are dropped) and a SaveWeights whose publish to weight sync failed (UNAVAILABLE).
+    After any other failure, later calls on the session fail with FAILED_PRECONDITION until it is closed.
     """
 
     @staticmethod
