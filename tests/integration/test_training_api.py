@@ -373,3 +373,36 @@ def test_full_parameter_session_trains_and_samples(service):
     sampler = tc.save_weights_and_get_sampling_client("full")
     check_sampler_serves(tc, sampler, service.create_sampling_client(base_model=BASE),
                          sampler.model_path.removeprefix("trainyard://weights/"))
+
+
+def test_interleaved_sessions_in_the_trainer_process_match_each_alone(service, other_service):
+    """Three LoRA sessions on one base in the real trainer (two accounts, different ranks, seeds, losses and Adam
+    settings) driven call by call in turn end with bitwise the logprobs each gets when it runs alone."""
+    settings = [(service, 4, 11, types.AdamParams(learning_rate=1e-2)),
+                (other_service, 8, 12, types.AdamParams(learning_rate=3e-2, weight_decay=0.1)),
+                (service, 16, 13, types.AdamParams(learning_rate=2e-2, beta2=0.99))]
+    data = [sft_data(), sft_data()[:2], [datum(s, prompt_len=3) for s in SEQS]]
+
+    def start(i: int) -> TrainingClient:
+        svc, rank, seed, _ = settings[i]
+        return svc.create_lora_training_client(BASE, rank=rank, seed=seed)
+
+    def step(i: int, tc: TrainingClient) -> None:
+        tc.forward_backward(data[i], "cross_entropy").result()
+        tc.optim_step(settings[i][3]).result()
+
+    alone = []
+    for i in range(3):
+        tc = start(i)
+        for _ in range(3):
+            step(i, tc)
+        alone.append(logprobs(tc, EVAL + SEQS))
+        tc.close()
+    clients = [start(i) for i in range(3)]
+    for _ in range(3):
+        for i, tc in enumerate(clients):
+            step(i, tc)
+    for i, tc in enumerate(clients):
+        np.testing.assert_array_equal(logprobs(tc, EVAL + SEQS), alone[i])
+        tc.close()
+    assert not np.array_equal(alone[0], alone[1])  # the sessions really differ
