@@ -194,17 +194,21 @@ def run_micro_batch(model: nn.Module, datums: list[Datum], req: LossRequest, *, 
     with torch.set_grad_enabled(backward):
         hidden_ND = _hidden_states(model, datums, deterministic=deterministic, device=device)
         logprobs = token_logprobs(model, hidden_ND, targets.to(device), deterministic=deterministic)
-        per_datum, total, sums = [], None, []
+        per_datum, total, inputs = [], None, []
         for d, lp in zip(datums, torch.split(logprobs, lengths)):
             if k_max:
                 lp = lp[:, :d.targets.shape[1]] if d.targets.dim() == 2 else lp[:, 0]
-            loss, metric_sums = losses.datum_loss(req.loss_fn, req.config, lp,
-                                                  {k: v.to(device) for k, v in d.inputs.items()})
+            inputs.append({k: v.to(device) for k, v in d.inputs.items()})
+            loss = losses.datum_loss(req.loss_fn, req.config, lp, inputs[-1])[0]
             total = loss if total is None else total + loss
             per_datum.append(lp.detach())
-            sums.append(metric_sums)
         if backward:
             total.backward()
+        del total
+    # The metrics are recomputed from the detached logprobs once the backward has freed the graph, so the per-datum
+    # metric tensors never add to the call's peak memory (the same values: the same ops on the same inputs).
+    with torch.no_grad():
+        sums = [losses.datum_loss(req.loss_fn, req.config, lp, x)[1] for lp, x in zip(per_datum, inputs)]
     return MicroBatchResult(per_datum, sums)
 
 
