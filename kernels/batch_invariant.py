@@ -11,16 +11,22 @@ arithmetic for a row depends only on that row:
   operand shapes, so a row computed alone (M = 1), in a 2-3 row block, or in a thread's small share of a batch gets
   different rounding. Here every GEMM is issued as `out^T = w^T x^T` (the rows on the side MKL does not split across
   threads) with both free dimensions zero-padded to at least MIN_ROWS; from 12 rows up that kernel's rows agree
-  bitwise at any M, offset and thread count (1 and 2 tested).
+  bitwise at any M, offset and thread count (1 and 2 tested). A linear layer's GEMM is issued directly as x w^T
+  with x's rows padded the same way: measured bitwise the transposed product's result (float32 and bfloat16), without
+  its transposed copy of the output.
 - Attention (F.scaled_dot_product_attention and the aten math kernel kernels/attention.py calls): one algorithm for
-  full prefill, chunked prefill and decode. Scores are one GEMM as above (query rows padded to MIN_ROWS), then the
-  row max (exact in any order) and exp; P V (one GEMM per key block) and the softmax denominator (a contiguous row
-  sum per key block) are accumulated over key blocks of KEY_BLOCK keys in increasing order. The last block is
-  zero-padded to KEY_BLOCK keys, and a block past a row's last visible key adds exact zeros, so a row decoded
-  against a cache and the same row in a (chunked) prefill give the same bits.
+  full prefill, chunked prefill and decode. Scores are one GEMM per (batch row, kv head), queries on its row side
+  (padded to query_rows(R): 4, 8 or at least 12 rows, the counts in which MKL rounds a row alike) and keys on its
+  column side (padded to MIN_ROWS), then the row max (exact in any order) and exp; P V (one GEMM per key block,
+  queries on the row side) and the softmax denominator (a contiguous row sum per key block) are accumulated over key
+  blocks of KEY_BLOCK keys in increasing order. The last block is zero-padded to KEY_BLOCK keys, and a block past a
+  row's last visible key adds exact zeros, so a row decoded against a cache and the same row in a (chunked) prefill
+  give the same bits. The rollout's paged cache lays out the same arithmetic for all decode rows of a step at once
+  (services/rollout/paged_cache.py, under suspend_mode()).
 - F.silu and sigmoid: torch's vectorized and scalar (tail) loops differ in the last bit, and which elements land in
-  the tail depends on the tensor size and the thread split. They become x / (1 + exp(-x)) from exp, add and divide,
-  whose vector and scalar paths agree.
+  the tail depends on the tensor size and the thread split. silu runs torch's own kernel on pieces that keep every
+  element in the vectorized loop (a whole number of SILU_ALIGN elements, fewer than torch's parallel grain); sigmoid
+  becomes 1 / (1 + exp(-x)) from exp, add and divide, whose vector and scalar paths agree.
 - sum / mean over a last dimension longer than SUM_CHUNK: a single output row that long is split across threads;
   here it is summed in chunks of SUM_CHUNK, then over the chunks.
 
@@ -44,6 +50,8 @@ GEMM_ROW_CHUNK = 256  # long GEMMs run this many rows at a time (any chunk size 
 KEY_BLOCK = 64  # attention sums P V over key blocks of this many keys, in increasing order
 QUERY_TILE_ROWS = 256  # attention query rows per tile; causal tiles skip key blocks no row of theirs can see
 SUM_CHUNK = 8192  # last-dim sums / means longer than this run in chunks of this size
+SILU_ALIGN = 256  # silu runs on pieces whose length is a multiple of this (of any vector loop's step)...
+SILU_CHUNK = 127 * SILU_ALIGN  # ...and at most this long: under torch's parallel grain (32768), one thread each
 
 
 @contextlib.contextmanager
@@ -55,6 +63,15 @@ def batch_invariant_mode(enabled: bool = True) -> Iterator[None]:
         yield
         return
     with _BatchInvariantMode():
+        yield
+
+
+@contextlib.contextmanager
+def suspend_mode() -> Iterator[None]:
+    """Within the block, torch calls on this thread run as plain torch even under batch_invariant_mode(): for code
+    that issues the mode's arithmetic itself (services/rollout/paged_cache.py's deterministic decode attention)
+    and must not have its GEMMs rerouted a second time. Also skips the mode's per-call interception."""
+    with torch._C.DisableTorchFunction():
         yield
 
 
@@ -74,8 +91,16 @@ def invariant_mm(x_MK: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
 
     More than 2 * GEMM_ROW_CHUNK rows go GEMM_ROW_CHUNK at a time (a short last chunk joins the one before), so
     each chunk's transposed result is copied back while it is still in cache; any chunk of >= 12 rows gives a row
-    the same bits (see the module docstring)."""
+    the same bits (see the module docstring).
+
+    A linear layer's operands (x with contiguous rows, w the transposed view of a row-major [N, K] weight, N >=
+    MIN_ROWS) take the direct product x w instead, rows padded to MIN_ROWS: measured bitwise the transposed
+    product's result at every M from 12 up (float32 and bfloat16, 1 and 2 threads, K up to 4096), without its
+    transposed copy of the output."""
     M, N = x_MK.shape[0], w_KN.shape[1]
+    if w_KN.stride(0) == 1 and x_MK.stride(-1) == 1 and N >= MIN_ROWS:
+        out_MN = torch.mm(_pad_dim(x_MK, 0, MIN_ROWS), w_KN)
+        return out_MN if out_MN.shape[0] == M else out_MN[:M]
     w_NK = _pad_dim(w_KN.t(), 0, MIN_ROWS)
     if M <= 2 * GEMM_ROW_CHUNK:
         return torch.mm(w_NK, _pad_dim(x_MK, 0, MIN_ROWS).t()).t()[:M, :N].contiguous()
@@ -230,20 +255,29 @@ def invariant_attention(
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
+def query_rows(n: int) -> int:
+    """The row count a GEMM with n query rows on its row side is padded to: 4, 8, or n from 12 up. On this side
+    MKL's sgemm rounds a row the same in every count of one class (measured at 1 and 2 threads: 4, 8 and every
+    count from 12; 1-3 and, at 2 threads, 5-7 and 9-11 each differ), so a decode row's 1-2 heads need not be padded
+    to MIN_ROWS."""
+    return 4 if n <= 4 else 8 if n <= 8 else max(n, 12)
+
+
 def _attention_tile(
     q_IRD: torch.Tensor, k_ISD: torch.Tensor, v_ISV: torch.Tensor, mask_bhRS: torch.Tensor | None, n_keys: int,
     scale: float, B: int, Kh: int,
 ) -> torch.Tensor:
     """One tile of query rows against keys 0..n_keys-1 (the last key any of its rows sees); [I, R, Dv].
 
-    Only the GEMMs see the rows padded to MIN_ROWS and the keys padded to whole blocks; the elementwise softmax runs
-    on the real [I, R, n_keys] (elementwise ops and max round the same in any shape and layout). In place only on
-    fresh buffers and only when autograd is not recording."""
+    GEMMs: queries on the row side padded to query_rows(R), keys (scores) or value columns (P V) on the column side
+    padded to MIN_ROWS, keys padded to whole blocks; the elementwise softmax runs on the real [I, R, n_keys]
+    (elementwise ops and max round the same in any shape and layout). In place only on fresh buffers and only when
+    autograd is not recording."""
     I, R, _ = q_IRD.shape
-    Rp, S_pad = max(R, MIN_ROWS), -(-n_keys // KEY_BLOCK) * KEY_BLOCK
-    # Scores as a GEMM with the keys on the w side and the query rows on the row side (see invariant_mm).
-    scores_ISR = torch.bmm(_pad_dim(k_ISD[:, :n_keys], 1, MIN_ROWS), _pad_dim(q_IRD, 1, MIN_ROWS).transpose(1, 2))
-    scores_IRS = scores_ISR[:, :n_keys, :R].transpose(1, 2) * scale
+    Dv = v_ISV.shape[-1]
+    Rp, S_pad = query_rows(R), -(-n_keys // KEY_BLOCK) * KEY_BLOCK
+    scores_IRS = torch.bmm(_pad_dim(q_IRD, 1, Rp), _pad_dim(k_ISD[:, :n_keys], 1, MIN_ROWS).transpose(1, 2))
+    scores_IRS = scores_IRS[:, :R, :n_keys] * scale
     inplace = not (torch.is_grad_enabled() and scores_IRS.requires_grad)  # in place on fresh buffers only
     if mask_bhRS is not None:
         mask_bhRS = mask_bhRS[..., :n_keys]
@@ -255,15 +289,15 @@ def _attention_tile(
     # (torch reduces a strided dim with a kernel whose rounding depends on the number of rows).
     p_IRS = scores_IRS.new_zeros(I, Rp, S_pad)
     p_IRS[:, :R, :n_keys] = scores_IRS.sub_(max_IR1).exp_() if inplace else torch.exp(scores_IRS - max_IR1)
-    out_IVR = denominator_IR = None
+    out_IRV = denominator_IR = None
     for start in range(0, S_pad, KEY_BLOCK):  # fixed order; blocks past a row's last key add exact zeros
         keys = slice(start, start + KEY_BLOCK)
-        v_IKV = _pad_dim(v_ISV[:, start : min(start + KEY_BLOCK, n_keys)], 1, KEY_BLOCK)
-        block_IVR = torch.bmm(v_IKV.transpose(1, 2), p_IRS[:, :, keys].transpose(1, 2))
+        v_IKV = _pad_dim(_pad_dim(v_ISV[:, start : min(start + KEY_BLOCK, n_keys)], 1, KEY_BLOCK), 2, MIN_ROWS)
+        block_IRV = torch.bmm(p_IRS[:, :, keys], v_IKV)
         block_IR = p_IRS[:, :R, keys].sum(-1)
-        out_IVR = block_IVR if out_IVR is None else out_IVR + block_IVR
+        out_IRV = block_IRV if out_IRV is None else out_IRV + block_IRV
         denominator_IR = block_IR if denominator_IR is None else denominator_IR + block_IR
-    return (out_IVR[:, :, :R] / denominator_IR[:, None, :]).transpose(1, 2)
+    return out_IRV[:, :R, :Dv] / denominator_IR[:, :, None]
 
 
 def _additive_mask(
@@ -313,8 +347,40 @@ def _one_plus_exp_neg(x32: torch.Tensor) -> torch.Tensor:
 
 
 def invariant_silu(x: torch.Tensor) -> torch.Tensor:
-    x32 = x.to(torch.promote_types(x.dtype, torch.float32))
-    return (x32 / _one_plus_exp_neg(x32)).to(x.dtype)
+    """torch's own silu, every element through its vectorized loop: a piece of the flattened tensor per call, each a
+    whole number of SILU_ALIGN elements (no scalar tail) and shorter than torch's parallel grain (no split across
+    threads, whose boundaries would create tails); the last elements are computed in a zero-padded piece. An element's
+    bits then depend only on its value. Autograd: torch's silu backward."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _VectorizedSilu.apply(x)
+    return _vectorized_silu(x)
+
+
+def _vectorized_silu(x: torch.Tensor) -> torch.Tensor:
+    flat = x.reshape(-1)
+    n = flat.numel()
+    out = torch.empty(n, dtype=x.dtype, device=x.device)
+    whole = n - n % SILU_ALIGN
+    for start in range(0, whole, SILU_CHUNK):
+        end = min(start + SILU_CHUNK, whole)
+        torch.ops.aten.silu.out(flat[start:end], out=out[start:end])
+    if whole < n:
+        piece = flat.new_zeros(SILU_ALIGN)
+        piece[: n - whole] = flat[whole:]
+        out[whole:] = torch.ops.aten.silu(piece)[: n - whole]
+    return out.view(x.shape)
+
+
+class _VectorizedSilu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return _vectorized_silu(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return torch.ops.aten.silu_backward(grad, x)
 
 
 def invariant_sigmoid(x: torch.Tensor) -> torch.Tensor:

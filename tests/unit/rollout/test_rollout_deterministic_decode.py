@@ -1,0 +1,188 @@
+"""The paged cache's deterministic decode attention: every decode row of a step is computed in one batched layout
+(prefix groups sharing whole key blocks, each row's own blocks after them), and each row must be bitwise what
+kernels.batch_invariant's attention gives for that row alone (a one-query decode over exactly its context) and for
+the same position as the last query of a causal prefill. Cases mix contexts in one step (several key blocks, rows
+either side of a KEY_BLOCK boundary), prefix groups of unequal size and prefix length, single rows, contexts in
+several size classes, batches split by the byte budget, a prefill chunk in the same step, pool block sizes that do
+and do not divide KEY_BLOCK, float32 and bfloat16, 1 and 2 threads. Tolerance: none (torch.equal). The pool's slots
+that no row may see hold finite stale data, which must not leak in."""
+import math
+import random
+
+import pytest
+import torch
+
+from kernels.attention import attention
+from kernels.batch_invariant import KEY_BLOCK, MIN_ROWS, batch_invariant_mode
+from services.rollout import paged_cache
+from services.rollout.kv_blocks import KVLayout, KVPool
+from services.rollout.paged_cache import PagedStepCache, SeqSpan
+
+# (prompt length, [tokens each sample holds beyond the prompt's full blocks]) per prefix group
+CASES = {
+    "mixed contexts, shared key blocks": [(210, [0, 1, 2, 60, 61, 62, 63, 64]), (64, [0, 1, 3]), (17, [0, 5])],
+    "key block boundaries": [(63, [0]), (64, [0]), (65, [0]), (127, [0, 1]), (128, [0, 1]), (1, [190, 191, 192])],
+    "unequal groups and singles": [(70, [2, 9]), (200, [1, 2, 3, 4, 5, 6, 7]), (3, [40]), (0, [5]), (300, [0])],
+    "size classes": [(2100, [0, 3]), (40, [2, 2]), (1100, [1])],
+}
+HEADS = {"gqa": (2, 4, 32, 32), "mla-like": (4, 4, 48, 32)}  # K, H, D, Dv
+
+
+def _build(seed: int, groups, bs: int, dims, dtype, prefill: tuple[int, int] | None):
+    """A pool holding every sequence's history (finite noise elsewhere) and the step's spans; per span its full
+    key/value history [K, cached, D]."""
+    K, _, D, Dv = dims
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    pool = KVPool(KVLayout(1, K, D, Dv), num_blocks=2048, block_size=bs, dtype=dtype, device="cpu")
+    pool.k.normal_()
+    pool.v.normal_()
+    free = list(range(pool.num_blocks))
+    rng.shuffle(free)
+
+    def write(table, start, k_KTD, v_KTD):
+        for i in range(k_KTD.shape[1]):
+            pos = start + i
+            pool.k[0, :, table[pos // bs], pos % bs] = k_KTD[:, i]
+            pool.v[0, :, table[pos // bs], pos % bs] = v_KTD[:, i]
+
+    spans, histories, start = [], [], 0
+    for prompt_len, extras in groups:
+        shared = [free.pop() for _ in range(prompt_len // bs)]
+        k_shared = torch.randn(K, len(shared) * bs, D).to(dtype)
+        v_shared = torch.randn(K, len(shared) * bs, Dv).to(dtype)
+        write(shared, 0, k_shared, v_shared)
+        for extra in extras:
+            cached = len(shared) * bs + extra
+            table = shared + [free.pop() for _ in range(-(-(cached + 1) // bs) - len(shared))]
+            k_own = torch.randn(K, extra, D).to(dtype)
+            v_own = torch.randn(K, extra, Dv).to(dtype)
+            write(table, len(shared) * bs, k_own, v_own)
+            spans.append(SeqSpan(start, 1, cached, table))
+            histories.append((torch.cat([k_shared, k_own], 1), torch.cat([v_shared, v_own], 1)))
+            start += 1
+    if prefill is not None:
+        cached, new = prefill
+        table = [free.pop() for _ in range(-(-(cached + new) // bs))]
+        k_hist, v_hist = torch.randn(K, cached, D).to(dtype), torch.randn(K, cached, Dv).to(dtype)
+        write(table, 0, k_hist, v_hist)
+        spans.append(SeqSpan(start, new, cached, table))
+        histories.append((k_hist, v_hist))
+        start += new
+    return pool, spans, histories, start
+
+
+def _step(pool, spans, q, k_new, v_new, scale):
+    with batch_invariant_mode():
+        return PagedStepCache(pool, spans, deterministic=True, workspace={}).attend(0, q, k_new, v_new, scale=scale)
+
+
+def _check_rows(out, spans, histories, q, k_new, v_new, scale, prefill_seed: int):
+    """Every row equals its lone decode, and its position as the last query of a causal prefill."""
+    gen = torch.Generator().manual_seed(prefill_seed)
+    for span, (k_hist, v_hist) in zip(spans, histories):
+        for t in range(span.num_new):
+            row = span.start + t
+            k_ctx = torch.cat([k_hist, k_new[0, :, span.start:row + 1]], 1)[None]
+            v_ctx = torch.cat([v_hist, v_new[0, :, span.start:row + 1]], 1)[None]
+            S = k_ctx.shape[2]
+            q_row = q[:, :, row:row + 1]
+            earlier = torch.randn(1, q.shape[1], S - 1, q.shape[3], generator=gen).to(q.dtype)
+            with batch_invariant_mode():
+                alone = attention(q_row, k_ctx, v_ctx, causal=True, q_offset=S - 1, scale=scale, backend="sdpa")
+                prefill = attention(torch.cat([earlier, q_row], 2), k_ctx, v_ctx, causal=True, q_offset=0,
+                                    scale=scale, backend="sdpa")
+            assert torch.equal(out[0, :, row], alone[0, :, 0]), (span, "lone decode")
+            assert torch.equal(out[0, :, row], prefill[0, :, -1]), (span, "prefill")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("bs", [16, 4, 48])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_decode_rows_equal_each_row_alone_and_prefill(case, bs, dtype):
+    dims = HEADS["gqa" if bs != 48 else "mla-like"]
+    K, H, D, Dv = dims
+    seed = list(CASES).index(case)
+    pool, spans, histories, N = _build(seed, CASES[case], bs, dims, dtype, prefill=(70, 5) if bs == 16 else None)
+    q = torch.randn(1, H, N, D).to(dtype)
+    k_new, v_new = torch.randn(1, K, N, D).to(dtype), torch.randn(1, K, N, Dv).to(dtype)
+    scale = 1 / math.sqrt(D)
+    out = _step(pool, spans, q, k_new, v_new, scale)
+    assert out.shape == (1, H, N, Dv) and out.dtype == dtype and torch.isfinite(out).all()
+    decode = [s for s in spans if s.num_new == 1]
+    layout = PagedStepCache(pool, spans, deterministic=True).invariant_batches
+    assert sorted(r for b in layout for r in b.rows.tolist()) == [s.start for s in decode]
+    if case == "mixed contexts, shared key blocks":
+        assert any(b.pv_prefix_blocks.numel() for b in layout), "no prefix group shared a whole key block"
+        if bs == 16:  # a group shares keys past its last whole shared key block (its rows' P V reads them per row)
+            assert any(b.score_prefix_blocks.numel() > b.pv_prefix_blocks.numel() for b in layout)
+    _check_rows(out, decode, histories, q, k_new, v_new, scale, seed)
+
+
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_row_alone_equals_the_row_in_a_batch_across_budgets_and_threads(threads, heads, monkeypatch):
+    """The same step computed whole, split into many small batches (byte budget), and each row as the step's only
+    row, at 1 and 2 threads: bitwise the same rows."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        dims = HEADS[heads]
+        K, H, D, Dv = dims
+        pool, spans, histories, N = _build(7, CASES["mixed contexts, shared key blocks"], 16, dims, torch.float32,
+                                           prefill=None)
+        q = torch.randn(1, H, N, D)
+        k_new, v_new = torch.randn(1, K, N, D), torch.randn(1, K, N, Dv)
+        scale = 1 / math.sqrt(D)
+        whole = _step(pool, spans, q, k_new, v_new, scale)
+        monkeypatch.setattr(paged_cache, "INVARIANT_DECODE_BATCH_BYTES", 1)
+        split = _step(pool, spans, q, k_new, v_new, scale)
+        assert len(PagedStepCache(pool, spans, deterministic=True).invariant_batches) > 1
+        assert torch.equal(whole, split)
+        for s in spans:
+            row = s.start
+            alone = _step(pool, [SeqSpan(0, 1, s.num_computed, s.block_table)], q[:, :, row:row + 1],
+                          k_new[:, :, row:row + 1], v_new[:, :, row:row + 1], scale)
+            assert torch.equal(alone[0, :, 0], whole[0, :, row])
+        _check_rows(whole, spans, histories, q, k_new, v_new, scale, 7)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_layout_keeps_value_blocks_whole_and_key_counts_at_least_min_rows():
+    """The P V parts are whole KEY_BLOCKs of the rows' positions, whatever the pool's block size, so a key block
+    never straddles the shared and the own part; every key count on a GEMM's column side is >= MIN_ROWS."""
+    for bs in (4, 16, 48, 128):
+        pool, spans, _, N = _build(3, CASES["unequal groups and singles"], bs, HEADS["gqa"], torch.float32, None)
+        unit = math.lcm(bs, KEY_BLOCK)
+        for b in PagedStepCache(pool, spans, deterministic=True).invariant_batches:
+            P, R = b.num_groups, b.rows.numel()
+            assert b.pv_prefix_blocks.numel() // P * bs % unit == 0 and b.pv_index_R1L.shape[-1] % unit == 0
+            assert b.pv_key_blocks == 0 or (b.pv_last_keys in (16, 32, 48, 64) and b.pv_suffix_blocks.numel() // R * bs
+                                            >= (b.pv_key_blocks - 1) * KEY_BLOCK + b.pv_last_keys)
+            for n in (b.score_prefix_blocks.numel() // P * bs, b.score_suffix_blocks.numel() // R * bs):
+                assert n == 0 or n >= MIN_ROWS
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_probe_gemm_over_leading_keys_equals_gemm_over_the_key_block_with_zeros(threads):
+    """What the last P V key block relies on: probabilities [n, k] x values [k, Dv] over the first k = 16, 32 or 48
+    keys of a KEY_BLOCK gives the bits of the GEMM over all KEY_BLOCK keys whose later probabilities are 0 (rows on
+    the GEMM's row side in query_rows' classes, slices of wider buffers as the cache passes them)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(threads)
+        for rows in (4, 8, 12, 16, 32):
+            for Dv in (16, 32, 64, 128):
+                p = torch.rand(9, rows, 3 * KEY_BLOCK, generator=gen)
+                v = torch.randn(9, 3 * KEY_BLOCK, Dv, generator=gen)
+                for start in (0, KEY_BLOCK):
+                    for k in (16, 32, 48):
+                        zeros_after = p[:, :, start:start + KEY_BLOCK].clone()
+                        zeros_after[:, :, k:] = 0
+                        whole = torch.bmm(zeros_after, v[:, start:start + KEY_BLOCK])
+                        assert torch.equal(torch.bmm(p[:, :, start:start + k], v[:, start:start + k]), whole), (
+                            rows, Dv, start, k)
+    finally:
+        torch.set_num_threads(previous)
