@@ -313,8 +313,8 @@ def _from_groups(x_KSGX: torch.Tensor, d: _DecodeBatch) -> torch.Tensor:
 
 # A deterministic decode batch gathers at most about this many bytes of keys per layer, counted in float32 (what
 # it computes in). Smaller than the fast path's budget: the float32 copies of keys and values must still be in
-# cache when the GEMMs read them (measured on the CPU box, bench/rollout.py's workload, 1 thread: 1 MB beat 0.5,
-# 0.75, 1.5, 2 and 4 MB; 4 MB took 1.7x as long).
+# cache when the GEMMs read them (measured on the CPU box, bench/rollout.py's workload, 1 thread: 0.75 to 2 MB within
+# noise of each other, 0.5 MB 1.15x and 4 MB 1.7x as long as 1 MB).
 INVARIANT_DECODE_BATCH_BYTES = 1 << 20
 
 
@@ -513,12 +513,11 @@ def _invariant_decode_batch(q_HRD: torch.Tensor, k_pool: torch.Tensor, v_pool: t
         if Cp > B * G:
             p_KPCQ[:, :, B * G:] = 0
         sums.append(_from_groups(p_KPCQ[:, :, :B * G].reshape(K, P * B, G, Lq // KB, KB).sum(-1), d))
-        v_IbKV = _gather_f32(workspace, "v_prefix", v_pool, d.pv_prefix_blocks, pad_to=MIN_ROWS)
-        v_IbKV = v_IbKV.view(K * P, Lq // KB, KB, v_IbKV.shape[-1])
-        p_ICQ = p_KPCQ.view(K * P, Cp, Lq)
+        v_ILV = _gather_f32(workspace, "v_prefix", v_pool, d.pv_prefix_blocks, pad_to=MIN_ROWS)
+        v_ILV = v_ILV.view(K * P, Lq, v_ILV.shape[-1])
         acc_ICV = None
-        for b in range(Lq // KB):
-            block_ICV = torch.bmm(p_ICQ[:, :, b * KB:(b + 1) * KB], v_IbKV[:, b])
+        for p_ICK, v_IKV in zip(p_KPCQ.view(K * P, Cp, Lq).split(KB, dim=-1), v_ILV.split(KB, dim=1)):
+            block_ICV = torch.bmm(p_ICK, v_IKV)
             acc_ICV = block_ICV if acc_ICV is None else acc_ICV + block_ICV
         out_KRGV = _from_groups(acc_ICV.view(K, P, Cp, -1)[:, :, :B * G, :Dv].reshape(K, P * B, G, Dv), d)
     if Lv:
@@ -533,15 +532,23 @@ def _invariant_decode_batch(q_HRD: torch.Tensor, k_pool: torch.Tensor, v_pool: t
             p_KRCV = p_KRGV
         v_ILV = _gather_f32(workspace, "v_suffix", v_pool, d.pv_suffix_blocks, pad_to=MIN_ROWS)
         v_ILV = v_ILV.view(K * R, -1, v_ILV.shape[-1])
-        p_ICV = p_KRCV.view(K * R, Cs, Lv)
-        for b in range(d.pv_key_blocks):  # later key blocks: probability 0 in every row
-            keys = slice(b * KB, (b + 1) * KB if b < d.pv_key_blocks - 1 else b * KB + d.pv_last_keys)
-            block_KRGV = torch.bmm(p_ICV[:, :, keys], v_ILV[:, keys]).view(K, R, Cs, -1)[:, :, :G, :Dv]
-            out_KRGV = block_KRGV if out_KRGV is None else out_KRGV + block_KRGV
+        # Key blocks past the last one some row sees have probability 0 in every row; the last is read up to
+        # pv_last_keys. Accumulated in the GEMM's [K * R, Cs, Dv] layout, from the shared blocks' sum on.
+        keys = (d.pv_key_blocks - 1) * KB + d.pv_last_keys if d.pv_key_blocks else 0
+        acc_ICV = None
+        if out_KRGV is not None:
+            acc_ICV = v_ILV.new_zeros(K * R, Cs, v_ILV.shape[-1])
+            acc_ICV.view(K, R, Cs, -1)[:, :, :G, :Dv] = out_KRGV
+        for p_ICK, v_IKV in zip(p_KRCV.view(K * R, Cs, Lv)[:, :, :keys].split(KB, dim=-1),
+                                v_ILV[:, :keys].split(KB, dim=1)):
+            block_ICV = torch.bmm(p_ICK, v_IKV)
+            acc_ICV = block_ICV if acc_ICV is None else acc_ICV + block_ICV
+        if acc_ICV is not None:
+            out_KRGV = acc_ICV.view(K, R, Cs, -1)[:, :, :G, :Dv]
     sums_KRGn = torch.cat(sums, dim=-1) if len(sums) > 1 else sums[0]
-    denominator_KRG = sums_KRGn[..., 0]
-    for b in range(1, sums_KRGn.shape[-1]):
-        denominator_KRG = denominator_KRG + sums_KRGn[..., b]
+    denominator_KRG = None
+    for block_sum_KRG in sums_KRGn.unbind(-1):
+        denominator_KRG = block_sum_KRG if denominator_KRG is None else denominator_KRG + block_sum_KRG
     torch.div(out_KRGV, denominator_KRG[..., None], out=out_HRV.view(K, G, R, Dv).transpose(1, 2))
 
 
