@@ -40,7 +40,6 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -48,16 +47,13 @@ from pathlib import Path
 
 import torch
 
-from models import save_pretrained
-from models.llama import CausalLM, ModelArgs
-from models.tiny import _init_weights, build_tiny_model, tiny_config
+from models.tiny import QWEN3_H512_L8, build_tiny_model
 from models.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / "bench" / ".venv-vllm" / "bin" / "python"
 PROMPTS, SAMPLES = 16, 8
-SHAPE = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4,
-         "head_dim": 64, "intermediate_size": 1536}
+SHAPE = QWEN3_H512_L8
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 ENGINES = ("trainyard", "hf", "vllm")
 
@@ -83,11 +79,7 @@ def make_workloads(vocab_size: int) -> list[Workload]:
 
 def build_model(out: Path) -> Path:
     """The benchmark's model directory: the tiny tokenizer, SHAPE's weights in float32, no end-of-sequence token."""
-    build_tiny_model(out)  # tokenizer files (and a tiny model, replaced below)
-    config = {**tiny_config(len(load_tokenizer(out))), **SHAPE}
-    model = CausalLM(ModelArgs.from_hf_config(config))
-    _init_weights(model, seed=0)
-    save_pretrained(model, out)
+    build_tiny_model(out, overrides=SHAPE)
     for name, drop in (("config.json", "eos_token_id"), ("generation_config.json", "eos_token_id"),
                        ("special_tokens_map.json", "eos_token"), ("tokenizer_config.json", "eos_token")):
         path = out / name

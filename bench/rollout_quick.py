@@ -20,24 +20,18 @@ from pathlib import Path
 
 import torch
 
-from models import load_pretrained, save_pretrained
-from models.llama import CausalLM, ModelArgs
-from models.tiny import _init_weights, build_tiny_model, tiny_config
+from models import load_pretrained
+from models.tiny import QWEN3_H512_L8, build_tiny_model
 from models.tokenizer import load_tokenizer
 from services.rollout.engine_core import EngineConfig, EngineCore
 from services.rollout.sampling import SamplingParams
 
 PROMPTS, SAMPLES, NEW_TOKENS = 16, 8, 128
-SHAPE = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4,
-         "head_dim": 64, "intermediate_size": 1536}
+SHAPE = QWEN3_H512_L8
 
 
 def build_model(out: Path) -> Path:
-    build_tiny_model(out)  # tokenizer files (and a tiny model, replaced below)
-    config = {**tiny_config(len(load_tokenizer(out))), **SHAPE}
-    model = CausalLM(ModelArgs.from_hf_config(config))
-    _init_weights(model, seed=0)
-    save_pretrained(model, out)
+    build_tiny_model(out, overrides=SHAPE)
     return out
 
 

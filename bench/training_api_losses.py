@@ -48,10 +48,7 @@ from pathlib import Path
 import torch
 
 from kernels.memory import TensorMemoryTracker
-from models import save_pretrained
-from models.llama import CausalLM, ModelArgs
-from models.tiny import _init_weights, build_tiny_model, tiny_config
-from models.tokenizer import load_tokenizer
+from models.tiny import QWEN3_H512_L8, build_tiny_model
 from services.common import registry
 from services.common.auth import create_account
 from services.common.db import Database, migrate
@@ -62,8 +59,7 @@ from trainyard import types
 from trainyard.training import ServiceClient
 
 MODEL_NAME = "qwen3-h512-l8"
-SHAPE = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4,
-         "head_dim": 64, "intermediate_size": 1536}
+SHAPE = QWEN3_H512_L8
 LORA_RANK = 32
 CLIP_LO, CLIP_HI = 0.8, 1.2  # the trainer's grpo defaults
 ADAM = types.AdamParams(learning_rate=1e-5)
@@ -75,11 +71,7 @@ GRAD_TOLERANCE = 1e-5
 
 def build_model(out: Path) -> Path:
     """The benchmark's model directory: the tiny tokenizer, SHAPE's random weights in float32."""
-    build_tiny_model(out)  # tokenizer files (and a tiny model, replaced below)
-    config = {**tiny_config(len(load_tokenizer(out))), **SHAPE}
-    model = CausalLM(ModelArgs.from_hf_config(config))
-    _init_weights(model, seed=0)
-    save_pretrained(model, out)
+    build_tiny_model(out, overrides=SHAPE)
     return out
 
 

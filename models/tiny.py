@@ -272,8 +272,15 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-def build_tiny_model(out_dir: str | Path, seed: int = 0, family: str = "qwen3") -> Path:
-    """Write the tiny model directory of a family (see TINY_CONFIGS) to out_dir (created if needed); return it."""
+# A larger random model on the tiny tokenizer, where compute rather than per-call overhead dominates (benchmarks).
+QWEN3_H512_L8 = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4,
+                 "head_dim": 64, "intermediate_size": 1536}
+
+
+def build_tiny_model(out_dir: str | Path, seed: int = 0, family: str = "qwen3",
+                     overrides: dict | None = None) -> Path:
+    """Write the tiny model directory of a family (see TINY_CONFIGS) to out_dir (created if needed); return it.
+    overrides replace config.json entries (e.g. QWEN3_H512_L8) before the weights are drawn."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()
@@ -288,7 +295,7 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, family: str = "qwen3") 
         out / "generation_config.json",
         {"eos_token_id": [ids[IM_END], ids[ENDOFTEXT]], "pad_token_id": ids[ENDOFTEXT], "do_sample": True},
     )
-    config = tiny_config(tokenizer.get_vocab_size(), family)
+    config = {**tiny_config(tokenizer.get_vocab_size(), family), **(overrides or {})}
     family_module = family_for_config(config)
     model = family_module.CausalLM(family_module.ModelArgs.from_hf_config(config))
     _init_weights(model, seed)

@@ -182,28 +182,41 @@ class _DecodeBatch:
 
 def _decode_batches(decodes: list[SeqSpan], bs: int, num_tokens: int, dtype: torch.dtype, device,
                     block_bytes: int) -> list[_DecodeBatch]:
-    """The step's decode rows in batches: rows forked from one sequence form a prefix group (they start with the
-    same block); groups go by context size class (DECODE_BATCH_MIN_TOKENS), then in order into batches whose
-    gathered keys stay under DECODE_BATCH_BYTES (block_bytes: one block's keys over every head)."""
+    """The step's decode rows in batches (_grouped_chunks, at most DECODE_BATCH_BYTES of keys each)."""
+    return [_decode_batch_layout(chunk, bs, num_tokens, dtype, device)
+            for chunk in _grouped_chunks(decodes, bs, block_bytes, DECODE_BATCH_BYTES)]
+
+
+_Member = tuple[list[SeqSpan], list[int]]  # a prefix group and the blocks all its rows share
+
+
+def _grouped_chunks(decodes: list[SeqSpan], bs: int, block_bytes: int, budget: int,
+                    sort_key=None) -> list[list[_Member]]:
+    """Rows forked from one sequence form a prefix group (they start with the same block); groups go by context
+    size class (DECODE_BATCH_MIN_TOKENS), optionally sorted within a class by sort_key, then in order into chunks
+    whose gathered keys stay under budget bytes (block_bytes: one block's keys over every head; a group larger than
+    the budget is a chunk alone)."""
     groups: dict[int, list[SeqSpan]] = {}
     for s in decodes:
         groups.setdefault(s.block_table[0], []).append(s)
-    by_size: dict[int, list[tuple[list[SeqSpan], list[int]]]] = {}
+    by_size: dict[int, list[_Member]] = {}
     for group in groups.values():
         size_class = max(max(s.num_computed + 1 for s in group), DECODE_BATCH_MIN_TOKENS).bit_length()
         by_size.setdefault(size_class, []).append((group, _common_prefix(group, bs)))
-    batches = []
+    chunks = []
     for members in by_size.values():
+        if sort_key is not None:
+            members.sort(key=sort_key)
         chunk, chunk_bytes = [], 0
-        for group, prefix in members:
-            nbytes = block_bytes * (len(prefix) + sum(-(-(s.num_computed + 1) // bs) - len(prefix) for s in group))
-            if chunk and chunk_bytes + nbytes > DECODE_BATCH_BYTES:
-                batches.append(_decode_batch_layout(chunk, bs, num_tokens, dtype, device))
+        for group, shared in members:
+            nbytes = block_bytes * (len(shared) + sum(-(-(s.num_computed + 1) // bs) - len(shared) for s in group))
+            if chunk and chunk_bytes + nbytes > budget:
+                chunks.append(chunk)
                 chunk, chunk_bytes = [], 0
-            chunk.append((group, prefix))
+            chunk.append((group, shared))
             chunk_bytes += nbytes
-        batches.append(_decode_batch_layout(chunk, bs, num_tokens, dtype, device))
-    return batches
+        chunks.append(chunk)
+    return chunks
 
 
 def _common_prefix(group: list[SeqSpan], bs: int) -> list[int]:
@@ -354,37 +367,18 @@ class _InvariantBatch:
 
 
 def _invariant_batches(decodes: list[SeqSpan], bs: int, device, block_bytes: int) -> list[_InvariantBatch]:
-    """The step's decode rows in prefix groups, groups by context size class (DECODE_BATCH_MIN_TOKENS), sorted by
-    the key blocks their rows hold past the shared ones (less padding in a batch), then in order into batches whose
-    gathered keys stay under INVARIANT_DECODE_BATCH_BYTES (block_bytes: one block's keys over every head in
-    float32)."""
+    """The step's decode rows in batches (_grouped_chunks, at most INVARIANT_DECODE_BATCH_BYTES of float32 keys
+    each), groups sorted within a size class by the key blocks their rows hold past the shared ones (less padding in
+    a batch)."""
     unit = math.lcm(bs, KEY_BLOCK) // bs  # pool blocks per whole number of key blocks
-    groups: dict[int, list[SeqSpan]] = {}
-    for s in decodes:
-        groups.setdefault(s.block_table[0], []).append(s)
-    by_size: dict[int, list[tuple[list[SeqSpan], list[int]]]] = {}
-    for group in groups.values():
-        size_class = max(max(s.num_computed + 1 for s in group), DECODE_BATCH_MIN_TOKENS).bit_length()
-        by_size.setdefault(size_class, []).append((group, _common_prefix(group, bs)))
 
-    def own_units(member: tuple[list[SeqSpan], list[int]]) -> int:
+    def own_units(member: _Member) -> tuple[int, int]:
         group, shared = member
         start = (len(shared) - len(shared) % unit) * bs
-        return max(-(-(s.num_computed + 1 - start) // (unit * bs)) for s in group)
+        return max(-(-(s.num_computed + 1 - start) // (unit * bs)) for s in group), len(shared)
 
-    batches = []
-    for members in by_size.values():
-        members.sort(key=lambda m: (own_units(m), len(m[1])))
-        chunk, chunk_bytes = [], 0
-        for group, shared in members:
-            nbytes = block_bytes * (len(shared) + sum(-(-(s.num_computed + 1) // bs) - len(shared) for s in group))
-            if chunk and chunk_bytes + nbytes > INVARIANT_DECODE_BATCH_BYTES:
-                batches.append(_invariant_batch_layout(chunk, bs, unit, device))
-                chunk, chunk_bytes = [], 0
-            chunk.append((group, shared))
-            chunk_bytes += nbytes
-        batches.append(_invariant_batch_layout(chunk, bs, unit, device))
-    return batches
+    return [_invariant_batch_layout(chunk, bs, unit, device)
+            for chunk in _grouped_chunks(decodes, bs, block_bytes, INVARIANT_DECODE_BATCH_BYTES, own_units)]
 
 
 def _invariant_batch_layout(members: list[tuple[list[SeqSpan], list[int]]], bs: int, unit: int,
