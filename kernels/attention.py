@@ -93,6 +93,11 @@ def attention(
     )
     if packing is not None:
         assert q_offset == 0 and T == S == packing.total and B == 1, "packing is for training rows"
+    from kernels import batch_invariant  # imported here: batch_invariant's self-check imports this module
+
+    if batch_invariant.is_active():  # deterministic mode: the batch-invariant kernel, whatever the backend
+        return batch_invariant.invariant_attention_positions(
+            q_BHTD, k_BKSD, v_BKSD, causal=causal, q_offset=q_offset, packing=packing, scale=scale)
     name = requested_backend("attention", backend, ATTENTION_BACKENDS)
     if name == AUTO:
         name = "flash" if _flash_unsupported(q_BHTD, k_BKSD, v_BKSD, causal, q_offset, packing) is None else "sdpa"

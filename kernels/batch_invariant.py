@@ -1,123 +1,148 @@
 """Batch-invariant ("deterministic") mode: a sequence's logits do not depend on what else is in the batch.
 
-Shapes: M rows (tokens) of a GEMM, N its output columns, K its contraction, I attention items (batch x kv heads),
-G query heads per kv head, T queries, S keys, R = T * G query rows of one item, D / Dv head dims.
+Shapes: M rows (tokens) of a GEMM, N its output columns, K its contraction; J sequences (batch rows), H query heads,
+Kh kv heads, G = H / Kh, T queries, S keys, D / Dv head dims.
 
-Under `batch_invariant_mode()` the ops whose per-row result changes with the batch on CPU (measured in
-tests/unit/models/test_models_batch_invariant.py, written down in docs/deterministic.md) are rerouted to versions whose
-arithmetic for a row depends only on that row:
+Under `batch_invariant_mode()` every op whose per-row result a BLAS or torch's loop structure could make depend on
+the batch is computed by the kernels of kernels/csrc/invariant.c (kernels/native.py), whose arithmetic is fixed in
+the source: each output is one chain of float32 operations in a fixed order, whatever the batch, the tiling, the
+thread count or the instruction set (docs/deterministic.md). Nothing relies on which kernel a library picks for a
+shape:
 
-- GEMMs (F.linear, matmul / @, mm, bmm, addmm, einsum, torch._grouped_mm). MKL picks its sgemm kernel by the
-  operand shapes, so a row computed alone (M = 1), in a 2-3 row block, or in a thread's small share of a batch gets
-  different rounding. Here every GEMM is issued as `out^T = w^T x^T` (the rows on the side MKL does not split across
-  threads) with both free dimensions zero-padded to at least MIN_ROWS; from 12 rows up that kernel's rows agree
-  bitwise at any M, offset and thread count (1 and 2 tested). A linear layer's GEMM is issued directly as x w^T
-  with x's rows padded the same way: measured bitwise the transposed product's result (float32 and bfloat16), without
-  its transposed copy of the output.
-- Attention (F.scaled_dot_product_attention and the aten math kernel kernels/attention.py calls): one algorithm for
-  full prefill, chunked prefill and decode. Scores are one GEMM per (batch row, kv head), queries on its row side
-  (padded to query_rows(R): 4, 8 or at least 12 rows, the counts in which MKL rounds a row alike) and keys on its
-  column side (padded to MIN_ROWS), then the row max (exact in any order) and exp; P V (one GEMM per key block,
-  queries on the row side) and the softmax denominator (a contiguous row sum per key block) are accumulated over key
-  blocks of KEY_BLOCK keys in increasing order. The last block is zero-padded to KEY_BLOCK keys, and a block past a
-  row's last visible key adds exact zeros, so a row decoded against a cache and the same row in a (chunked) prefill
-  give the same bits. The rollout's paged cache lays out the same arithmetic for all decode rows of a step at once
-  (services/rollout/paged_cache.py, under suspend_mode()).
-- F.silu and sigmoid: torch's vectorized and scalar (tail) loops differ in the last bit, and which elements land in
-  the tail depends on the tensor size and the thread split. silu runs torch's own kernel on pieces that keep every
-  element in the vectorized loop (a whole number of SILU_ALIGN elements, fewer than torch's parallel grain); sigmoid
-  becomes 1 / (1 + exp(-x)) from exp, add and divide, whose vector and scalar paths agree.
-- sum / mean over a last dimension longer than SUM_CHUNK: a single output row that long is split across threads;
-  here it is summed in chunks of SUM_CHUNK, then over the chunks.
+- GEMMs (F.linear, matmul / @, mm, bmm, addmm, einsum, torch._grouped_mm): out[m, n] = the fma chain over k in
+  increasing order. F.linear, x @ w.T and an einsum of the same product give the same bits.
+- Attention (kernels.attention under the mode, F.scaled_dot_product_attention and the aten math kernel): per query
+  row, scores as fma chains over the head dim, the max over its visible keys, the kernel's exp, then the
+  probability-weighted values and the denominator as chains over the visible keys in increasing order. A key a row
+  cannot see is skipped, which is bitwise the same as a key of probability 0: a full prefill, a chunked prefill and
+  a decode step against a cache (contiguous or the rollout's paged pool, read in place through its block table)
+  give a position the same bits.
+- F.silu and sigmoid: the kernel's elementwise code (its own exp), so an element's bits depend only on its value.
+- sum / mean over a last dimension longer than SUM_CHUNK: torch splits one long row across threads; here it is
+  summed in chunks of SUM_CHUNK, then over the chunks.
 
-Everything else (softmax, log_softmax, logsumexp, shorter reductions, elementwise ops, the MoE unpermute sum) was
-measured batch-invariant as torch runs it and passes through. The mode is a TorchFunctionMode, whose stack is
-thread-local: entering it on the rollout's engine thread changes nothing for other threads.
+What passes through to torch (softmax, log_softmax, logsumexp and shorter row reductions, rms_norm, exp / cos / sin
+and the other elementwise ops, top-k, gathers) is checked, with the kernels, by a self-check the first time the mode
+is entered in a process (`self_check`): in well under a second it verifies on this machine, at 1 thread and at the
+process's thread count, that each op's result for a row is the same alone and among others; if one is not, the mode
+refuses with DeterminismError naming the op and its kernel path, never running silently non-deterministic.
+
+Autograd works through the mode: the kernels' ops are autograd Functions whose backward is plain torch. The mode
+is a TorchFunctionMode, whose stack is thread-local: entering it on the rollout's engine thread changes nothing for
+other threads.
 """
 
 import contextlib
 import functools
 import math
 import string
+import threading
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-MIN_ROWS = 16  # every GEMM issued here has both free dims >= this (zero rows pad smaller ones)
-GEMM_ROW_CHUNK = 256  # long GEMMs run this many rows at a time (any chunk size >= MIN_ROWS gives the same bits)
-KEY_BLOCK = 64  # attention sums P V over key blocks of this many keys, in increasing order
-QUERY_TILE_ROWS = 256  # attention query rows per tile; causal tiles skip key blocks no row of theirs can see
+from kernels import native
+
 SUM_CHUNK = 8192  # last-dim sums / means longer than this run in chunks of this size
-SILU_ALIGN = 256  # silu runs on pieces whose length is a multiple of this (of any vector loop's step)...
-SILU_CHUNK = 127 * SILU_ALIGN  # ...and at most this long: under torch's parallel grain (32768), one thread each
+
+_local = threading.local()  # depth: mode entries on this thread; suspended: suspend_mode() entries
+
+
+class DeterminismError(RuntimeError):
+    """Deterministic mode cannot hold its guarantee on this machine (an op failed the self-check)."""
 
 
 @contextlib.contextmanager
 def batch_invariant_mode(enabled: bool = True) -> Iterator[None]:
     """Within the block (on this thread), logits and logprobs of a row are bitwise independent of the batch: its
     size, its other rows, and whether a position is computed in a full prefill, a chunked prefill or a decode step.
-    `enabled=False` is a no-op, so a caller can write `with batch_invariant_mode(cfg.deterministic):`."""
+    `enabled=False` is a no-op, so a caller can write `with batch_invariant_mode(cfg.deterministic):`. The first
+    entry in a process runs self_check() (DeterminismError if this machine breaks an invariant)."""
     if not enabled:
         yield
         return
-    with _BatchInvariantMode():
-        yield
+    self_check()
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        with _BatchInvariantMode():
+            yield
+    finally:
+        _local.depth -= 1
 
 
 @contextlib.contextmanager
 def suspend_mode() -> Iterator[None]:
     """Within the block, torch calls on this thread run as plain torch even under batch_invariant_mode(): for code
-    that issues the mode's arithmetic itself (services/rollout/paged_cache.py's deterministic decode attention)
-    and must not have its GEMMs rerouted a second time. Also skips the mode's per-call interception."""
-    with torch._C.DisableTorchFunction():
-        yield
+    that calls the invariant kernels itself (services/rollout/paged_cache.py's deterministic decode attention), and
+    for the backward formulas here."""
+    _local.suspended = getattr(_local, "suspended", 0) + 1
+    try:
+        with torch._C.DisableTorchFunction():
+            yield
+    finally:
+        _local.suspended -= 1
+
+
+def is_active() -> bool:
+    """Whether batch_invariant_mode is on for this thread (and not suspended)."""
+    return getattr(_local, "depth", 0) > 0 and getattr(_local, "suspended", 0) == 0
 
 
 # ------------------------------------------------------------------------------------------------------------- GEMMs
 
 
-def _pad_dim(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    """t zero-padded at the end of dim (0, 1 or 2) to at least `size` entries."""
-    missing = size - t.shape[dim]
-    if missing <= 0:
-        return t
-    return F.pad(t, (0, 0) * (t.dim() - 1 - dim) + (0, missing))
+def _result(out32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return out32 if dtype == torch.float32 else out32.to(dtype)
+
+
+def _gemm_dtype(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
+    dtype = torch.promote_types(a.dtype, b.dtype)
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"batch_invariant_mode computes float32 / bfloat16 / float16 GEMMs, got {a.dtype} x {b.dtype}")
+    return dtype
+
+
+class _Gemm(torch.autograd.Function):
+    """a [M, K] @ b [K, N] through the kernel; backward in plain torch."""
+
+    @staticmethod
+    def forward(ctx, a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a_MK, b_KN)
+        return _result(native.gemm(a_MK, b_KN), _gemm_dtype(a_MK, b_KN))
+
+    @staticmethod
+    def backward(ctx, grad_MN: torch.Tensor):
+        a_MK, b_KN = ctx.saved_tensors
+        with suspend_mode():
+            grad_a = grad_MN.to(a_MK.dtype) @ b_KN.t().to(a_MK.dtype) if ctx.needs_input_grad[0] else None
+            grad_b = a_MK.t().to(b_KN.dtype) @ grad_MN.to(b_KN.dtype) if ctx.needs_input_grad[1] else None
+        return grad_a, grad_b
+
+
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def invariant_mm(x_MK: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
-    """x @ w as the transposed product (w^T x^T)^T with both free dims padded to MIN_ROWS; [M, N], contiguous.
-
-    More than 2 * GEMM_ROW_CHUNK rows go GEMM_ROW_CHUNK at a time (a short last chunk joins the one before), so
-    each chunk's transposed result is copied back while it is still in cache; any chunk of >= 12 rows gives a row
-    the same bits (see the module docstring).
-
-    A linear layer's operands (x with contiguous rows, w the transposed view of a row-major [N, K] weight, N >=
-    MIN_ROWS) take the direct product x w instead, rows padded to MIN_ROWS: measured bitwise the transposed
-    product's result at every M from 12 up (float32 and bfloat16, 1 and 2 threads, K up to 4096), without its
-    transposed copy of the output."""
-    M, N = x_MK.shape[0], w_KN.shape[1]
-    if w_KN.stride(0) == 1 and x_MK.stride(-1) == 1 and N >= MIN_ROWS:
-        out_MN = torch.mm(_pad_dim(x_MK, 0, MIN_ROWS), w_KN)
-        return out_MN if out_MN.shape[0] == M else out_MN[:M]
-    w_NK = _pad_dim(w_KN.t(), 0, MIN_ROWS)
-    if M <= 2 * GEMM_ROW_CHUNK:
-        return torch.mm(w_NK, _pad_dim(x_MK, 0, MIN_ROWS).t()).t()[:M, :N].contiguous()
-    starts = list(range(0, M, GEMM_ROW_CHUNK))
-    if M - starts[-1] < MIN_ROWS:
-        starts.pop()
-    out_MN = x_MK.new_empty(M, N)
-    for start, end in zip(starts, [*starts[1:], M]):
-        out_MN[start:end] = torch.mm(w_NK, x_MK[start:end].t()).t()[:, :N]
-    return out_MN
+    """x @ w: every output the fma chain over k in increasing order; [M, N] in the operands' dtype."""
+    if x_MK.dim() != 2 or w_KN.dim() != 2:
+        raise ValueError(f"mm needs 2-D operands, got {x_MK.dim()}-D and {w_KN.dim()}-D")
+    if not (x_MK.is_floating_point() and w_KN.is_floating_point()):
+        return torch.mm(x_MK, w_KN)  # integer products are exact
+    if _needs_grad(x_MK, w_KN):
+        return _Gemm.apply(x_MK, w_KN)
+    return _result(native.gemm(x_MK, w_KN), _gemm_dtype(x_MK, w_KN))
 
 
 def invariant_bmm(a_BMK: torch.Tensor, b_BKN: torch.Tensor) -> torch.Tensor:
-    """Batched invariant_mm; per item the same bits as invariant_mm (measured for 1 to 300 items)."""
-    M, N = a_BMK.shape[1], b_BKN.shape[2]
-    out_BNM = torch.bmm(_pad_dim(b_BKN.transpose(1, 2), 1, MIN_ROWS), _pad_dim(a_BMK, 1, MIN_ROWS).transpose(1, 2))
-    return out_BNM.transpose(1, 2)[:, :M, :N].contiguous()
+    """Batched invariant_mm: each item the same bits as invariant_mm."""
+    if a_BMK.shape[0] != b_BKN.shape[0]:
+        raise ValueError(f"bmm batch sizes differ: {tuple(a_BMK.shape)} x {tuple(b_BKN.shape)}")
+    if a_BMK.shape[0] == 0:
+        return a_BMK.new_empty(0, a_BMK.shape[1], b_BKN.shape[2])
+    return torch.stack([invariant_mm(a, b) for a, b in zip(a_BMK.unbind(0), b_BKN.unbind(0))])
 
 
 def invariant_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -220,172 +245,165 @@ def _contract(a: torch.Tensor, sa: str, b: torch.Tensor, sb: str, keep: set[str]
 # --------------------------------------------------------------------------------------------------------- attention
 
 
+def attend(
+    q_JHTD: torch.Tensor, k_JKSD: torch.Tensor, v_JKSV: torch.Tensor, lo_JT: torch.Tensor, hi_JT: torch.Tensor,
+    scale: float, mask_JHTS: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The kernel's attention: query row (j, h, t) over keys lo_JT[j, t] .. hi_JT[j, t] - 1 of sequence j (plus
+    the additive mask_JHTS, which may be an expanded view); [J, H, T, Dv] in q's dtype. Autograd: plain torch's
+    softmax attention in the backward."""
+    if _needs_grad(q_JHTD, k_JKSD, v_JKSV):
+        return _Attention.apply(q_JHTD, k_JKSD, v_JKSV, lo_JT, hi_JT, scale, mask_JHTS)
+    return _attend_native(q_JHTD, k_JKSD, v_JKSV, lo_JT, hi_JT, scale, mask_JHTS)
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def _attend_native(q, k, v, lo_JT, hi_JT, scale, mask):
+    J, H, T, D = q.shape
+    Kh, S, Dv = k.shape[1], k.shape[2], v.shape[3]
+    if H % Kh:
+        raise ValueError(f"{H} query heads are not a multiple of {Kh} kv heads")
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    out = torch.empty(J, H, T, Dv, dtype=torch.float32, device=q.device)
+    mask_strides = (0, 0, 0)
+    if mask is not None:
+        mask = _last_dim_contiguous(mask.to(torch.float32).expand(J, H, T, S))
+        mask_strides = (mask.stride(0), mask.stride(1), mask.stride(2))
+    native.attention(
+        q, k, v, lo_JT.to(torch.int32).contiguous(), hi_JT.to(torch.int32).contiguous(), scale=scale,
+        q_strides=(q.stride(0), q.stride(1), q.stride(2)), k_strides=(k.stride(0), k.stride(1), 0, k.stride(2)),
+        v_strides=(v.stride(0), v.stride(1), 0, v.stride(2)), shape=(J, Kh, H // Kh, T, D, Dv), out=out,
+        out_strides=(out.stride(0), out.stride(1), out.stride(2)), mask=mask, mask_strides=mask_strides)
+    return _result(out, q.dtype)
+
+
+def reference_softmax_attention(q, k, v, lo_JT, hi_JT, scale, mask=None) -> torch.Tensor:
+    """The same attention in plain torch (float32 math, dense masks): the backward's formula and a test reference."""
+    J, H, T, _ = q.shape
+    Kh, S = k.shape[1], k.shape[2]
+    G = H // Kh
+    k32, v32 = k.float().repeat_interleave(G, 1), v.float().repeat_interleave(G, 1)
+    scores = (q.float() @ k32.transpose(-1, -2)) * scale
+    pos_S = torch.arange(S, device=q.device)
+    visible = (pos_S >= lo_JT[:, None, :, None]) & (pos_S < hi_JT[:, None, :, None])
+    if mask is not None:
+        scores = scores + mask.float()
+    scores = scores.masked_fill(~visible, -math.inf)
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row that sees no key: zeros, as the kernel
+    return (probs @ v32).to(q.dtype)
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, lo_JT, hi_JT, scale, mask):
+        ctx.save_for_backward(q, k, v, lo_JT, hi_JT, mask)
+        ctx.scale = scale
+        return _attend_native(q, k, v, lo_JT, hi_JT, scale, mask)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, lo_JT, hi_JT, mask = ctx.saved_tensors
+        with suspend_mode(), torch.enable_grad():
+            leaves = [t.detach().requires_grad_(need) for t, need in zip((q, k, v), ctx.needs_input_grad[:3])]
+            out = reference_softmax_attention(*leaves, lo_JT, hi_JT, ctx.scale, mask)
+            wanted = [t for t in leaves if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad))
+        return (*(next(grads) if t.requires_grad else None for t in leaves), None, None, None, None)
+
+
+def causal_ranges(J: int, T: int, S: int, *, causal: bool, q_offset: int = 0, device=None) -> tuple:
+    """lo, hi [J, T] (int32) for T queries at positions q_offset .. against keys 0 .. S-1."""
+    t_T = torch.arange(T, device=device, dtype=torch.int64)
+    hi_T = torch.clamp(t_T + q_offset + 1, max=S) if causal else torch.full((T,), S, dtype=torch.int64, device=device)
+    lo_JT = torch.zeros(J, T, dtype=torch.int32, device=device)
+    return lo_JT, hi_T.to(torch.int32)[None].expand(J, T).contiguous()
+
+
 def invariant_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
     is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
 ) -> torch.Tensor:
     """F.scaled_dot_product_attention's semantics (is_causal aligned top-left; attn_mask boolean, True = attend, or
-    additive), computed in float32 (fp16/bf16 inputs are upcast) so that a query row's output depends only on that
-    row, its visible keys and their values: see the module docstring. q [..., H, T, D], k [..., K, S, D],
-    v [..., K, S, Dv] with equal leading dims; returns [..., H, T, Dv] in q's dtype."""
+    additive) on the kernel's attention. q [..., H, T, D], k [..., Kh, S, D], v [..., Kh, S, Dv] with equal leading
+    dims; returns [..., H, T, Dv] in q's dtype."""
     *lead, H, T, D = q.shape
     Kh, S, Dv = k.shape[-3], k.shape[-2], v.shape[-1]
     if list(k.shape[:-3]) != lead or list(v.shape[:-3]) != lead:
         raise ValueError(f"attention batch dims must match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if H != Kh and not (enable_gqa and H % Kh == 0):
         raise ValueError(f"{H} query heads and {Kh} kv heads need enable_gqa=True and H % K == 0")
-    B, G = math.prod(lead), H // Kh
-    I, cdtype = B * Kh, torch.promote_types(q.dtype, torch.float32)
+    J = math.prod(lead)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    mask_bhTS = _additive_mask(attn_mask, is_causal, T, S, cdtype, q.device)
-    key_count_T = [S] * T if mask_bhTS is None else _visible_key_count(mask_bhTS)
-    k_ISD, v_ISV = k.reshape(I, S, D), v.reshape(I, S, Dv)
-    q_IRD = q.reshape(B, Kh, G, T, D).transpose(2, 3).reshape(I, T * G, D)  # rows (t, g)
-    if q.dtype != cdtype:
-        q_IRD, k_ISD, v_ISV = q_IRD.to(cdtype), k_ISD.to(cdtype), v_ISV.to(cdtype)
-    tile = max(1, QUERY_TILE_ROWS // G)
-    outs = []
-    for t0 in range(0, T, tile):
-        t1 = min(T, t0 + tile)
-        mask = None if mask_bhTS is None else _tile_mask(mask_bhTS, t0, t1, Kh, G)
-        n_keys = max(key_count_T[t0:t1])
-        outs.append(_attention_tile(q_IRD[:, t0 * G : t1 * G], k_ISD, v_ISV, mask, n_keys, scale, B, Kh))
-    out_IRV = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
-    out = out_IRV.reshape(B, Kh, T, G, Dv).transpose(2, 3).reshape(*lead, H, T, Dv)
-    return out if out.dtype == q.dtype else out.to(q.dtype)
-
-
-def query_rows(n: int) -> int:
-    """The row count a GEMM with n query rows on its row side is padded to: 4, 8, or n from 12 up. On this side
-    MKL's sgemm rounds a row the same in every count of one class (measured at 1 and 2 threads: 4, 8 and every
-    count from 12; 1-3 and, at 2 threads, 5-7 and 9-11 each differ), so a decode row's 1-2 heads need not be padded
-    to MIN_ROWS."""
-    return 4 if n <= 4 else 8 if n <= 8 else max(n, 12)
-
-
-def _attention_tile(
-    q_IRD: torch.Tensor, k_ISD: torch.Tensor, v_ISV: torch.Tensor, mask_bhRS: torch.Tensor | None, n_keys: int,
-    scale: float, B: int, Kh: int,
-) -> torch.Tensor:
-    """One tile of query rows against keys 0..n_keys-1 (the last key any of its rows sees); [I, R, Dv].
-
-    GEMMs: queries on the row side padded to query_rows(R), keys (scores) or value columns (P V) on the column side
-    padded to MIN_ROWS, keys padded to whole blocks; the elementwise softmax runs on the real [I, R, n_keys]
-    (elementwise ops and max round the same in any shape and layout). In place only on fresh buffers and only when
-    autograd is not recording."""
-    I, R, _ = q_IRD.shape
-    Dv = v_ISV.shape[-1]
-    Rp, S_pad = query_rows(R), -(-n_keys // KEY_BLOCK) * KEY_BLOCK
-    scores_IRS = torch.bmm(_pad_dim(q_IRD, 1, Rp), _pad_dim(k_ISD[:, :n_keys], 1, MIN_ROWS).transpose(1, 2))
-    scores_IRS = scores_IRS[:, :R, :n_keys] * scale
-    inplace = not (torch.is_grad_enabled() and scores_IRS.requires_grad)  # in place on fresh buffers only
-    if mask_bhRS is not None:
-        mask_bhRS = mask_bhRS[..., :n_keys]
-        scores_bhRS = scores_IRS.view(B, Kh, R, n_keys)
-        scores_IRS = (scores_bhRS.add_(mask_bhRS) if inplace else scores_bhRS + mask_bhRS).view(I, R, n_keys)
-    # Row max, exact in any order; clamped so that a row that sees no key gets exp(-inf) = 0, not NaN.
-    max_IR1 = scores_IRS.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(scores_IRS.dtype).min)
-    # Probabilities in a contiguous zero-padded [I, Rp, S_pad]: the block row sums below are then inner reductions
-    # (torch reduces a strided dim with a kernel whose rounding depends on the number of rows).
-    p_IRS = scores_IRS.new_zeros(I, Rp, S_pad)
-    p_IRS[:, :R, :n_keys] = scores_IRS.sub_(max_IR1).exp_() if inplace else torch.exp(scores_IRS - max_IR1)
-    out_IRV = denominator_IR = None
-    for start in range(0, S_pad, KEY_BLOCK):  # fixed order; blocks past a row's last key add exact zeros
-        keys = slice(start, start + KEY_BLOCK)
-        v_IKV = _pad_dim(_pad_dim(v_ISV[:, start : min(start + KEY_BLOCK, n_keys)], 1, KEY_BLOCK), 2, MIN_ROWS)
-        block_IRV = torch.bmm(p_IRS[:, :, keys], v_IKV)
-        block_IR = p_IRS[:, :R, keys].sum(-1)
-        out_IRV = block_IRV if out_IRV is None else out_IRV + block_IRV
-        denominator_IR = block_IR if denominator_IR is None else denominator_IR + block_IR
-    return out_IRV[:, :R, :Dv] / denominator_IR[:, :, None]
-
-
-def _additive_mask(
-    attn_mask: torch.Tensor | None, is_causal: bool, T: int, S: int, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor | None:
-    """[b, h, T, S] additive mask (b in {1, B}, h in {1, H}; 0 / -inf, or the caller's additive values), None when
-    every query sees every key."""
+    lo_JT, hi_JT = causal_ranges(J, T, S, causal=is_causal, device=q.device)
     mask = None
-    if is_causal:
-        visible_TS = torch.ones(T, S, dtype=torch.bool, device=device).tril()
-        mask = torch.zeros(1, 1, T, S, dtype=dtype, device=device).masked_fill_(~visible_TS, -math.inf)
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
-            attn_mask = torch.zeros(attn_mask.shape, dtype=dtype, device=device).masked_fill_(~attn_mask, -math.inf)
-        attn_mask = attn_mask.to(dtype)
-        while attn_mask.dim() < 4:
-            attn_mask = attn_mask[None]
-        attn_mask = attn_mask.reshape(-1, *attn_mask.shape[-3:])
-        mask = attn_mask if mask is None else mask + attn_mask
-    return mask
+            attn_mask = torch.zeros(attn_mask.shape, device=q.device).masked_fill_(~attn_mask, -math.inf)
+        mask = attn_mask.to(torch.float32).expand(*lead, H, T, S).reshape(J, H, T, S)
+    out = attend(q.reshape(J, H, T, D), k.reshape(J, Kh, S, D), v.reshape(J, Kh, S, Dv), lo_JT, hi_JT, scale, mask)
+    return out.view(*lead, H, T, Dv)
 
 
-def _visible_key_count(mask_bhTS: torch.Tensor) -> list[int]:
-    """Per query: 1 + the last key any batch row or head may see (at least 1). Read on the host."""
-    visible_TS = (mask_bhTS > -math.inf).flatten(0, 1).any(0)
-    last_T = torch.where(visible_TS, torch.arange(1, visible_TS.shape[1] + 1, device=visible_TS.device), 0)
-    return [max(n, 1) for n in last_T.amax(-1).tolist()]  # .tolist() syncs, once per attention call
+def invariant_attention_positions(
+    q_BHTD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSV: torch.Tensor, *, causal: bool, q_offset: int, packing=None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """kernels.attention's contract (queries at q_offset.., keys at 0.., optional kernels.attention.Packing) on the
+    kernel's attention, with no mask tensor: each query's visible keys are a range."""
+    B, _, T, D = q_BHTD.shape
+    if packing is not None:
+        lo_JT, hi_JT = packed_ranges(packing.cu_seqlens, packing.lengths, causal=causal)
+    else:
+        lo_JT, hi_JT = causal_ranges(B, T, k_BKSD.shape[2], causal=causal, q_offset=q_offset, device=q_BHTD.device)
+    return attend(q_BHTD, k_BKSD, v_BKSV, lo_JT, hi_JT, 1.0 / math.sqrt(D) if scale is None else scale)
 
 
-def _tile_mask(mask_bhTS: torch.Tensor, t0: int, t1: int, Kh: int, G: int) -> torch.Tensor:
-    """The tile's mask as [b, 1 or Kh, (t1 - t0) * G, S], rows in the (t, g) order of the query rows."""
-    b, h, _, S = mask_bhTS.shape
-    m = mask_bhTS[:, :, t0:t1]
-    if h == 1:
-        return m[:, :, :, None].expand(b, 1, t1 - t0, G, S).reshape(b, 1, (t1 - t0) * G, S)
-    return m.view(b, Kh, G, t1 - t0, S).transpose(2, 3).reshape(b, Kh, (t1 - t0) * G, S)
+def packed_ranges(cu_seqlens: torch.Tensor, lengths: tuple[int, ...], *, causal: bool) -> tuple:
+    """lo, hi [1, T] for documents packed back to back: a query sees its own document (up to itself if causal)."""
+    starts = torch.repeat_interleave(cu_seqlens[:-1].to(torch.int64), torch.tensor(lengths, device=cu_seqlens.device))
+    ends = torch.repeat_interleave(cu_seqlens[1:].to(torch.int64), torch.tensor(lengths, device=cu_seqlens.device))
+    hi = torch.arange(starts.numel(), device=starts.device) + 1 if causal else ends
+    return starts.to(torch.int32)[None], hi.to(torch.int32)[None]
 
 
 # --------------------------------------------------------------------------------------- elementwise and reductions
 
 
-def _one_plus_exp_neg(x32: torch.Tensor) -> torch.Tensor:
-    """1 + exp(-x); in place on one temporary when autograd is not recording (fewer fresh buffers to fault in)."""
-    if torch.is_grad_enabled() and x32.requires_grad:
-        return 1.0 + torch.exp(-x32)
-    return torch.neg(x32).exp_().add_(1.0)
+class _Unary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, op):
+        ctx.save_for_backward(x)
+        ctx.op = op
+        return _result(native.unary(op, x), x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        with suspend_mode():
+            if ctx.op == "silu":
+                return torch.ops.aten.silu_backward(grad, x), None
+            y = torch.sigmoid(x)
+            return grad * y * (1 - y), None
+
+
+def _unary(op: str, x: torch.Tensor) -> torch.Tensor:
+    if not x.is_floating_point():
+        raise ValueError(f"{op} needs a floating-point tensor, got {x.dtype}")
+    if _needs_grad(x):
+        return _Unary.apply(x, op)
+    return _result(native.unary(op, x), x.dtype)
 
 
 def invariant_silu(x: torch.Tensor) -> torch.Tensor:
-    """torch's own silu, every element through its vectorized loop: a piece of the flattened tensor per call, each a
-    whole number of SILU_ALIGN elements (no scalar tail) and shorter than torch's parallel grain (no split across
-    threads, whose boundaries would create tails); the last elements are computed in a zero-padded piece. An element's
-    bits then depend only on its value. Autograd: torch's silu backward."""
-    if torch.is_grad_enabled() and x.requires_grad:
-        return _VectorizedSilu.apply(x)
-    return _vectorized_silu(x)
-
-
-def _vectorized_silu(x: torch.Tensor) -> torch.Tensor:
-    flat = x.reshape(-1)
-    n = flat.numel()
-    out = torch.empty(n, dtype=x.dtype, device=x.device)
-    whole = n - n % SILU_ALIGN
-    for start in range(0, whole, SILU_CHUNK):
-        end = min(start + SILU_CHUNK, whole)
-        torch.ops.aten.silu.out(flat[start:end], out=out[start:end])
-    if whole < n:
-        piece = flat.new_zeros(SILU_ALIGN)
-        piece[: n - whole] = flat[whole:]
-        out[whole:] = torch.ops.aten.silu(piece)[: n - whole]
-    return out.view(x.shape)
-
-
-class _VectorizedSilu(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x)
-        return _vectorized_silu(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        (x,) = ctx.saved_tensors
-        return torch.ops.aten.silu_backward(grad, x)
+    """x / (1 + exp(-x)) per element in the kernel (its own exp): bits depend only on the value."""
+    return _unary("silu", x)
 
 
 def invariant_sigmoid(x: torch.Tensor) -> torch.Tensor:
-    x32 = x.to(torch.promote_types(x.dtype, torch.float32))
-    return _one_plus_exp_neg(x32).reciprocal_().to(x.dtype)
+    return _unary("sigmoid", x)
 
 
 def _reduction(func, *args, mean: bool, **kwargs) -> torch.Tensor:
@@ -404,6 +422,7 @@ def _reduction(func, *args, mean: bool, **kwargs) -> torch.Tensor:
     parts = F.pad(x, (0, n * SUM_CHUNK - L)).view(*x.shape[:-1], n, SUM_CHUNK).sum(-1, dtype=dtype)
     out = parts.sum(-1, keepdim=keepdim)
     return out / L if mean else out
+
 
 
 # -------------------------------------------------------------------------------------------------------------- mode
@@ -465,3 +484,26 @@ class _BatchInvariantMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         return _HANDLERS.get(func, func)(*args, **(kwargs or {}))
+
+
+# -------------------------------------------------------------------------------------------------------- self-check
+
+_checked: list[bool] = []
+_check_lock = threading.Lock()
+
+
+def self_check(checks: list | None = None) -> None:
+    """Verify the mode's invariants on this machine, once per process (or the given checks, every call): raises
+    DeterminismError naming the op and its kernel path when one fails. Takes well under a second."""
+    from kernels.invariant_checks import CHECKS, run_checks
+
+    if checks is not None:
+        run_checks(checks)
+        return
+    if _checked:
+        return
+    with _check_lock:
+        if not _checked:
+            with suspend_mode():
+                run_checks(CHECKS)
+            _checked.append(True)

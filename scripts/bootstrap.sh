@@ -18,3 +18,15 @@ if [ ! -f "$stamp" ] || [ requirements.lock -nt "$stamp" ] || [ pyproject.toml -
   } > .venv/install.log 2>&1 || { tail -n 40 .venv/install.log; echo "install failed: see .venv/install.log" >&2; exit 1; }
   touch "$stamp"
 fi
+# Deterministic mode's kernels (kernels/csrc/invariant.c) need a C compiler; built here once so that the first use
+# does not wait for it (kernels/native.py builds it on demand otherwise).
+if ! command -v cc >/dev/null 2>&1 && ! command -v gcc >/dev/null 2>&1; then
+  echo "installing Debian's gcc for deterministic mode's kernels ..."
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && SUDO="sudo"
+  { $SUDO apt-get install -y -q gcc libc6-dev >/dev/null 2>&1 \
+    || { $SUDO apt-get update -q >/dev/null 2>&1 && $SUDO apt-get install -y -q gcc libc6-dev >/dev/null 2>&1; }; } \
+    || echo "could not install gcc: deterministic mode will refuse to start" >&2
+fi
+.venv/bin/python -c "from kernels import native; native.build()" \
+  || echo "building deterministic mode's kernels failed: deterministic mode will refuse to start" >&2

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The full test suite. Needs PostgreSQL (127.0.0.1:5432, trust auth) and Redis (127.0.0.1:6379) running;
-# TRAINYARD_TEST_PG / TRAINYARD_TEST_REDIS point elsewhere. Installs Debian's chromium for the browser test.
+# TRAINYARD_TEST_PG / TRAINYARD_TEST_REDIS point elsewhere. Installs Debian's chromium for the browser test. Then
+# runs deterministic mode's tests under every CPU kernel path (scripts/test_deterministic.sh; skip with
+# TRAINYARD_SKIP_KERNEL_MATRIX=1).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh || exit 1
@@ -18,4 +20,9 @@ if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests: failing" >&2
   exit 1
 fi
-exit "$rc"
+[ "$rc" -ne 0 ] && exit "$rc"
+# Deterministic mode's tests again under each CPU kernel path (MKL / oneDNN / torch ISA caps, kernel builds, threads).
+if [ "${TRAINYARD_SKIP_KERNEL_MATRIX:-0}" != "1" ]; then
+  bash scripts/test_deterministic.sh -q || exit 1
+fi
+exit 0

@@ -2,8 +2,10 @@
 batch and however its positions were computed (full prefill, chunked prefill, decode against a KVCache), and equal
 the trainer's logprobs; plus probes of where plain torch on CPU is not batch-invariant.
 
-Named reference: the sequence's own full forward, alone, under the mode. Tolerance: none (torch.equal, float32 CPU).
-The probes print what they measure (run with -s); docs/deterministic.md records it per op.
+Named reference: the sequence's own full forward, alone, under the mode. Tolerance: none (torch.equal, float32 and
+bfloat16, CPU). The probes print what plain torch does on the machine that runs them (run with -s;
+docs/deterministic.md records one machine's table) and assert only what the mode guarantees: a BLAS that rounds
+differently elsewhere changes the printed table, never the outcome.
 """
 # Shapes: B batch, T tokens, L sequence length, V vocab, M GEMM rows, K contraction, N GEMM columns.
 
@@ -14,14 +16,14 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import attention, reference_attention
+from kernels import native
 from kernels.batch_invariant import (
-    KEY_BLOCK,
-    MIN_ROWS,
     SUM_CHUNK,
     batch_invariant_mode,
     invariant_einsum,
     invariant_grouped_mm,
     invariant_matmul,
+    is_active,
 )
 from kernels.moe import PermState, unpermute
 from kernels.norm import rms_norm
@@ -31,7 +33,7 @@ from models.tiny import build_tiny_model
 
 FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3")
 PAD = 0
-SEQ_LEN = 150  # > KEY_BLOCK and > one query tile of the GQA families: several key blocks and tiles
+SEQ_LEN = 150  # several of the attention kernel's key blocks (16) and query tiles (16 positions)
 
 
 @pytest.fixture(autouse=True)
@@ -76,8 +78,6 @@ def test_probe_linear_row_alone_vs_in_batch(dtype):
                 ]
     print(f"\n{dtype}: M whose rows differ from the row computed alone, (threads, mode) -> {table}")
     assert table[1, True] == table[2, True] == []
-    if dtype == torch.float32:
-        assert table[1, False] and table[2, False], "plain fp32 linear looked batch-invariant on this CPU"
 
 
 def test_probe_gemm_invariant_across_thread_counts_and_row_chunks():
@@ -99,7 +99,7 @@ def test_probe_gemm_invariant_across_thread_counts_and_row_chunks():
 @pytest.mark.parametrize("heads,kv_heads,D,Dv", [(4, 2, 32, 32), (4, 4, 48, 32)])
 def test_probe_attention_decode_vs_prefill(heads, kv_heads, D, Dv):
     """kernels.attention (sdpa backend): row p of a causal prefill vs the same query decoded against keys 0..p."""
-    L = KEY_BLOCK * 2 + 9
+    L = 137
     q, k, v = torch.randn(2, heads, L, D), torch.randn(2, kv_heads, L, D), torch.randn(2, kv_heads, L, Dv)
     differ = {}
     for mode in (False, True):
@@ -113,7 +113,6 @@ def test_probe_attention_decode_vs_prefill(heads, kv_heads, D, Dv):
     print(f"\nH={heads} K={kv_heads} D={D} Dv={Dv}: (decoded rows that differ, chunked prefill differs) "
           f"plain {differ[False]}, mode {differ[True]}")
     assert differ[True] == ([], False)
-    assert differ[False][0], "plain SDPA decode looked equal to prefill on this CPU"
 
 
 def test_probe_silu_sigmoid_tail_elements():
@@ -126,7 +125,7 @@ def test_probe_silu_sigmoid_tail_elements():
             with batch_invariant_mode(mode):
                 mismatches[mode] = sum(int(op(row)[-1] != op(row.flip(0))[0]) for row in x)
         print(f"\n{op.__name__}: tail vs head mismatches in 4000: plain {mismatches[False]}, mode {mismatches[True]}")
-        assert mismatches[True] == 0 and mismatches[False] > 0
+        assert mismatches[True] == 0
 
 
 def test_probe_long_single_row_sum():
@@ -231,12 +230,15 @@ def test_bf16_logits_independent_of_batch_and_of_decode(model_dirs, family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @torch.no_grad()
-def test_without_the_mode_some_comparison_is_not_bitwise(models, family):
-    """So the mode is doing something: measured here, the plain decode path always differs from the full forward
-    (and the MoE families' batched rows differ too)."""
-    results = _comparisons(models[family], _ids((1, SEQ_LEN), 11))
+def test_probe_comparisons_without_the_mode(models, family):
+    """What plain torch gives for the same comparisons (printed: it depends on the machine's BLAS); the logits stay
+    within float32 rounding of the mode's."""
+    seq_1L = _ids((1, SEQ_LEN), 11)
+    results = _comparisons(models[family], seq_1L)
     print(f"\n{family} without the mode, bitwise equal to the sequence alone: {results}")
-    assert not all(results.values())
+    with batch_invariant_mode():
+        invariant = models[family](seq_1L)
+    torch.testing.assert_close(models[family](seq_1L), invariant, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -302,26 +304,24 @@ def test_gradients_flow_under_the_mode(models):
 def test_mode_is_thread_local():
     """Entering the mode on one thread (the rollout's engine thread) leaves other threads on plain torch."""
     W, x = torch.randn(384, 128), torch.randn(1, 128)
-    plain = F.linear(x, W)
-    with batch_invariant_mode():
-        invariant = F.linear(x, W)
-    assert not torch.equal(plain, invariant)  # M = 1 is MKL's gemv path, the mode's GEMM is not
     inside, outside = threading.Event(), threading.Event()
     seen = {}
 
     def engine():
         with batch_invariant_mode():
             inside.set()
-            seen["engine"] = F.linear(x, W)
+            seen["engine"] = (is_active(), torch._C._len_torch_function_stack(), F.linear(x, W))
             outside.wait(10)
 
     thread = threading.Thread(target=engine)
     thread.start()
     inside.wait(10)
-    seen["other"] = F.linear(x, W)
+    seen["other"] = (is_active(), torch._C._len_torch_function_stack(), F.linear(x, W))
     outside.set()
     thread.join()
-    assert torch.equal(seen["engine"], invariant) and torch.equal(seen["other"], plain)
+    assert seen["engine"][:2] == (True, 1) and seen["other"][:2] == (False, 0)
+    assert torch.equal(seen["engine"][2], native.gemm(x, W.t()))  # the kernel's chain, not the BLAS call
+    assert torch.equal(seen["other"][2], F.linear(x, W))
 
 
 # ------------------------------------------------------------------------------------------------- op semantics
@@ -383,4 +383,3 @@ def test_attention_accuracy_against_float64(case):
     err = (out.double() - truth).abs().max().item()
     print(f"\n{case}: max abs error {err:.3g}")
     assert err <= (2e-2 if dtype == torch.bfloat16 else 2e-6)
-    assert MIN_ROWS >= 12  # the measured threshold from which MKL's rows agree (docs/deterministic.md)

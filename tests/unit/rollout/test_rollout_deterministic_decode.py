@@ -1,11 +1,11 @@
-"""The paged cache's deterministic decode attention: every decode row of a step is computed in one batched layout
-(prefix groups sharing whole key blocks, each row's own blocks after them), and each row must be bitwise what
-kernels.batch_invariant's attention gives for that row alone (a one-query decode over exactly its context) and for
-the same position as the last query of a causal prefill. Cases mix contexts in one step (several key blocks, rows
-either side of a KEY_BLOCK boundary), prefix groups of unequal size and prefix length, single rows, contexts in
-several size classes, batches split by the byte budget, a prefill chunk in the same step, pool block sizes that do
-and do not divide KEY_BLOCK, float32 and bfloat16, 1 and 2 threads. Tolerance: none (torch.equal). The pool's slots
-that no row may see hold finite stale data, which must not leak in."""
+"""The paged cache's deterministic decode attention: every decode row of a step in one call of the invariant
+attention kernel, reading the pool in place through the rows' block tables; each row must be bitwise what
+kernels.batch_invariant's attention gives for that row alone (a one-query decode over exactly its context, keys
+gathered contiguous) and for the same position as the last query of a causal prefill. Cases mix contexts in one
+step (rows either side of the kernel's 16-key blocks, prefix groups of unequal size and prefix length, single rows,
+long and short contexts), a prefill chunk in the same step, pool block sizes 4, 16 and 48, float32 and bfloat16, 1
+and 2 threads, the rows in another order. Tolerance: none (torch.equal). The pool's slots that no row may see hold
+finite stale data, which must not leak in."""
 import math
 import random
 
@@ -13,15 +13,14 @@ import pytest
 import torch
 
 from kernels.attention import attention
-from kernels.batch_invariant import KEY_BLOCK, MIN_ROWS, batch_invariant_mode
-from services.rollout import paged_cache
+from kernels.batch_invariant import batch_invariant_mode
 from services.rollout.kv_blocks import KVLayout, KVPool
 from services.rollout.paged_cache import PagedStepCache, SeqSpan
 
 # (prompt length, [tokens each sample holds beyond the prompt's full blocks]) per prefix group
 CASES = {
     "mixed contexts, shared key blocks": [(210, [0, 1, 2, 60, 61, 62, 63, 64]), (64, [0, 1, 3]), (17, [0, 5])],
-    "key block boundaries": [(63, [0]), (64, [0]), (65, [0]), (127, [0, 1]), (128, [0, 1]), (1, [190, 191, 192])],
+    "block boundaries": [(63, [0]), (64, [0]), (65, [0]), (127, [0, 1]), (128, [0, 1]), (1, [190, 191, 192])],
     "unequal groups and singles": [(70, [2, 9]), (200, [1, 2, 3, 4, 5, 6, 7]), (3, [40]), (0, [5]), (300, [0])],
     "size classes": [(2100, [0, 3]), (40, [2, 2]), (1100, [1])],
 }
@@ -110,20 +109,16 @@ def test_batched_decode_rows_equal_each_row_alone_and_prefill(case, bs, dtype):
     out = _step(pool, spans, q, k_new, v_new, scale)
     assert out.shape == (1, H, N, Dv) and out.dtype == dtype and torch.isfinite(out).all()
     decode = [s for s in spans if s.num_new == 1]
-    layout = PagedStepCache(pool, spans, deterministic=True).invariant_batches
-    assert sorted(r for b in layout for r in b.rows.tolist()) == [s.start for s in decode]
-    if case == "mixed contexts, shared key blocks":
-        assert any(b.pv_prefix_blocks.numel() for b in layout), "no prefix group shared a whole key block"
-        if bs == 16:  # a group shares keys past its last whole shared key block (its rows' P V reads them per row)
-            assert any(b.score_prefix_blocks.numel() > b.pv_prefix_blocks.numel() for b in layout)
+    invariant = PagedStepCache(pool, spans, deterministic=True).invariant
+    assert invariant.rows is None if len(decode) == N else invariant.rows.tolist() == [s.start for s in decode]
     _check_rows(out, decode, histories, q, k_new, v_new, scale, seed)
 
 
 @pytest.mark.parametrize("heads", list(HEADS))
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_row_alone_equals_the_row_in_a_batch_across_budgets_and_threads(threads, heads, monkeypatch):
-    """The same step computed whole, split into many small batches (byte budget), and each row as the step's only
-    row, at 1 and 2 threads: bitwise the same rows."""
+def test_a_row_alone_equals_the_row_in_a_batch_in_any_order_and_threads(threads, heads):
+    """The same step computed whole, with its rows in reverse order, and each row as the step's only row, at 1 and
+    2 threads: bitwise the same rows."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -135,54 +130,15 @@ def test_a_row_alone_equals_the_row_in_a_batch_across_budgets_and_threads(thread
         k_new, v_new = torch.randn(1, K, N, D), torch.randn(1, K, N, Dv)
         scale = 1 / math.sqrt(D)
         whole = _step(pool, spans, q, k_new, v_new, scale)
-        monkeypatch.setattr(paged_cache, "INVARIANT_DECODE_BATCH_BYTES", 1)
-        split = _step(pool, spans, q, k_new, v_new, scale)
-        assert len(PagedStepCache(pool, spans, deterministic=True).invariant_batches) > 1
-        assert torch.equal(whole, split)
+        flip = lambda x: x.flip(2)  # noqa: E731
+        reverse = [SeqSpan(i, 1, s.num_computed, s.block_table) for i, s in enumerate(reversed(spans))]
+        reversed_out = _step(pool, reverse, flip(q), flip(k_new), flip(v_new), scale)
+        assert torch.equal(flip(reversed_out), whole)
         for s in spans:
             row = s.start
             alone = _step(pool, [SeqSpan(0, 1, s.num_computed, s.block_table)], q[:, :, row:row + 1],
                           k_new[:, :, row:row + 1], v_new[:, :, row:row + 1], scale)
             assert torch.equal(alone[0, :, 0], whole[0, :, row])
         _check_rows(whole, spans, histories, q, k_new, v_new, scale, 7)
-    finally:
-        torch.set_num_threads(previous)
-
-
-def test_layout_keeps_value_blocks_whole_and_key_counts_at_least_min_rows():
-    """The P V parts are whole KEY_BLOCKs of the rows' positions, whatever the pool's block size, so a key block
-    never straddles the shared and the own part; every key count on a GEMM's column side is >= MIN_ROWS."""
-    for bs in (4, 16, 48, 128):
-        pool, spans, _, N = _build(3, CASES["unequal groups and singles"], bs, HEADS["gqa"], torch.float32, None)
-        unit = math.lcm(bs, KEY_BLOCK)
-        for b in PagedStepCache(pool, spans, deterministic=True).invariant_batches:
-            P, R = b.num_groups, b.rows.numel()
-            assert b.pv_prefix_blocks.numel() // P * bs % unit == 0 and b.pv_index_R1L.shape[-1] % unit == 0
-            assert b.pv_key_blocks == 0 or (b.pv_last_keys in (16, 32, 48, 64) and b.pv_suffix_blocks.numel() // R * bs
-                                            >= (b.pv_key_blocks - 1) * KEY_BLOCK + b.pv_last_keys)
-            for n in (b.score_prefix_blocks.numel() // P * bs, b.score_suffix_blocks.numel() // R * bs):
-                assert n == 0 or n >= MIN_ROWS
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-def test_probe_gemm_over_leading_keys_equals_gemm_over_the_key_block_with_zeros(threads):
-    """What the last P V key block relies on: probabilities [n, k] x values [k, Dv] over the first k = 16, 32 or 48
-    keys of a KEY_BLOCK gives the bits of the GEMM over all KEY_BLOCK keys whose later probabilities are 0 (rows on
-    the GEMM's row side in query_rows' classes, slices of wider buffers as the cache passes them)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        gen = torch.Generator().manual_seed(threads)
-        for rows in (4, 8, 12, 16, 32):
-            for Dv in (16, 32, 64, 128):
-                p = torch.rand(9, rows, 3 * KEY_BLOCK, generator=gen)
-                v = torch.randn(9, 3 * KEY_BLOCK, Dv, generator=gen)
-                for start in (0, KEY_BLOCK):
-                    for k in (16, 32, 48):
-                        zeros_after = p[:, :, start:start + KEY_BLOCK].clone()
-                        zeros_after[:, :, k:] = 0
-                        whole = torch.bmm(zeros_after, v[:, start:start + KEY_BLOCK])
-                        assert torch.equal(torch.bmm(p[:, :, start:start + k], v[:, start:start + k]), whole), (
-                            rows, Dv, start, k)
     finally:
         torch.set_num_threads(previous)
