@@ -10,8 +10,9 @@ that samples, plus the prompt positions whose logprobs were asked for), V vocab,
 - Only the R rows that need logits go through the unembedding (a prefill chunk without prompt logprobs needs none).
 - Router replay capture: a RouterReplay in record mode when some sequence of the step asked for router ids.
 - Deterministic mode: the forward, the unembedding and the sampling run under kernels.batch_invariant's
-  batch_invariant_mode() (GEMMs, grouped expert GEMMs, attention, silu made batch-invariant) and the paged cache
-  takes its kernels.attention path, so a row's numbers cannot depend on the rest of the batch. The engine's own
+  batch_invariant_mode() (GEMMs, grouped expert GEMMs, attention, silu in the invariant kernels) and the paged
+  cache's decode rows go through the same attention kernel, so a row's numbers cannot depend on the rest of the
+  batch. The engine's own
   ops are per row (packing and gathers move data; sampling is per row, services/rollout/sampling.py).
 """
 from __future__ import annotations
