@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import batch_invariant
 from kernels.backends import AUTO, env_var, optional_module, requested_backend
 
 ATTENTION_BACKENDS = ("reference", "sdpa", "flash")
@@ -93,8 +94,6 @@ def attention(
     )
     if packing is not None:
         assert q_offset == 0 and T == S == packing.total and B == 1, "packing is for training rows"
-    from kernels import batch_invariant  # imported here: batch_invariant's self-check imports this module
-
     if batch_invariant.is_active():  # deterministic mode: the batch-invariant kernel, whatever the backend
         return batch_invariant.invariant_attention_positions(
             q_BHTD, k_BKSD, v_BKSD, causal=causal, q_offset=q_offset, packing=packing, scale=scale)

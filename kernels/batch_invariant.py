@@ -355,18 +355,19 @@ def invariant_attention_positions(
     kernel's attention, with no mask tensor: each query's visible keys are a range."""
     B, _, T, D = q_BHTD.shape
     if packing is not None:
-        lo_JT, hi_JT = packed_ranges(packing.cu_seqlens, packing.lengths, causal=causal)
+        lo_JT, hi_JT = packed_ranges(packing, causal=causal)
     else:
         lo_JT, hi_JT = causal_ranges(B, T, k_BKSD.shape[2], causal=causal, q_offset=q_offset, device=q_BHTD.device)
     return attend(q_BHTD, k_BKSD, v_BKSV, lo_JT, hi_JT, 1.0 / math.sqrt(D) if scale is None else scale)
 
 
-def packed_ranges(cu_seqlens: torch.Tensor, lengths: tuple[int, ...], *, causal: bool) -> tuple:
-    """lo, hi [1, T] for documents packed back to back: a query sees its own document (up to itself if causal)."""
-    starts = torch.repeat_interleave(cu_seqlens[:-1].to(torch.int64), torch.tensor(lengths, device=cu_seqlens.device))
-    ends = torch.repeat_interleave(cu_seqlens[1:].to(torch.int64), torch.tensor(lengths, device=cu_seqlens.device))
-    hi = torch.arange(starts.numel(), device=starts.device) + 1 if causal else ends
-    return starts.to(torch.int32)[None], hi.to(torch.int32)[None]
+def packed_ranges(packing, *, causal: bool) -> tuple:
+    """lo, hi [1, T] for documents packed back to back (a kernels.attention.Packing): a query sees its own document
+    (up to itself if causal)."""
+    doc_T = packing.doc_ids()
+    cu = packing.cu_seqlens.to(torch.int64)
+    hi_T = torch.arange(doc_T.numel(), device=doc_T.device) + 1 if causal else cu[1:][doc_T]
+    return cu[:-1][doc_T].to(torch.int32)[None], hi_T.to(torch.int32)[None]
 
 
 # --------------------------------------------------------------------------------------- elementwise and reductions
@@ -495,12 +496,12 @@ _check_lock = threading.Lock()
 def self_check(checks: list | None = None) -> None:
     """Verify the mode's invariants on this machine, once per process (or the given checks, every call): raises
     DeterminismError naming the op and its kernel path when one fails. Takes well under a second."""
-    from kernels.invariant_checks import CHECKS, run_checks
+    if checks is None and _checked:  # every mode entry after the first (the rollout enters once per step)
+        return
+    from kernels.invariant_checks import CHECKS, run_checks  # imported here: it imports this module
 
     if checks is not None:
         run_checks(checks)
-        return
-    if _checked:
         return
     with _check_lock:
         if not _checked:

@@ -54,7 +54,6 @@ static inline v16 v_select_lt(v16 x, float bound, v16 if_less, v16 otherwise) {
 static inline v16 v_select_gt(v16 x, float bound, v16 if_greater, v16 otherwise) {
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, v_set1(bound), _CMP_GT_OQ), otherwise, if_greater);
 }
-static inline float v_hmax(v16 a) { return _mm512_reduce_max_ps(a); } /* max is exact in any order */
 #define TY_MR 12 /* GEMM micro-tile rows (the tiling never changes a result) */
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -92,13 +91,6 @@ static inline v16 v_select_gt(v16 x, float bound, v16 if_greater, v16 otherwise)
     return v_mk(_mm256_blendv_ps(otherwise.lo, if_greater.lo, _mm256_cmp_ps(x.lo, b, _CMP_GT_OQ)),
                 _mm256_blendv_ps(otherwise.hi, if_greater.hi, _mm256_cmp_ps(x.hi, b, _CMP_GT_OQ)));
 }
-static inline float v_hmax(v16 a) {
-    float t[16];
-    v_store(t, a);
-    float m = t[0];
-    for (int i = 1; i < 16; i++) m = t[i] > m ? t[i] : m;
-    return m;
-}
 #define TY_MR 6
 #else
 #define TY_ISA "scalar"
@@ -132,7 +124,6 @@ static inline v16 v_select_lt(v16 x, float bound, v16 if_less, v16 otherwise) {
 static inline v16 v_select_gt(v16 x, float bound, v16 if_greater, v16 otherwise) {
     v16 r; for (int i = 0; i < 16; i++) r.x[i] = x.x[i] > bound ? if_greater.x[i] : otherwise.x[i]; return r;
 }
-static inline float v_hmax(v16 a) { float m = a.x[0]; for (int i = 1; i < 16; i++) m = a.x[i] > m ? a.x[i] : m; return m; }
 #define TY_MR 4
 #endif
 
@@ -269,22 +260,27 @@ static void micro_kernel_bf16(int64_t kc2, const uint32_t *a, const uint16_t *b,
 
 const char *ty_bf16_dot(void) { return TY_BF16_DOT; }
 
+/* The bf16 values src[k * stride], k < kc (zero from k = valid on), as lane `lane` of a [kc/2][width] panel of
+ * bf16 pairs (k, k + 1): the layout of the bf16 dot-product micro-kernel. */
+static void pack_pairs(const uint16_t *src, int64_t stride, int64_t kc, int64_t valid, uint16_t *dst, int64_t lane,
+                       int64_t width) {
+    if (stride == 1 && valid >= kc && ((uintptr_t)src & 3) == 0) { /* a pair is one aligned 32-bit word */
+        const uint32_t *s32 = (const uint32_t *)src;
+        uint32_t *d32 = (uint32_t *)dst;
+        for (int64_t p = 0; p < kc / 2; p++) d32[p * width + lane] = s32[p];
+        return;
+    }
+    for (int64_t k = 0; k < kc; k++) dst[(k >> 1) * 2 * width + 2 * lane + (k & 1)] = k < valid ? src[k * stride] : 0;
+}
+
 /* Packing. B panel q (NR columns n0 + q*NR ..) of k-block k0 (kc rows) into dst: [kc][NR] floats, or with dot
  * [kc/2][NR] pairs of bf16; columns past ncols and k past K zero; with pairs (fp32 chains), position k holds k ^ 1. */
 static void pack_b(const void *B, int64_t b_rs, int64_t b_cs, int b_bf16, int64_t K, int64_t k0, int64_t kc,
                    int64_t n0, int64_t ncols, int pairs, int dot, float *dst) {
     if (dot) {
-        uint16_t *d = (uint16_t *)dst;
-        for (int64_t j = 0; j < TY_NR; j++) {
-            const uint16_t *src = (const uint16_t *)B + k0 * b_rs + (n0 + j) * b_cs;
-            if (j >= ncols) { for (int64_t k = 0; k < kc; k++) d[(k >> 1) * 2 * TY_NR + 2 * j + (k & 1)] = 0; continue; }
-            if (b_rs == 1 && k0 + kc <= K) {
-                const uint32_t *s32 = (const uint32_t *)src; /* pairs (k, k + 1) are adjacent: one 32-bit word */
-                uint32_t *d32 = (uint32_t *)d;
-                if (((uintptr_t)src & 3) == 0) { for (int64_t p = 0; p < kc / 2; p++) d32[p * TY_NR + j] = s32[p]; continue; }
-            }
-            for (int64_t k = 0; k < kc; k++) d[(k >> 1) * 2 * TY_NR + 2 * j + (k & 1)] = k0 + k < K ? src[k * b_rs] : 0;
-        }
+        for (int64_t j = 0; j < TY_NR; j++)
+            pack_pairs((const uint16_t *)B + k0 * b_rs + (n0 + j) * b_cs, b_rs, kc, j < ncols ? K - k0 : 0,
+                       (uint16_t *)dst, j, TY_NR);
         return;
     }
     const int64_t flip = pairs ? 1 : 0;
@@ -317,18 +313,9 @@ static void pack_b(const void *B, int64_t b_rs, int64_t b_cs, int b_bf16, int64_
 static void pack_a(const void *A, int64_t a_rs, int64_t a_cs, int a_bf16, int64_t K, int64_t k0, int64_t kc,
                    int64_t m0, int64_t rows, int pairs, int dot, float *dst) {
     if (dot) {
-        uint16_t *d = (uint16_t *)dst;
-        for (int i = 0; i < TY_MR; i++) {
-            const uint16_t *src = (const uint16_t *)A + (m0 + i) * a_rs + k0 * a_cs;
-            if (i >= rows) { for (int64_t k = 0; k < kc; k++) d[(k >> 1) * 2 * TY_MR + 2 * i + (k & 1)] = 0; continue; }
-            if (a_cs == 1 && k0 + kc <= K && ((uintptr_t)src & 3) == 0) {
-                const uint32_t *s32 = (const uint32_t *)src;
-                uint32_t *d32 = (uint32_t *)d;
-                for (int64_t p = 0; p < kc / 2; p++) d32[p * TY_MR + i] = s32[p];
-                continue;
-            }
-            for (int64_t k = 0; k < kc; k++) d[(k >> 1) * 2 * TY_MR + 2 * i + (k & 1)] = k0 + k < K ? src[k * a_cs] : 0;
-        }
+        for (int i = 0; i < TY_MR; i++)
+            pack_pairs((const uint16_t *)A + (m0 + i) * a_rs + k0 * a_cs, a_cs, kc, i < rows ? K - k0 : 0,
+                       (uint16_t *)dst, i, TY_MR);
         return;
     }
     const int64_t flip = pairs ? 1 : 0;

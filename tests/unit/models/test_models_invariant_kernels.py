@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import batch_invariant, native
+from kernels.attention import Packing
 from kernels.batch_invariant import DeterminismError, batch_invariant_mode, reference_softmax_attention
 from kernels.invariant_checks import CHECKS, Check, run_checks
 
@@ -115,8 +116,7 @@ def test_attention_against_float64_and_row_invariance(case, threads):
     k, v = torch.randn(1, Kh, T, D, generator=_gen(2)).to(dtype), torch.randn(1, Kh, T, Dv, generator=_gen(3)).to(dtype)
     lo, hi = batch_invariant.causal_ranges(1, T, T, causal=True)
     if case == "packed":
-        lo, hi = batch_invariant.packed_ranges(torch.tensor([0, 17, 18, 60, 90], dtype=torch.int32), (17, 1, 42, 30),
-                                               causal=True)
+        lo, hi = batch_invariant.packed_ranges(Packing.from_lengths([17, 1, 42, 30]), causal=True)
     if case == "additive mask":
         mask = torch.randn(1, 1, T, T, generator=_gen(4)).expand(1, H, T, T)
     out = batch_invariant.attend(q, k, v, lo, hi, 0.2, mask)
