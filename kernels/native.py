@@ -4,7 +4,8 @@ loaded through ctypes, called on torch tensors.
 Why a kernel of our own: a BLAS picks its kernel, its blocking and its thread split by the operand shapes and the
 CPU, so a row's rounding changes with the batch it sits in (docs/deterministic.md). These kernels fix the order of
 every reduction in the source (one fma chain per output), so the bits depend on the operands only: not on the
-batch, the tiling, the thread count or the instruction set the build uses.
+batch, the tiling or the thread count, nor (save bf16 x bf16 GEMMs on AMX, see bf16_dot) on the instruction set the
+build uses.
 
 Build: `cc -O3 -march=native -ffp-contract=off -fopenmp -shared` into TRAINYARD_KERNEL_CACHE (default
 ~/.cache/trainyard/kernels), one file per source, compiler and CPU (about a second; scripts/bootstrap.sh builds it
@@ -116,8 +117,10 @@ def isa(lib: ctypes.CDLL | None = None) -> str:
 
 
 def bf16_dot(lib: ctypes.CDLL | None = None) -> str:
-    """How the build computes bf16 x bf16 GEMMs: "avx512_bf16" (the CPU's dot-product instruction) or "emulated"
-    (the same chain with fma); the same bits either way, save for subnormals, which the instruction flushes."""
+    """How the build computes bf16 x bf16 GEMMs: "amx_bf16" (AMX tiles, 32 k per instruction: bits of its own),
+    "avx512_bf16" (the CPU's dot-product instruction) or "emulated" (the same chain with fma; the same bits as
+    avx512_bf16 save for subnormals, which the instruction flushes). TRAINYARD_INVARIANT_AMX=0 keeps a process off
+    AMX."""
     return (lib or library()).ty_bf16_dot().decode()
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Deterministic mode's tests under every CPU kernel path this machine has: the default kernels, MKL and oneDNN capped
 # to AVX2 (and to AVX-512 / AMX where the CPU has them), torch's own kernels capped to AVX2, the invariant kernels'
-# AVX2 and scalar builds, and one torch thread. The tests themselves run 1 and 2 threads where thread counts matter.
+# AVX2 and scalar builds (on AMX also its AVX512_BF16 path), and one torch thread. The tests themselves run 1 and 2
+# threads where thread counts matter.
 # Usage: bash scripts/test_deterministic.sh [pytest args]   (after scripts/bootstrap.sh; scripts/test.sh calls it)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +19,7 @@ CAPS=("" "MKL_ENABLE_INSTRUCTIONS=AVX2" "ONEDNN_MAX_CPU_ISA=AVX2" "ATEN_CPU_CAPA
       "TRAINYARD_INVARIANT_ISA=scalar" "OMP_NUM_THREADS=1")
 if has avx2 && has fma; then CAPS+=("TRAINYARD_INVARIANT_ISA=avx2"); fi
 if has avx512f; then CAPS+=("MKL_ENABLE_INSTRUCTIONS=AVX512" "ONEDNN_MAX_CPU_ISA=AVX512_CORE"); fi
-if has amx_tile; then CAPS+=("ONEDNN_MAX_CPU_ISA=AVX512_CORE_AMX"); fi
+if has amx_tile; then CAPS+=("ONEDNN_MAX_CPU_ISA=AVX512_CORE_AMX" "TRAINYARD_INVARIANT_AMX=0"); fi
 failed=()
 for cap in "${CAPS[@]}"; do
   echo "=== deterministic-mode tests, kernel path: ${cap:-default kernels}"

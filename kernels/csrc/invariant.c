@@ -7,7 +7,11 @@
  * exactly rounded; the AVX-512, AVX2 and scalar builds perform the same operations on every lane):
  *
  * - GEMM: C[m, n] = fma chain over k = 0 .. K-1 in increasing order, starting from 0 (or from C when accumulating:
- *   a chain split over K and accumulated in order is the same chain).
+ *   a chain split over K and accumulated in order is the same chain). bf16 x bf16 chains take k in pairs (the
+ *   order of AVX512_BF16's dot-product instruction, which the other builds reproduce with fma); on a CPU with AMX
+ *   they take k 32 at a time, one tile dot-product instruction per chunk (amx_gemm): still one fixed computation
+ *   per output from its own row and column, so every invariance above holds, but its rounding inside a chunk is
+ *   the hardware's own, so an AMX build's bf16 GEMM bits are not the other builds'.
  * - attention: score(t, s) = (fma chain over d of q[t, d] k[s, d]) * scale (+ mask); m = max over the visible keys
  *   (exact in any order); p = ty_exp(score - m) (below); out = (fma chain over the visible keys s, increasing, of
  *   p(s) v[s]) / (sum over the same keys, increasing, of p(s)). A key outside a row's range is skipped, which is
@@ -258,7 +262,6 @@ static void micro_kernel_bf16(int64_t kc2, const uint32_t *a, const uint16_t *b,
 #define TY_BF16_DOT "emulated"
 #endif
 
-const char *ty_bf16_dot(void) { return TY_BF16_DOT; }
 
 /* The bf16 values src[k * stride], k < kc (zero from k = valid on), as lane `lane` of a [kc/2][width] panel of
  * bf16 pairs (k, k + 1): the layout of the bf16 dot-product micro-kernel. */
@@ -273,6 +276,205 @@ static void pack_pairs(const uint16_t *src, int64_t stride, int64_t kc, int64_t 
     for (int64_t k = 0; k < kc; k++) dst[(k >> 1) * 2 * width + 2 * lane + (k & 1)] = k < valid ? src[k * stride] : 0;
 }
 
+/* ---------------------------------------------------------------------------------------------- AMX (bf16) */
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define TY_AMX 1
+/* Linux grants a process AMX's tile data only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
+ * asked once, the answer kept: every call in a process takes the same path. TRAINYARD_INVARIANT_AMX=0 keeps a
+ * process off AMX (the AVX512_BF16 path instead: what tests compare with the other builds). */
+static int amx_usable(void) {
+    static int state; /* 0 not asked yet, 1 granted, -1 refused */
+    int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
+    if (s == 0) {
+        const char *env = getenv("TRAINYARD_INVARIANT_AMX");
+        s = (env && strcmp(env, "0") == 0) ? -1 : syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+        __atomic_store_n(&state, s, __ATOMIC_RELEASE);
+    }
+    return s > 0;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed, aligned(64))) ty_tilecfg;
+
+/* Every tile 16 rows of 64 bytes: C tiles 16 x 16 float32, operand tiles 16 x 32 bf16 (32 k of 16 outputs' weight
+ * rows) or 16 pairs of k x 16 rows of the other operand (the instruction's pair layout). */
+static void amx_config(void) {
+    ty_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* One operand tile source per 16 columns n of B (the weight side): chunk c (k = 32c .. 32c + 31) of its 16 rows
+ * of k at base + 32c with `stride` bytes between rows, for c < full; chunk `full` (the last, zero-padded) at tail. */
+typedef struct {
+    const uint16_t *base, *tail;
+    int64_t stride, full;
+} amx_src;
+
+static inline const uint16_t *amx_chunk(const amx_src *s, int64_t c, int64_t *stride) {
+    if (c < s->full) { *stride = s->stride; return s->base + 32 * c; }
+    *stride = 64;
+    return s->tail;
+}
+
+/* C tile (16 n x 16 m, float32) from / to C[m, n] (transposed; only m < rows, n < cols). */
+static void amx_c_in(const float *C, int64_t ldc, int64_t rows, int64_t cols, int load, float *t) {
+    for (int64_t i = 0; i < 16; i++)
+        for (int64_t j = 0; j < 16; j++) t[i * 16 + j] = load && j < rows && i < cols ? C[j * ldc + i] : 0.0f;
+}
+static void amx_c_out(const float *t, float *C, int64_t ldc, int64_t rows, int64_t cols) {
+    for (int64_t j = 0; j < rows; j++)
+        for (int64_t i = 0; i < cols; i++) C[j * ldc + i] = t[i * 16 + j];
+}
+
+/* C[m, n] for bf16 x bf16 through AMX's tile dot product: per output one chain over k in chunks of 32 in
+ * increasing order, each chunk one TDPBF16PS (the instruction's own fixed order inside the chunk; it flushes
+ * subnormals), a zero-padded chunk last when K is not a multiple of 32. The weight side (B's columns) is the
+ * instruction's first operand, loaded in place when its k is contiguous; A's rows are packed into pairs once per
+ * call. Which rows share a tile, a task or a thread never changes an output: each is computed from its own row and
+ * column only. */
+static void amx_gemm(int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t a_rs, int64_t a_cs,
+                     const uint16_t *B, int64_t b_rs, int64_t b_cs, float *C, int64_t ldc, int accumulate,
+                     int nthreads) {
+    const int64_t K32 = (K + 31) / 32 * 32, chunks = K32 / 32;
+    const int64_t mtiles = (M + 15) / 16, ntiles = (N + 15) / 16;
+    /* A's rows as pairs: per m-tile [K32 / 2][16] 32-bit words (row m of the tile in lane m) */
+    uint16_t *ap = (uint16_t *)scratch(3, (size_t)mtiles * K32 * 8);
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K > 65536)
+    for (int64_t mt = 0; mt < mtiles; mt++)
+        for (int64_t i = 0; i < 16; i++)
+            pack_pairs(A + (mt * 16 + i) * a_rs, a_cs, K32, mt * 16 + i < M ? K : 0, ap + mt * K32 * 16, i, 16);
+    const int direct = b_rs == 1; /* B[k, n] at B + n * b_cs + k: weight rows with contiguous k */
+    const int64_t nb_tiles = M <= 16 ? 4 : 2, mb_tiles = M <= 16 ? 1 : 2; /* tiles of a task: 4 x 1 or 2 x 2 */
+    const int64_t nblocks = (ntiles + nb_tiles - 1) / nb_tiles, mblocks = (mtiles + mb_tiles - 1) / mb_tiles;
+    const int64_t tasks = nblocks * mblocks;
+#pragma omp parallel num_threads(nthreads) if (tasks > 1 && M * N * K > 262144)
+    {
+        amx_config();
+        float *t = scratch(0, 16 * 16 + 64 * K32 / 2 + 64 * 32 / 2);
+        uint16_t *wbuf = (uint16_t *)(t + 256), *tails = wbuf + 64 * K32;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; task++) {
+            int64_t nt0 = (task / mblocks) * nb_tiles, mt0 = (task % mblocks) * mb_tiles;
+            int64_t nts = ntiles - nt0 < nb_tiles ? ntiles - nt0 : nb_tiles;
+            int64_t mts = mtiles - mt0 < mb_tiles ? mtiles - mt0 : mb_tiles;
+            amx_src src[4];
+            for (int64_t a = 0; a < nb_tiles; a++) {
+                int64_t n0 = (nt0 + a) * 16, cols = a < nts ? (N - n0 < 16 ? N - n0 : 16) : 0;
+                uint16_t *tail = tails + a * 16 * 32;
+                if (direct && cols == 16) {
+                    src[a] = (amx_src){B + n0 * b_cs, tail, b_cs * 2, K / 32};
+                    if (K % 32)
+                        for (int64_t i = 0; i < 16; i++)
+                            for (int64_t k = 0; k < 32; k++)
+                                tail[i * 32 + k] = K / 32 * 32 + k < K ? B[(n0 + i) * b_cs + K / 32 * 32 + k] : 0;
+                } else { /* packed: 16 rows of K32 (zeros past N and K) */
+                    uint16_t *w = wbuf + a * 16 * K32;
+                    for (int64_t i = 0; i < 16; i++)
+                        for (int64_t k = 0; k < K32; k++)
+                            w[i * K32 + k] = i < cols && k < K ? B[k * b_rs + (n0 + i) * b_cs] : 0;
+                    src[a] = (amx_src){w, tail, K32 * 2, chunks};
+                }
+            }
+            int64_t s0, s1, s2, s3;
+            if (mb_tiles == 1) { /* 4 n-tiles x 1 m-tile: C in tmm0-3, rows of A in tmm4, weights in tmm5-7 */
+                const uint16_t *x = ap + mt0 * K32 * 16;
+                int64_t rows = M - mt0 * 16 < 16 ? M - mt0 * 16 : 16;
+                float *c = C + mt0 * 16 * ldc;
+#define TY_CIN(tile, a) do { int64_t n0 = (nt0 + a) * 16; \
+        amx_c_in(c + n0, ldc, rows, n0 < N ? (N - n0 < 16 ? N - n0 : 16) : 0, accumulate, t); \
+        _tile_loadd(tile, t, 64); } while (0)
+#define TY_COUT(tile, a) do { int64_t n0 = (nt0 + a) * 16; if (a < nts) { _tile_stored(tile, t, 64); \
+        amx_c_out(t, c + n0, ldc, rows, N - n0 < 16 ? N - n0 : 16); } } while (0)
+                TY_CIN(0, 0); TY_CIN(1, 1); TY_CIN(2, 2); TY_CIN(3, 3);
+                for (int64_t ch = 0; ch < chunks; ch++) {
+                    _tile_loadd(4, x + ch * 16 * 32, 64);
+                    const uint16_t *w0 = amx_chunk(&src[0], ch, &s0), *w1 = amx_chunk(&src[1], ch, &s1);
+                    const uint16_t *w2 = amx_chunk(&src[2], ch, &s2), *w3 = amx_chunk(&src[3], ch, &s3);
+                    _tile_loadd(5, w0, s0); _tile_dpbf16ps(0, 5, 4);
+                    _tile_loadd(6, w1, s1); _tile_dpbf16ps(1, 6, 4);
+                    _tile_loadd(7, w2, s2); _tile_dpbf16ps(2, 7, 4);
+                    _tile_loadd(5, w3, s3); _tile_dpbf16ps(3, 5, 4);
+                }
+                TY_COUT(0, 0); TY_COUT(1, 1); TY_COUT(2, 2); TY_COUT(3, 3);
+#undef TY_CIN
+#undef TY_COUT
+            } else { /* 2 n-tiles x 2 m-tiles: C in tmm0-3 (n-tile a, m-tile b at 2a + b), weights tmm4-5, A tmm6-7 */
+                const uint16_t *x0 = ap + mt0 * K32 * 16, *x1 = x0 + (mts > 1 ? K32 * 16 : 0);
+#define TY_ROWS(b) (M - (mt0 + b) * 16 < 16 ? M - (mt0 + b) * 16 : 16)
+#define TY_CIN(tile, a, b) do { int64_t n0 = (nt0 + a) * 16; \
+        amx_c_in(C + (mt0 + b) * 16 * ldc + n0, ldc, b < mts ? TY_ROWS(b) : 0, \
+                 n0 < N ? (N - n0 < 16 ? N - n0 : 16) : 0, accumulate, t); _tile_loadd(tile, t, 64); } while (0)
+#define TY_COUT(tile, a, b) do { int64_t n0 = (nt0 + a) * 16; if (a < nts && b < mts) { _tile_stored(tile, t, 64); \
+        amx_c_out(t, C + (mt0 + b) * 16 * ldc + n0, ldc, TY_ROWS(b), N - n0 < 16 ? N - n0 : 16); } } while (0)
+                TY_CIN(0, 0, 0); TY_CIN(1, 0, 1); TY_CIN(2, 1, 0); TY_CIN(3, 1, 1);
+                for (int64_t ch = 0; ch < chunks; ch++) {
+                    const uint16_t *w0 = amx_chunk(&src[0], ch, &s0), *w1 = amx_chunk(&src[1], ch, &s1);
+                    _tile_loadd(6, x0 + ch * 16 * 32, 64);
+                    _tile_loadd(7, x1 + ch * 16 * 32, 64);
+                    _tile_loadd(4, w0, s0);
+                    _tile_loadd(5, w1, s1);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+                TY_COUT(0, 0, 0); TY_COUT(1, 0, 1); TY_COUT(2, 1, 0); TY_COUT(3, 1, 1);
+#undef TY_ROWS
+#undef TY_CIN
+#undef TY_COUT
+            }
+        }
+        _tile_release();
+    }
+}
+#endif
+
+const char *ty_bf16_dot(void) {
+#if defined(TY_AMX)
+    if (amx_usable()) return "amx_bf16";
+#endif
+    return TY_BF16_DOT;
+}
+
+#if defined(__AVX512F__)
+/* r[i] = column i of the 16 x 16 block whose rows are r[0..15] */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) { t[2*i] = _mm512_unpacklo_ps(r[2*i], r[2*i+1]); t[2*i+1] = _mm512_unpackhi_ps(r[2*i], r[2*i+1]); }
+    for (int i = 0; i < 4; i++) {
+        __m512d a = _mm512_castps_pd(t[4*i]), b = _mm512_castps_pd(t[4*i+1]), c = _mm512_castps_pd(t[4*i+2]), d = _mm512_castps_pd(t[4*i+3]);
+        r[4*i]   = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[4*i+1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[4*i+2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        r[4*i+3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i]      = _mm512_shuffle_f32x4(r[i], r[i+4], 0x88);
+        t[i+4]    = _mm512_shuffle_f32x4(r[i], r[i+4], 0xdd);
+        t[i+8]    = _mm512_shuffle_f32x4(r[i+8], r[i+12], 0x88);
+        t[i+12]   = _mm512_shuffle_f32x4(r[i+8], r[i+12], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i]      = _mm512_shuffle_f32x4(t[i], t[i+8], 0x88);
+        r[i+8]    = _mm512_shuffle_f32x4(t[i], t[i+8], 0xdd);
+        r[i+4]    = _mm512_shuffle_f32x4(t[i+4], t[i+12], 0x88);
+        r[i+12]   = _mm512_shuffle_f32x4(t[i+4], t[i+12], 0xdd);
+    }
+}
+#endif
+
 /* Packing. B panel q (NR columns n0 + q*NR ..) of k-block k0 (kc rows) into dst: [kc][NR] floats, or with dot
  * [kc/2][NR] pairs of bf16; columns past ncols and k past K zero; with pairs (fp32 chains), position k holds k ^ 1. */
 static void pack_b(const void *B, int64_t b_rs, int64_t b_cs, int b_bf16, int64_t K, int64_t k0, int64_t kc,
@@ -284,6 +486,24 @@ static void pack_b(const void *B, int64_t b_rs, int64_t b_cs, int b_bf16, int64_
         return;
     }
     const int64_t flip = pairs ? 1 : 0;
+#if defined(__AVX512F__)
+    if (b_rs == 1 && !pairs && ncols == TY_NR) { /* columns with contiguous k (a weight [N, K]): 16 x 16 transposes */
+        int64_t k = 0;
+        for (; k + 16 <= kc; k += 16)
+            for (int64_t h = 0; h < TY_NR; h += 16) {
+                __m512 r[16];
+                for (int64_t j = 0; j < 16; j++) {
+                    int64_t at = (n0 + h + j) * b_cs + k0 + k;
+                    r[j] = b_bf16 ? v_load_bf16((const uint16_t *)B + at) : _mm512_loadu_ps((const float *)B + at);
+                }
+                transpose16(r);
+                for (int64_t kk = 0; kk < 16; kk++) _mm512_storeu_ps(dst + (k + kk) * TY_NR + h, r[kk]);
+            }
+        for (; k < kc; k++)
+            for (int64_t j = 0; j < TY_NR; j++) dst[k * TY_NR + j] = load_elem(B, (n0 + j) * b_cs + k0 + k, b_bf16);
+        return;
+    }
+#endif
     if (b_cs == 1 && !pairs) {
         for (int64_t k = 0; k < kc; k++) {
             int64_t base = (k0 + k) * b_rs + n0;
@@ -355,6 +575,13 @@ void ty_gemm(int64_t M, int64_t N, int64_t K, const void *A, int64_t a_rs, int64
         return;
     }
     const int pairs = a_bf16 && b_bf16;
+#if defined(TY_AMX)
+    if (pairs && amx_usable()) {
+        amx_gemm(M, N, K, (const uint16_t *)A, a_rs, a_cs, (const uint16_t *)B, b_rs, b_cs, C, ldc, accumulate,
+                 nthreads);
+        return;
+    }
+#endif
     const int64_t Kp = pairs ? (K + 1) / 2 * 2 : K;
 #if defined(__AVX512BF16__)
     const int dot = pairs;

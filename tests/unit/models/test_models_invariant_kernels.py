@@ -4,7 +4,7 @@ self-check.
 What the mode relies on, asserted as the product promises it: a row's GEMM / attention / silu result depends only on
 that row's operands (not on M, its offset, the operand layout, a split over K, the thread count), and, since every
 output is one fixed chain of IEEE operations, the AVX-512, AVX2 and scalar builds of the kernels give the same bits
-(the builds this machine can run). Accuracy against named references: float64 products (GEMM, attention, exp /
+(the builds this machine can run; on AMX, bf16 x bf16 GEMMs excepted). Accuracy against named references: float64 products (GEMM, attention, exp /
 silu / sigmoid) within stated float32 tolerances. Tolerance for invariance: none (torch.equal).
 """
 import math
@@ -52,7 +52,7 @@ def test_gemm_row_depends_only_on_its_operands(dtype, threads):
                 assert torch.equal(native.gemm(X[offset:offset + M], W.t()), full[offset:offset + M]), (K, N, M)
         assert torch.equal(native.gemm(X, W.t().contiguous()), full)  # [K, N] row-major: the same chains
         assert torch.equal(native.gemm(X.t().contiguous().t(), W.t()), full)  # column-major x
-        split = K // 3 // 2 * 2  # bf16 x bf16 chains go by pairs of k: a split continues one at an even index
+        split = K // 3 // 32 * 32  # bf16 x bf16 chains go by pairs of k (by 32 on AMX): a split continues one there
         part = native.gemm(X[:, :split], W.t()[:split])
         assert torch.equal(native.gemm(X[:, split:], W.t()[split:], part, accumulate=True), full)
         truth = X.double() @ W.double().t()
@@ -78,8 +78,12 @@ def test_every_build_gives_the_same_bits(dtype):
                          0, k.stride(2)), v_strides=(v.stride(0), v.stride(1), 0, v.stride(2)),
                          shape=(2, 2, 2, 70, 40, 40), out=out, out_strides=out.stride()[:3], lib=lib)
         attns[name] = out
+    # AMX rounds inside its 32-k chunk its own way: a build on it matches the others save for bf16 x bf16 GEMMs
+    # (scripts/test_deterministic.sh runs this again with TRAINYARD_INVARIANT_AMX=0: the AVX512_BF16 path)
+    same_gemm = [n for n in builds if not (dtype == torch.bfloat16 and native.bf16_dot(builds[n]) == "amx_bf16")]
+    for name in same_gemm:
+        assert torch.equal(gemms[name], gemms[same_gemm[0]]), name
     for name in builds:
-        assert torch.equal(gemms[name], gemms["native"]), name
         assert all(torch.equal(a, b) for a, b in zip(unaries[name], unaries["native"])), name
         assert torch.equal(attns[name], attns["native"]), name
 
