@@ -37,7 +37,7 @@ def test_sigterm_lets_an_in_flight_upload_finish(lone_scheduler):
         for i, chunk in enumerate(chunks):
             if i == len(chunks) // 2:
                 sent_half.set()
-                time.sleep(2.0)  # SIGTERM arrives while the stream is half sent
+                time.sleep(3.0)  # SIGTERM arrives while the stream is half sent
             yield chunk
 
     class SlowSource:
@@ -51,6 +51,9 @@ def test_sigterm_lets_an_in_flight_upload_finish(lone_scheduler):
     t = threading.Thread(target=lambda: result.setdefault("ds", c.upload_dataset(SlowSource(), name="slow")))
     t.start()
     assert sent_half.wait(30)
+    # The first half is handed to the transport, not yet necessarily read by the server: give it time to start the
+    # call (a call the server has not started is refused at shutdown, rightly) while the stream stays half sent.
+    time.sleep(0.7)
     proc = lone_scheduler.procs["scheduler"].popen
     proc.terminate()
     t.join(60)
