@@ -276,6 +276,33 @@ static void pack_pairs(const uint16_t *src, int64_t stride, int64_t kc, int64_t 
     for (int64_t k = 0; k < kc; k++) dst[(k >> 1) * 2 * width + 2 * lane + (k & 1)] = k < valid ? src[k * stride] : 0;
 }
 
+#if defined(__AVX512F__)
+/* r[i] = column i of the 16 x 16 block whose rows are r[0..15] */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) { t[2*i] = _mm512_unpacklo_ps(r[2*i], r[2*i+1]); t[2*i+1] = _mm512_unpackhi_ps(r[2*i], r[2*i+1]); }
+    for (int i = 0; i < 4; i++) {
+        __m512d a = _mm512_castps_pd(t[4*i]), b = _mm512_castps_pd(t[4*i+1]), c = _mm512_castps_pd(t[4*i+2]), d = _mm512_castps_pd(t[4*i+3]);
+        r[4*i]   = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[4*i+1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[4*i+2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        r[4*i+3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i]      = _mm512_shuffle_f32x4(r[i], r[i+4], 0x88);
+        t[i+4]    = _mm512_shuffle_f32x4(r[i], r[i+4], 0xdd);
+        t[i+8]    = _mm512_shuffle_f32x4(r[i+8], r[i+12], 0x88);
+        t[i+12]   = _mm512_shuffle_f32x4(r[i+8], r[i+12], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i]      = _mm512_shuffle_f32x4(t[i], t[i+8], 0x88);
+        r[i+8]    = _mm512_shuffle_f32x4(t[i], t[i+8], 0xdd);
+        r[i+4]    = _mm512_shuffle_f32x4(t[i+4], t[i+12], 0x88);
+        r[i+12]   = _mm512_shuffle_f32x4(t[i+4], t[i+12], 0xdd);
+    }
+}
+#endif
+
 /* ---------------------------------------------------------------------------------------------- AMX (bf16) */
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -334,8 +361,11 @@ static void amx_c_in(const float *C, int64_t ldc, int64_t rows, int64_t cols, in
         for (int64_t j = 0; j < 16; j++) t[i * 16 + j] = load && j < rows && i < cols ? C[j * ldc + i] : 0.0f;
 }
 static void amx_c_out(const float *t, float *C, int64_t ldc, int64_t rows, int64_t cols) {
-    for (int64_t j = 0; j < rows; j++)
-        for (int64_t i = 0; i < cols; i++) C[j * ldc + i] = t[i * 16 + j];
+    __m512 r[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(t + i * 16);
+    transpose16(r);
+    const __mmask16 valid = (__mmask16)((1u << cols) - 1);
+    for (int64_t j = 0; j < rows; j++) _mm512_mask_storeu_ps(C + j * ldc, valid, r[j]);
 }
 
 /* C[m, n] for bf16 x bf16 through AMX's tile dot product: per output one chain over k in chunks of 32 in
@@ -392,8 +422,8 @@ static void amx_gemm(int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t
                 const uint16_t *x = ap + mt0 * K32 * 16;
                 int64_t rows = M - mt0 * 16 < 16 ? M - mt0 * 16 : 16;
                 float *c = C + mt0 * 16 * ldc;
-#define TY_CIN(tile, a) do { int64_t n0 = (nt0 + a) * 16; \
-        amx_c_in(c + n0, ldc, rows, n0 < N ? (N - n0 < 16 ? N - n0 : 16) : 0, accumulate, t); \
+#define TY_CIN(tile, a) do { int64_t n0 = (nt0 + a) * 16; if (!accumulate) { _tile_zero(tile); break; } \
+        amx_c_in(c + n0, ldc, rows, n0 < N ? (N - n0 < 16 ? N - n0 : 16) : 0, 1, t); \
         _tile_loadd(tile, t, 64); } while (0)
 #define TY_COUT(tile, a) do { int64_t n0 = (nt0 + a) * 16; if (a < nts) { _tile_stored(tile, t, 64); \
         amx_c_out(t, c + n0, ldc, rows, N - n0 < 16 ? N - n0 : 16); } } while (0)
@@ -413,9 +443,9 @@ static void amx_gemm(int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t
             } else { /* 2 n-tiles x 2 m-tiles: C in tmm0-3 (n-tile a, m-tile b at 2a + b), weights tmm4-5, A tmm6-7 */
                 const uint16_t *x0 = ap + mt0 * K32 * 16, *x1 = x0 + (mts > 1 ? K32 * 16 : 0);
 #define TY_ROWS(b) (M - (mt0 + b) * 16 < 16 ? M - (mt0 + b) * 16 : 16)
-#define TY_CIN(tile, a, b) do { int64_t n0 = (nt0 + a) * 16; \
+#define TY_CIN(tile, a, b) do { int64_t n0 = (nt0 + a) * 16; if (!accumulate) { _tile_zero(tile); break; } \
         amx_c_in(C + (mt0 + b) * 16 * ldc + n0, ldc, b < mts ? TY_ROWS(b) : 0, \
-                 n0 < N ? (N - n0 < 16 ? N - n0 : 16) : 0, accumulate, t); _tile_loadd(tile, t, 64); } while (0)
+                 n0 < N ? (N - n0 < 16 ? N - n0 : 16) : 0, 1, t); _tile_loadd(tile, t, 64); } while (0)
 #define TY_COUT(tile, a, b) do { int64_t n0 = (nt0 + a) * 16; if (a < nts && b < mts) { _tile_stored(tile, t, 64); \
         amx_c_out(t, C + (mt0 + b) * 16 * ldc + n0, ldc, TY_ROWS(b), N - n0 < 16 ? N - n0 : 16); } } while (0)
                 TY_CIN(0, 0, 0); TY_CIN(1, 0, 1); TY_CIN(2, 1, 0); TY_CIN(3, 1, 1);
@@ -448,32 +478,6 @@ const char *ty_bf16_dot(void) {
     return TY_BF16_DOT;
 }
 
-#if defined(__AVX512F__)
-/* r[i] = column i of the 16 x 16 block whose rows are r[0..15] */
-static inline void transpose16(__m512 r[16]) {
-    __m512 t[16];
-    for (int i = 0; i < 8; i++) { t[2*i] = _mm512_unpacklo_ps(r[2*i], r[2*i+1]); t[2*i+1] = _mm512_unpackhi_ps(r[2*i], r[2*i+1]); }
-    for (int i = 0; i < 4; i++) {
-        __m512d a = _mm512_castps_pd(t[4*i]), b = _mm512_castps_pd(t[4*i+1]), c = _mm512_castps_pd(t[4*i+2]), d = _mm512_castps_pd(t[4*i+3]);
-        r[4*i]   = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
-        r[4*i+1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-        r[4*i+2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
-        r[4*i+3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
-    }
-    for (int i = 0; i < 4; i++) {
-        t[i]      = _mm512_shuffle_f32x4(r[i], r[i+4], 0x88);
-        t[i+4]    = _mm512_shuffle_f32x4(r[i], r[i+4], 0xdd);
-        t[i+8]    = _mm512_shuffle_f32x4(r[i+8], r[i+12], 0x88);
-        t[i+12]   = _mm512_shuffle_f32x4(r[i+8], r[i+12], 0xdd);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[i]      = _mm512_shuffle_f32x4(t[i], t[i+8], 0x88);
-        r[i+8]    = _mm512_shuffle_f32x4(t[i], t[i+8], 0xdd);
-        r[i+4]    = _mm512_shuffle_f32x4(t[i+4], t[i+12], 0x88);
-        r[i+12]   = _mm512_shuffle_f32x4(t[i+4], t[i+12], 0xdd);
-    }
-}
-#endif
 
 /* Packing. B panel q (NR columns n0 + q*NR ..) of k-block k0 (kc rows) into dst: [kc][NR] floats, or with dot
  * [kc/2][NR] pairs of bf16; columns past ncols and k past K zero; with pairs (fp32 chains), position k holds k ^ 1. */
