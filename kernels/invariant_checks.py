@@ -28,7 +28,7 @@ class Check:
 
 
 def native_path() -> str:
-    return f"kernels/csrc/invariant.c, {native.isa()} build"
+    return f"kernels/csrc/invariant.c, {native.isa()} build (bf16 GEMM: {native.bf16_dot()})"
 
 
 def torch_path() -> str:
