@@ -19,10 +19,12 @@ temperature 1, no top-k / top-p, --max-tokens new tokens (a sample may stop earl
 all submitted at once to services.rollout.engine.Engine (EngineConfig(dtype, deterministic)), so its decode steps
 batch every sample together, while the trainer scores them all in one padded forward.
 
-Trainer side: the logprobs the trainer's Forward / ForwardBackward computes for an RL loss (services/trainer/compute.py;
+Trainer side: the logprobs the trainer's Forward / ForwardBackward computes for an RL loss
+(services/trainer/engine/forward_backward.py;
 bitwise in deterministic mode, to float32 rounding in the default mode, where datums are packed): every sample is a
 datum with tokens = prompt + completion[:-1] and target_tokens = prompt[1:] + completion, all datums right-padded
-with 0 into one [B, T] batch, and services.trainer.logprobs.target_logprobs(model, tokens, targets, deterministic=)
+with 0 into one [B, T] batch, and
+services.trainer.engine.logprobs.target_logprobs(model, tokens, targets, deterministic=)
 with gradients enabled on a model loaded by models.load_pretrained in the same dtype as the rollout
 (deterministic= matches the rollout's mode). Extra rows:
 - "bf16 -> fp32 trainer": the bf16 default-mode samples scored by a float32 trainer model (what SessionManager
@@ -56,7 +58,7 @@ from models.tiny import FINAL_NORM_GAIN, TINY_CONFIGS, _init_weights, build_tiny
 from models.tokenizer import load_tokenizer
 from services.rollout.engine import Engine, EngineConfig
 from services.rollout.sampling import SampledSequence, SamplingParams
-from services.trainer.logprobs import target_logprobs
+from services.trainer.engine.logprobs import target_logprobs
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MOE_FAMILIES = ("qwen3_moe", "deepseek_v3")
@@ -127,7 +129,8 @@ def rollout(model_dir: Path, dtype: torch.dtype, deterministic: bool, prompts: l
 
 def trainer_batch(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
     """The datums of an RL forward (tokens = prompt + completion[:-1], targets = the next tokens), right-padded with
-    0 into one batch, as the trainer's deterministic mode runs a micro-batch (services/trainer/compute.py)."""
+    0 into one batch, as the trainer's deterministic mode runs a micro-batch
+    (services/trainer/engine/forward_backward.py)."""
     rows = [s.prompt + s.seq.tokens for s in samples]
     T = max(len(r) for r in rows) - 1
     tokens_BT = torch.zeros(len(rows), T, dtype=torch.int64)

@@ -80,7 +80,8 @@ def same(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> bool:
 
 
 def micro_batches(lengths: list[int], max_tokens: int) -> list[int]:
-    """Datums per micro-batch under the trainer's greedy packing (services.trainer.compute.MicroBatcher)."""
+    """Datums per micro-batch under the trainer's greedy packing
+    (services.trainer.engine.forward_backward.MicroBatcher)."""
     sizes, tokens, n = [], 0, 0
     for length in lengths:
         if n and tokens + length > max_tokens:

@@ -18,6 +18,7 @@ from torch import nn
 
 from models import load_pretrained
 from models.lora import set_active_adapter
+from services.trainer.engine import training_dtype
 
 
 @dataclass
@@ -38,8 +39,8 @@ class ModelHolder:
 
 
 class ModelPool:
-    def __init__(self, device: torch.device, dtype: torch.dtype = torch.float32):
-        self.device, self.dtype = device, dtype
+    def __init__(self, device: torch.device):
+        self.device = device
         self._bases: dict[str, ModelHolder] = {}
         self._lock = threading.Lock()
 
@@ -49,14 +50,14 @@ class ModelPool:
         with self._lock:  # loading under the pool lock: concurrent creates on one path load it once
             holder = self._bases.get(path)
             if holder is None:
-                holder = ModelHolder(path, self.load(path).train(), shared=True)
+                holder = ModelHolder(path, self.load(path, full_parameter=False).train(), shared=True)
                 self._bases[path] = holder
             holder.users.add(session_id)
             return holder
 
     def private(self, path: str, session_id: str, model: nn.Module | None = None) -> ModelHolder:
         """A model of the session's own (loaded from path unless given)."""
-        model = self.load(path) if model is None else model
+        model = self.load(path, full_parameter=True) if model is None else model
         return ModelHolder(path, model.train(), shared=False, users={session_id})
 
     def release(self, holder: ModelHolder, session_id: str) -> None:
@@ -65,8 +66,10 @@ class ModelPool:
             if holder.shared and not holder.users and self._bases.get(holder.path) is holder:
                 del self._bases[holder.path]
 
-    def load(self, path: str) -> nn.Module:
-        return load_pretrained(path, dtype=self.dtype, device=self.device)
+    def load(self, path: str, *, full_parameter: bool) -> nn.Module:
+        """The model directory's weights in the engine's training dtype (a frozen LoRA base vs trained weights)."""
+        return load_pretrained(path, dtype=training_dtype(self.device, full_parameter=full_parameter),
+                               device=self.device)
 
     def loaded_bases(self) -> dict[str, set[str]]:
         """Model directory -> ids of the sessions sharing it (for tests and status)."""

@@ -17,15 +17,16 @@ Failure: a call with bad input fails with INVALID_ARGUMENT naming the field ("da
 in its turn, uses up its seq_id and changes nothing: every datum of a unary call is checked before any compute; a
 stream checks each datum as it arrives, and a bad datum (or a stream the client cancels, CANCELLED) fails the call
 after some of its micro-batches may have run: their gradients are dropped and the gradients held before the call are
-restored exactly (services/trainer/compute.py), so the session goes on as if the call never happened. A transient
-failure to publish weights is UNAVAILABLE and also leaves the session usable. Any other failure marks the session
-failed; later calls get FAILED_PRECONDITION rather than run on state that may be half-updated. Calls on a closed
-session are FAILED_PRECONDITION.
+restored exactly (services/trainer/engine/forward_backward.py), so the session goes on as if the call never
+happened. A transient failure to publish weights is UNAVAILABLE and also leaves the session usable. Any other
+failure marks the session failed; later calls get FAILED_PRECONDITION rather than run on state that may be
+half-updated. Calls on a closed session are FAILED_PRECONDITION.
 
 Gradients accumulate across ForwardBackward calls until OptimStep (which applies them and clears them); LoadState
-clears them too. The losses and their batch factor are services/trainer/losses.py; micro-batching and the exactness
-of unary vs streamed calls, services/trainer/compute.py; saved states, services/trainer/state.py; LoRA defaults and
-request checks, services/trainer/session_spec.py.
+clears them too. Every session trains through the engine (services/trainer/engine/): the losses and their batch
+factor are its losses.py; micro-batching and the exactness of unary vs streamed calls, its forward_backward.py; the
+optimizer step, its optim.py. Saved states: services/trainer/state.py; LoRA defaults and request checks:
+services/trainer/session_spec.py.
 """
 from __future__ import annotations
 
@@ -51,9 +52,9 @@ from services.common.protoconv import ts
 from services.common.schema import Checkpoint, TrainingSession, new_id, utcnow
 from services.trainer import state as saved_state
 from services.trainer.bases import ModelHolder, ModelPool
-from services.trainer.compute import (
-    LossCall, check_datum, check_loss_request, client_messages, run_call, stream_datums,
-)
+from services.trainer.datums import check_datum, client_messages, stream_datums
+from services.trainer.engine import AdamW, TrainingEngine
+from services.trainer.engine.forward_backward import LossCall, check_loss_request, run_call
 from services.trainer.session_spec import (
     CreateSpec, LoraSpec, check_create_matches_state, resolve_lora, state_mismatch,
 )
@@ -77,8 +78,7 @@ class Session:
     holder: ModelHolder
     lora: LoraConfig | None  # None: full-parameter
     seed: int
-    params: list[torch.nn.Parameter]
-    optimizer: torch.optim.AdamW
+    engine: TrainingEngine  # the session's trainable parameters and AdamW over the holder's model
     created_at: object
     from_state: str = ""
     num_trainable: int = 0
@@ -92,6 +92,14 @@ class Session:
     @property
     def full_parameter(self) -> bool:
         return self.lora is None
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return self.engine.params
+
+    @property
+    def optimizer(self) -> torch.optim.AdamW:
+        return self.engine.optimizer
 
     def use(self):
         """The model with this session's weights active, held exclusively."""
@@ -112,7 +120,8 @@ class SessionManager:
         self.blobs = blobs
         self.publish = publish  # (api_key, session, directory, kind "lora_adapter" | "full") -> version id
         self.order_timeout_s = order_timeout_s
-        # Batch-invariant numerics (services/trainer/compute.py): logprobs bitwise the deterministic rollout's.
+        # Batch-invariant numerics (services/trainer/engine/forward_backward.py): logprobs bitwise the deterministic
+        # rollout's.
         self.deterministic = deterministic
         self.micro_batch_tokens = micro_batch_tokens
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -167,7 +176,7 @@ class SessionManager:
             model = None
             if saved is not None:  # the state's weights are the session's model
                 try:
-                    model = self.pool.load(str(saved.weights_dir))
+                    model = self.pool.load(str(saved.weights_dir), full_parameter=True)
                 except ValueError as exc:
                     raise InvalidArgument(str(exc), field="from_state") from None
             holder = self.pool.private(path, sess_id, model)
@@ -180,11 +189,11 @@ class SessionManager:
             except BaseException:
                 self.pool.release(holder, sess_id)
                 raise
-        optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+        # Every OptimStep sets the hyperparameters it applies; these only initialize the optimizer.
+        engine = TrainingEngine(holder.model, params, optimizer=AdamW(beta2=0.95, eps=1e-12), device=self.device)
         sess = Session(id=sess_id, account_id=account_id, base_model=name, model_path=path, holder=holder, lora=lora,
-                       seed=seed, params=params, optimizer=optimizer, created_at=utcnow(),
-                       from_state=spec.from_state,
-                       num_trainable=sum(p.numel() for p in params))
+                       seed=seed, engine=engine, created_at=utcnow(), from_state=spec.from_state,
+                       num_trainable=engine.num_trainable)
         if saved is not None:
             try:
                 with sess.use() as model:
@@ -252,10 +261,7 @@ class SessionManager:
             with sess.holder.lock:
                 remove_adapter(sess.holder.model, sess.id)
         self.pool.release(sess.holder, sess.id)
-        for p in sess.params:
-            p.grad = None
-        sess.params = []
-        sess.optimizer.state.clear()
+        sess.engine.release()
 
     # -- ordered calls ---------------------------------------------------------------------------------------------
     def _in_order(self, sess: Session, seq_id: int, fn):
@@ -286,8 +292,7 @@ class SessionManager:
     def _loss_call(self, sess: Session, loss_fn: str, config, micro_batch_tokens: int, backward: bool,
                    prefix: str = "") -> LossCall:
         req = check_loss_request(loss_fn, config, micro_batch_tokens, self.micro_batch_tokens, prefix)
-        return LossCall(sess.holder.model, sess.params, req, backward=backward, deterministic=self.deterministic,
-                        device=self.device, lock=sess.use)
+        return sess.engine.loss_call(req, backward=backward, deterministic=self.deterministic, lock=sess.use)
 
     def forward(self, account_id: str, session_id: str, seq_id: int, data, loss_fn: str, loss_fn_config,
                 backward: bool, micro_batch_tokens: int = 0) -> tuple[list[torch.Tensor], dict[str, float]]:
@@ -336,15 +341,9 @@ class SessionManager:
                 if not (ok and math.isfinite(adam[name])):
                     raise InvalidArgument(f"must be {rule}, got {adam[name]}", field=f"adam.{name}")
             with sess.use():
-                for g in sess.optimizer.param_groups:
-                    g.update(lr=lr, betas=(b1, b2), eps=adam["eps"], weight_decay=adam["weight_decay"])
-                grads = [p.grad for p in sess.params if p.grad is not None]
-                if adam["grad_clip_norm"] > 0:
-                    norm = torch.nn.utils.clip_grad_norm_(sess.params, adam["grad_clip_norm"])
-                else:
-                    norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-                sess.optimizer.step()
-                sess.optimizer.zero_grad(set_to_none=True)
+                norm = sess.engine.step(AdamW(learning_rate=lr, beta1=b1, beta2=b2, eps=adam["eps"],
+                                              weight_decay=adam["weight_decay"],
+                                              grad_clip_norm=adam["grad_clip_norm"]))
             sess.optim_steps += 1
             return sess.optim_steps, {"grad_norm": float(norm), "learning_rate": lr}  # float() syncs
 

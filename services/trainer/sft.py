@@ -2,8 +2,8 @@
 
 Shapes: B rows in a micro-batch, T tokens per row, V vocab, D hidden, N = B * T, C tokens per chunk.
 
-The loss never materialises [B, T, V] logits: sum_target_nll takes the model's final hidden states and computes the
-target logprobs in chunks of tokens (kernels/logprobs.py), recomputing each chunk in backward.
+The run trains through the engine (services/trainer/engine/): the loss is its summed target NLL (the chunked logprob
+head: never [B, T, V] logits), the step its AdamW step (torch's defaults, the job's weight decay and clipping).
 
 Order of one optimizer step s (0-based; `step` counts completed steps, so it becomes s + 1):
   for each of the step's gradient_accumulation_steps micro-batches: hooks.should_stop() -> forward -> backward of
@@ -25,17 +25,13 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
-from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from kernels import Packing
-from kernels.logprobs import chunked_logprobs, default_chunk_size
-from models import CausalLM, load_pretrained
-from models.lora import ADAPTER_WEIGHTS, LoraConfig, apply_lora, lora_state_dict, save_peft_adapter
+from models import CausalLM
+from models.lora import ADAPTER_WEIGHTS, LoraConfig, lora_state_dict, save_peft_adapter
 from models.tokenizer import load_tokenizer
-from services.trainer.data import IGNORE_INDEX, MicroBatch, SftData, StepSampler, batches, load_sft_data
+from services.trainer.data import MicroBatch, SftData, StepSampler, batches, load_sft_data
+from services.trainer.engine import AdamW, TrainingEngine
 from services.trainer.schedule import learning_rate
 from services.trainer.sft_config import SftHyperparams
 
@@ -108,16 +104,13 @@ class _SftRun:
     def __init__(self, model_dir: Path, data: SftData, hp: SftHyperparams, hooks: SftHooks, base_name: str,
                  work_dir: Path):
         self.hp, self.hooks, self.data, self.base_name, self.work_dir = hp, hooks, data, base_name, work_dir
-        # A bf16 base halves memory on a GPU; the LoRA weights stay float32 either way (models.lora).
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self.model: CausalLM = load_pretrained(model_dir, dtype=dtype, device=self.device)
         self.lora_cfg = LoraConfig(
             rank=hp.lora_rank, alpha=hp.lora_alpha, dropout=hp.lora_dropout, target_modules=hp.target_modules
         )
-        self.params = apply_lora(self.model, self.lora_cfg, seed=hp.seed)
-        self.num_trainable = sum(p.numel() for p in self.params)
-        self.optimizer = torch.optim.AdamW(self.params, lr=hp.learning_rate, weight_decay=hp.weight_decay)
+        self.engine = TrainingEngine.load(model_dir, lora=self.lora_cfg, seed=hp.seed,
+                                          optimizer=self._adamw(hp.learning_rate))
+        self.model: CausalLM = self.engine.model
+        self.num_trainable = self.engine.num_trainable
         self.sampler = StepSampler(
             data.train, batch_size=hp.batch_size, grad_accum=hp.gradient_accumulation_steps, seed=hp.seed
         )
@@ -148,15 +141,19 @@ class _SftRun:
             self._checkpoint(True, metrics)
         return SftOutcome(step=self.step, stopped=False, metrics=metrics)
 
+    def _adamw(self, lr: float) -> AdamW:
+        """torch's AdamW defaults (betas 0.9 / 0.999, eps 1e-8) with the job's weight decay and clipping."""
+        return AdamW(learning_rate=lr, weight_decay=self.hp.weight_decay, grad_clip_norm=self.hp.max_grad_norm)
+
     def _nll_sum(self, mb: MicroBatch) -> torch.Tensor:
-        return sum_target_nll(self.model, mb.input_ids_BT.to(self.device), mb.targets_BT.to(self.device))
+        return self.engine.nll_sum(mb.input_ids_BT, mb.targets_BT)
 
     def _train_step(self, step: int) -> dict[str, float] | None:
         """One optimizer step over its micro-batches; None when should_stop() fired before one of them."""
         hp = self.hp
         micro_batches = self.sampler.step_batches(step)
         num_targets = sum(mb.num_targets for mb in micro_batches)
-        nll = torch.zeros((), device=self.device)
+        nll = torch.zeros((), device=self.engine.device)
         for mb in micro_batches:
             if self.hooks.should_stop():
                 return None
@@ -164,18 +161,11 @@ class _SftRun:
             mb_nll = self._nll_sum(mb)
             (mb_nll / num_targets).backward()
             nll += mb_nll.detach()
-        if hp.max_grad_norm > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, hp.max_grad_norm)
-        else:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
         lr = learning_rate(
             step, peak_lr=hp.learning_rate, kind=hp.lr_scheduler, warmup_steps=hp.warmup_steps,
             total_steps=self.total_steps,
         )
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = self.engine.step(self._adamw(lr))
         return {
             "train/loss": (nll / num_targets).item(),  # .item() syncs, once per step
             "train/lr": lr,
@@ -190,7 +180,7 @@ class _SftRun:
         if not self.data.eval:
             return {}
         self.model.eval()
-        nll = torch.zeros((), device=self.device)
+        nll = torch.zeros((), device=self.engine.device)
         num_targets = 0
         for mb in batches(self.data.eval, self.hp.batch_size):
             nll += self._nll_sum(mb)
@@ -203,8 +193,9 @@ class _SftRun:
         adapter_dir, state_dir = root / "adapter", root / "state"
         save_peft_adapter(self.model, self.lora_cfg, adapter_dir, base_model_name_or_path=self.base_name)
         state_dir.mkdir(parents=True, exist_ok=True)
-        torch.save(self.optimizer.state_dict(), state_dir / OPTIMIZER_FILE)
-        torch.save(_rng_state(self.device), state_dir / RNG_FILE)
+        state = self.engine.training_state()
+        torch.save(state["optimizer"], state_dir / OPTIMIZER_FILE)
+        torch.save(state["rng"], state_dir / RNG_FILE)
         state = {
             "step": self.step,
             "total_steps": self.total_steps,
@@ -234,39 +225,10 @@ class _SftRun:
                 f"has {len(self.data.train)}; resume with the same dataset, max_seq_len, eval_fraction and seed"
             )
         _load_adapter_weights(self.model, Path(ckpt.adapter_dir))
-        self.optimizer.load_state_dict(torch.load(state_dir / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
-        _set_rng_state(torch.load(state_dir / RNG_FILE, weights_only=True), self.device)
+        self.engine.load_optimizer_state(torch.load(state_dir / OPTIMIZER_FILE, map_location="cpu",
+                                                    weights_only=True))
+        self.engine.load_rng_state(torch.load(state_dir / RNG_FILE, weights_only=True))
         self.step = state["step"]
-
-
-def sum_target_nll(
-    model: CausalLM, input_ids_BT: torch.Tensor, targets_BT: torch.Tensor, *, chunk_size: int | None = None,
-    packing: Packing | None = None,
-) -> torch.Tensor:
-    """Summed float32 NLL of the target tokens (IGNORE_INDEX elsewhere), never materialising [B, T, V] logits:
-    chunked logprobs over the final-normed hidden states (kernels/logprobs.py), chunk_size tokens at a time
-    (default: kernels.logprobs.default_chunk_size of the vocabulary). With packing, the row (B = 1) holds several
-    sequences back to back (the model's `packing`); the targets then end each sequence with IGNORE_INDEX."""
-    hidden_BTD = model(input_ids_BT, packing=packing, return_hidden=True)
-    head = model.lm_head
-    chunk_size = chunk_size or default_chunk_size(head.out_features)
-    if type(head) is nn.Linear and head.bias is None:
-        logprobs_BT = chunked_logprobs(
-            hidden_BTD, None, 0.0, head.weight, targets_BT, chunk_size=chunk_size, ignore_index=IGNORE_INDEX
-        )
-        return -logprobs_BT.sum()
-    # LoRA wraps lm_head (its dropout acts on each token's hidden state, so there is no single unembedding matrix):
-    # the logits of one chunk at a time, recomputed in backward (checkpoint replays the dropout RNG state).
-    hidden_ND, targets_N = hidden_BTD.flatten(0, 1), targets_BT.flatten()
-    nll = hidden_ND.new_zeros((), dtype=torch.float32)
-    for start in range(0, hidden_ND.shape[0], chunk_size):
-        rows = slice(start, start + chunk_size)
-        nll = nll + checkpoint(_chunk_nll, model, hidden_ND[rows], targets_N[rows], use_reentrant=False)
-    return nll
-
-
-def _chunk_nll(model: CausalLM, hidden_CD: torch.Tensor, targets_C: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(model.logits(hidden_CD).float(), targets_C, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def _load_adapter_weights(model: CausalLM, adapter_dir: Path) -> None:
@@ -279,16 +241,3 @@ def _load_adapter_weights(model: CausalLM, adapter_dir: Path) -> None:
     with torch.no_grad():
         for key, param in targets.items():
             param.copy_(tensors[key])
-
-
-def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
-    state = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
-    torch.set_rng_state(state["cpu"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)

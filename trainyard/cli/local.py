@@ -18,7 +18,7 @@ from trainyard.cli.render import console, err_console
 @click.option("--target", type=float, default=0.05, show_default=True, help="Mean token loss to reach.")
 def validate(model_dir, mode, steps, lr, target):
     """Release gate: the model must memorize a fixed set of 8 sequences (loss < target) within the step budget."""
-    from models.validate import memorization_check
+    from services.trainer.validate import memorization_check
 
     with Progress(TextColumn("memorizing"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TextColumn("{task.fields[loss]}"), TimeElapsedColumn(), console=err_console) as bar:

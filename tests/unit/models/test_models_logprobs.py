@@ -14,7 +14,7 @@ from kernels.logprobs import IGNORE_INDEX, chunked_logprobs, default_chunk_size,
 from kernels.memory import TensorMemoryTracker
 from models.llama import CausalLM, ModelArgs
 from models.lora import LoraConfig, apply_lora
-from services.trainer.sft import sum_target_nll
+from services.trainer.engine.logprobs import target_nll_sum
 
 VALUE_ATOL = 1e-5
 GRAD_RTOL = 1e-5
@@ -190,7 +190,7 @@ def test_trainer_nll_matches_cross_entropy_over_logits(lm_head_lora):
     ids_BT = torch.randint(0, 97, (3, 21), generator=gen)
     targets_BT = torch.randint(0, 97, (3, 21), generator=gen)
     targets_BT[:, :4] = IGNORE_INDEX
-    nll = sum_target_nll(model, ids_BT, targets_BT, chunk_size=8)
+    nll = target_nll_sum(model, ids_BT, targets_BT, chunk_size=8)
     grads = torch.autograd.grad(nll, params)
     ref = F.cross_entropy(model(ids_BT).flatten(0, 1), targets_BT.flatten(), ignore_index=IGNORE_INDEX,
                           reduction="sum")

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from kernels import Packing
 from kernels.logprobs import IGNORE_INDEX
 from models import load_pretrained
-from services.trainer.sft import sum_target_nll
+from services.trainer.engine.logprobs import target_nll_sum
 
 NLL_RTOL = 1e-5
 GRAD_RTOL = 1e-5
@@ -94,8 +94,8 @@ def test_packed_losses_and_grads_equal_unpacked(models, family, backend, group_t
 
 @pytest.mark.parametrize("family", ["tiny", "llama"])
 def test_packed_trainer_loss_equals_unpacked(models, family):
-    """The trainer's chunked loss (services/trainer/sft.sum_target_nll) over one packed row: targets are the next
-    token within each sequence, IGNORE_INDEX at each sequence's last token."""
+    """The trainer's chunked loss (services/trainer/engine/logprobs.target_nll_sum) over one packed row: targets are
+    the next token within each sequence, IGNORE_INDEX at each sequence's last token."""
     model = models[family]
     model.zero_grad(set_to_none=True)
     seqs = _sequences(model.args.vocab_size)
@@ -104,7 +104,7 @@ def test_packed_trainer_loss_equals_unpacked(models, family):
     alone_grads = _grads(model)
 
     targets_T = torch.cat([torch.cat([ids_T[1:], torch.tensor([IGNORE_INDEX])]) for ids_T in seqs])
-    packed = sum_target_nll(model, torch.cat(seqs)[None], targets_T[None], chunk_size=7,
+    packed = target_nll_sum(model, torch.cat(seqs)[None], targets_T[None], chunk_size=7,
                             packing=Packing.from_lengths(LENGTHS))
     packed.backward()
     _compare([packed.item()], _grads(model), [alone.item()], alone_grads)

@@ -8,7 +8,7 @@ equal greedy tokens and logprobs within 1e-5 (float32). Every scenario ends with
 import pytest
 import torch
 
-from services.trainer.logprobs import target_logprobs
+from services.trainer.engine.logprobs import target_logprobs
 from models import load_pretrained
 from models.tokenizer import load_tokenizer
 from services.common.errors import InvalidArgument
@@ -155,8 +155,8 @@ def test_deterministic_rollout_logprobs_are_bitwise_the_trainer_forward(loaded, 
     run = drive(make_core(model, tokenizer, deterministic=True), [
         Arrival("gen", prompt, SamplingParams(n=3, seed=2, max_tokens=8)), *others])
     sequences = run.results["gen"].sequences
-    # The trainer's own function (services/trainer/logprobs.py, what Training API Forward runs), on a right-padded
-    # batch of all the completions at once.
+    # The trainer's own function (services/trainer/engine/logprobs.py, what Training API Forward runs), on a
+    # right-padded batch of all the completions at once.
     rows = [prompt + seq.tokens for seq in sequences]
     T = max(len(r) for r in rows)
     ids = torch.tensor([r + [0] * (T - len(r)) for r in rows])

@@ -4,7 +4,7 @@ Model: the tiny dense Qwen3 (models/tiny.py's shape, tokenizer and N(0, 0.02) dr
 final-norm gain GAIN, so the next-token entropy at the sampled positions is ~2 nats rather than the near-uniform
 ~6.5 of the plain random init (bench/rollout_kl.py calibrates that gain; it gives 20.75 for this model). Workload:
 4 random-token prompts x 4 samples, temperature 1, 32 new tokens, all submitted at once to the bf16 Engine. Trainer:
-services.trainer.logprobs.target_logprobs on the right-padded batch of prompt + completion, bf16 model.
+services.trainer.engine.logprobs.target_logprobs on the right-padded batch of prompt + completion, bf16 model.
 
 Tolerance: k3 = mean(exp(r) - 1 - r), r = lp_trainer - lp_rollout over the ~500 sampled tokens, must stay
 <= K3_BOUND = 2.5e-3. Measured 5.6e-4 here (torch 2.13.0 CPU, one thread; seven other sampling seeds gave 5.9e-4 ..
@@ -26,7 +26,7 @@ from models.families import family_for_config
 from models.tiny import _init_weights, tiny_config
 from services.rollout.engine import Engine, EngineConfig
 from services.rollout.sampling import SamplingParams
-from services.trainer.logprobs import target_logprobs
+from services.trainer.engine.logprobs import target_logprobs
 
 from rollout_reference import SMALL_POOL_MB
 
@@ -67,8 +67,8 @@ def _rollout(model_dir, deterministic: bool, seed: int = 0) -> list[tuple[list[i
 
 def _trainer(model, samples, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rollout logprobs, trainer logprobs, trainer entropy) over every sampled token. The trainer's batch is a
-    micro-batch of the trainer's deterministic mode (services/trainer/compute.py): tokens = prompt + completion[:-1],
-    targets shifted by one, right-padded with 0."""
+    micro-batch of the trainer's deterministic mode (services/trainer/engine/forward_backward.py): tokens = prompt +
+    completion[:-1], targets shifted by one, right-padded with 0."""
     rows = [prompt + tokens for prompt, tokens, _ in samples]
     T = max(len(r) for r in rows) - 1
     tokens_BT = torch.zeros(len(rows), T, dtype=torch.int64)

@@ -1,4 +1,5 @@
-"""The built-in losses (services/trainer/losses.py) against naive float64 references written out here as plain loops.
+"""The built-in losses (services/trainer/engine/losses.py) against naive float64 references written out here as plain
+loops.
 
 Tolerance: values, gradients and metrics within 1e-6 (absolute, or relative for magnitudes above 1). The library is
 run the way the trainer runs it: datum losses summed per micro-batch in datum order, each micro-batch backpropagated,
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from services.common.errors import InvalidArgument
-from services.trainer.losses import (LOSS_FNS, batch_metrics, batch_scale, check_datum, datum_loss,
+from services.trainer.engine.losses import (LOSS_FNS, batch_metrics, batch_scale, check_datum, datum_loss,
                                      resolve_config)
 
 V = 50

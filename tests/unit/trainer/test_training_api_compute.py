@@ -1,6 +1,6 @@
-"""Forward / ForwardBackward (services/trainer/compute.py): micro-batching, the streamed call equal to the unary one
-bitwise, gradients accumulating across calls, every built-in loss against an unpacked reference, [T, K] targets and
-deterministic-mode logprobs bitwise equal to target_logprobs. float32, CPU, one torch thread.
+"""Forward / ForwardBackward (services/trainer/engine/forward_backward.py): micro-batching, the streamed call equal to
+the unary one bitwise, gradients accumulating across calls, every built-in loss against an unpacked reference, [T, K]
+targets and deterministic-mode logprobs bitwise equal to target_logprobs. float32, CPU, one torch thread.
 
 Reference tolerance (test_losses_match_an_unpacked_reference): outputs within 1e-5 absolute, gradients within 1e-4 of
 the reference's largest entry (packing, chunked logprobs and summation order change float32 rounding only)."""
@@ -17,10 +17,11 @@ from api_helpers import (
 from models import load_pretrained, save_pretrained
 from services.common import registry
 from services.common.schema import SHARED_SCOPE
-from services.trainer import losses
-from services.trainer.compute import Datum, MicroBatcher, check_datum
+from services.trainer.engine import losses
+from services.trainer.datums import check_datum
+from services.trainer.engine.forward_backward import Datum, MicroBatcher
 from services.trainer.session_spec import CreateSpec, LoraSpec
-from services.trainer.logprobs import target_logprobs
+from services.trainer.engine.logprobs import target_logprobs
 from trainyard.v1 import trainer_pb2 as pb
 
 

@@ -15,7 +15,7 @@ from services.common.auth import issue_key
 from services.common.channels import auth_metadata
 from services.common.schema import Checkpoint
 from services.trainer.app import TrainerSettings, build as build_trainer
-from services.trainer.logprobs import target_logprobs
+from services.trainer.engine.logprobs import target_logprobs
 from services.trainer.sessions import TOKENIZER_FILES
 from services.weightsync.app import WeightSyncSettings, build as build_weightsync
 from services.weightsync.client import fetch_version

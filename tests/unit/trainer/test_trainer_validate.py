@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from models.tiny import TINY_CONFIGS, build_tiny_model
-from models.validate import memorization_check
+from services.trainer.validate import memorization_check
 
 
 @pytest.fixture(scope="module", autouse=True)

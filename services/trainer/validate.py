@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from models.checkpoint import inspect_model_dir, load_pretrained
-from models.lora import LoraConfig, apply_lora, set_trainable
+from models.checkpoint import inspect_model_dir
+from models.lora import LoraConfig
 from models.tokenizer import load_tokenizer
+from services.trainer.engine import AdamW, TrainingEngine
 
 SEQUENCES = (
     "The quick brown fox jumps over the lazy dog.",
@@ -72,39 +72,31 @@ def memorization_check(
 
     mode "full": every parameter (the gate for model code: each parameter's gradient must be right); "lora": an
     adapter of lora_rank on the family's default targets (attention, MLPs, experts), for models too large to train
-    fully on the machine at hand; "auto": full up to FULL_MODE_MAX_PARAMETERS, else lora. fp32 on CPU, bf16 weights
-    on CUDA for lora (LoRA weights stay fp32)."""
+    fully on the machine at hand; "auto": full up to FULL_MODE_MAX_PARAMETERS, else lora. Trains through the engine
+    (services/trainer/engine/: its device and dtype rule, chunked logprob head, AdamW step with clipping at 1.0)."""
     if mode == "auto":
         mode = "full" if inspect_model_dir(model_dir).num_parameters <= FULL_MODE_MAX_PARAMETERS else "lora"
     if mode not in DEFAULTS:
         raise ValueError(f"mode must be one of auto, {', '.join(DEFAULTS)}, got {mode!r}")
     steps = steps or DEFAULTS[mode]["steps"]
     lr = lr or DEFAULTS[mode]["lr"]
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = torch.bfloat16 if device.type == "cuda" and mode == "lora" else torch.float32
     torch.manual_seed(seed)
-    model = load_pretrained(model_dir, dtype=dtype, device=device)
-    if mode == "lora":
-        params = apply_lora(model, LoraConfig(rank=lora_rank, alpha=2.0 * lora_rank), seed=seed)
-    else:
-        params = set_trainable(model, "full")
-    model.train()
-    ids, targets = (t.to(device) for t in memorization_batch(load_tokenizer(model_dir)))
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    lora = LoraConfig(rank=lora_rank, alpha=2.0 * lora_rank) if mode == "lora" else None
+    settings = AdamW(learning_rate=lr, grad_clip_norm=1.0)
+    engine = TrainingEngine.load(model_dir, lora=lora, seed=seed, optimizer=settings, device=device)
+    ids, targets = memorization_batch(load_tokenizer(model_dir))
+    num_targets = int((targets != -100).sum())
     losses: list[float] = []
     start = time.monotonic()
     for step in range(1, steps + 1):
-        logits = model(ids).float()
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+        loss = engine.nll_sum(ids, targets) / num_targets
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        engine.step(settings)
         losses.append(loss.item())  # .item() syncs: once per step, for the stop test
         if on_step is not None:
             on_step(step, losses[-1])
         if losses[-1] < target:
             break
-    return MemorizationResult(architecture=model.args.architecture, mode=mode, passed=losses[-1] < target,
+    return MemorizationResult(architecture=engine.model.args.architecture, mode=mode, passed=losses[-1] < target,
                               target=target, steps=len(losses), final_loss=losses[-1],
                               seconds=time.monotonic() - start, losses=losses)

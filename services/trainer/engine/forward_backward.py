@@ -1,4 +1,5 @@
-"""One Forward / ForwardBackward call of a Training API session: checked datums, micro-batches, the loss, gradients.
+"""The engine's micro-batched forward / backward of datums under a built-in loss: one Training API Forward /
+ForwardBackward call (checked datums in, per-datum logprobs, metrics and gradients out).
 
 Shapes: T tokens of a datum, N tokens of a micro-batch (its datums back to back), K targets per position ([T, K]
 targets), D hidden, V vocab, C tokens per logprob chunk.
@@ -21,27 +22,25 @@ Exactness (float32 on CPU with a fixed thread count): the result depends only on
 and micro_batch_tokens, so the unary and the streamed call give bitwise the same gradients, logprobs and metrics.
 With deterministic=True the forward and the logprobs run under kernels.batch_invariant and the logprobs are the
 rollout's formula (log_softmax of the logits, gathered) on batch-invariant logits: each datum's logprobs are bitwise
-those of services.trainer.logprobs.target_logprobs(deterministic=True), and so of a deterministic rollout, whatever
-micro-batch it shared (tested). Without it, logprobs agree with target_logprobs to float32 rounding (~1e-6).
+those of services.trainer.engine.logprobs.target_logprobs(deterministic=True), and so of a deterministic rollout,
+whatever micro-batch it shared (tested). Without it, logprobs agree with target_logprobs to float32 rounding (~1e-6).
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-import grpc
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from kernels import Packing
 from kernels.batch_invariant import batch_invariant_mode
-from kernels.logprobs import IGNORE_INDEX, chunked_logprobs, default_chunk_size
-from services.common.errors import InvalidArgument, TrainyardError
-from services.trainer import losses
-from services.trainer.tensors import to_torch
+from kernels.logprobs import IGNORE_INDEX
+from services.common.errors import InvalidArgument
+from services.trainer.engine import losses
+from services.trainer.engine.logprobs import token_logprobs
 
 
 @dataclass
@@ -88,18 +87,6 @@ def _prefixed(exc: InvalidArgument, prefix: str) -> InvalidArgument:
                                        for v in exc.violations])
 
 
-def check_datum(d, index: int, loss_fn: str, vocab_size: int) -> Datum:
-    """A wire Datum (trainer_pb2.Datum) checked against the loss; every error names data[index] and the field."""
-    where = f"data[{index}]"
-    if not d.tokens:
-        raise InvalidArgument("model input is empty", field=f"{where}.tokens")
-    tokens = torch.tensor(list(d.tokens), dtype=torch.int64)
-    if int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size:
-        raise InvalidArgument(f"token ids must be in [0, {vocab_size})", field=f"{where}.tokens")
-    raw = {key: to_torch(t, f"{where}.loss_fn_inputs['{key}']") for key, t in d.loss_fn_inputs.items()}
-    return Datum(tokens, losses.check_datum(loss_fn, raw, len(tokens), vocab_size, where=where))
-
-
 class MicroBatcher:
     """Greedy packing of datums, in order, into micro-batches of at most max_tokens tokens."""
 
@@ -125,35 +112,6 @@ class MicroBatcher:
     def _close(self) -> list[Datum]:
         mb, self._open, self._tokens = self._open, [], 0
         return mb
-
-
-def token_logprobs(model: nn.Module, hidden_ND: torch.Tensor, targets: torch.Tensor, *,
-                   deterministic: bool) -> torch.Tensor:
-    """float32 logprobs of targets ([N] or [N, K]; IGNORE_INDEX gives 0) under the model's raw distribution at
-    hidden_ND (final-normed), C tokens at a time, never holding [N, V] logits.
-
-    A plain unembedding goes through kernels.logprobs.chunked_logprobs (logit - logsumexp, backward recomputing
-    each chunk). In deterministic mode, and when LoRA wraps lm_head (no single unembedding matrix), each chunk is
-    model.logits -> log_softmax -> gather, recomputed in backward (torch.utils.checkpoint): the rollout's formula."""
-    head = model.lm_head
-    chunk = default_chunk_size(head.out_features)
-    if not deterministic and type(head) is nn.Linear and head.bias is None:
-        return chunked_logprobs(hidden_ND, None, 0.0, head.weight, targets, chunk_size=chunk)
-    parts = [checkpoint(_chunk_logprobs, model, hidden_ND[i:i + chunk], targets[i:i + chunk], deterministic,
-                        use_reentrant=False) for i in range(0, hidden_ND.shape[0], chunk)]
-    return torch.cat(parts)
-
-
-def _chunk_logprobs(model: nn.Module, hidden_CD: torch.Tensor, targets: torch.Tensor,
-                    deterministic: bool) -> torch.Tensor:
-    # The mode is entered here (not around the caller) so that the recomputation in backward, which runs outside
-    # any mode, computes the same ops as the forward did.
-    with batch_invariant_mode(deterministic):
-        logprobs_CV = F.log_softmax(model.logits(hidden_CD).float(), dim=-1)
-    targets_CK = targets if targets.dim() == 2 else targets[:, None]
-    valid_CK = targets_CK != IGNORE_INDEX
-    out_CK = torch.where(valid_CK, logprobs_CV.gather(1, torch.where(valid_CK, targets_CK, 0)), 0.0)
-    return out_CK if targets.dim() == 2 else out_CK[:, 0]
 
 
 def _hidden_states(model: nn.Module, datums: list[Datum], *, deterministic: bool,
@@ -283,34 +241,3 @@ def run_call(call: LossCall, datums: Iterable[Datum]) -> tuple[list[torch.Tensor
     except BaseException:
         call.abort()
         raise
-
-
-class Cancelled(TrainyardError):
-    code = grpc.StatusCode.CANCELLED
-
-
-def client_messages(messages: Iterable) -> Iterator:
-    """A client stream's messages; a stream the client cancels or breaks ends the call as CANCELLED (the session is
-    not at fault, and the call restores its gradients like any failed call)."""
-    it = iter(messages)
-    while True:
-        try:
-            msg = next(it)
-        except StopIteration:
-            return
-        except grpc.RpcError:
-            raise Cancelled("the client ended the stream before its last message") from None
-        yield msg
-
-
-def stream_datums(messages: Iterator, loss_fn: str, vocab_size: int) -> Iterator[Datum]:
-    """The checked datums of a ForwardBackwardStream's messages after the header, numbered across messages as
-    data[0], data[1], ... (as in the unary call)."""
-    index = 0
-    for n, msg in enumerate(messages, start=1):
-        if msg.WhichOneof("item") != "datums":
-            raise InvalidArgument("only the first message is a header; later ones carry datums",
-                                  field=f"messages[{n}]")
-        for d in msg.datums.data:
-            yield check_datum(d, index, loss_fn, vocab_size)
-            index += 1
