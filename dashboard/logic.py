@@ -119,7 +119,7 @@ def loss_chart(frame: pd.DataFrame) -> alt.Chart:
 # -- training plan -----------------------------------------------------------------------------------------------
 @dataclass
 class SftPlan:
-    """The dashboard's SFT settings; defaults are the server's (services/trainer/sft_config.py)."""
+    """The dashboard's SFT settings; defaults are the server's (services/common/methods/sft.py)."""
 
     lora_rank: int = 16
     lora_alpha: float = 32.0

@@ -6,27 +6,30 @@ selection rule (a `backend=` argument, else TRAINYARD_<OP>_BACKEND, else "auto")
 backends and their accuracy bounds.
 """
 
-from kernels.attention import ATTENTION_BACKENDS, Packing, attention
-from kernels.logprobs import chunked_logprobs, default_chunk_size, logprobs_reference
-from kernels.moe import PermState, grouped_mm, grouped_mm_supported, permute, unpermute
-from kernels.norm import rms_norm
-from kernels.rope import SUPPORTED_ROPE_TYPES, apply_rotary, rope_cos_sin, rope_inv_freq
+_EXPORTS = {
+    "ATTENTION_BACKENDS": "kernels.attention", "Packing": "kernels.attention",
+    "chunked_logprobs": "kernels.logprobs", "default_chunk_size": "kernels.logprobs",
+    "logprobs_reference": "kernels.logprobs", "PermState": "kernels.moe", "grouped_mm": "kernels.moe",
+    "grouped_mm_supported": "kernels.moe", "permute": "kernels.moe", "unpermute": "kernels.moe",
+    "rms_norm": "kernels.norm", "SUPPORTED_ROPE_TYPES": "kernels.rope_config", "apply_rotary": "kernels.rope",
+    "rope_cos_sin": "kernels.rope", "rope_inv_freq": "kernels.rope",
+}
 
-__all__ = [
-    "ATTENTION_BACKENDS",
-    "SUPPORTED_ROPE_TYPES",
-    "Packing",
-    "PermState",
-    "apply_rotary",
-    "attention",
-    "chunked_logprobs",
-    "default_chunk_size",
-    "grouped_mm",
-    "grouped_mm_supported",
-    "logprobs_reference",
-    "permute",
-    "rms_norm",
-    "rope_cos_sin",
-    "rope_inv_freq",
-    "unpermute",
-]
+
+# The attention op is `kernels.attention.attention`: `kernels.attention` is its module (a lazy package cannot also
+# bind the name to the function).
+
+
+def __getattr__(name: str):
+    """Import on first use: the torch-free modules (rope_config.py) load without torch."""
+    import importlib
+
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = sorted(_EXPORTS)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import attention
+from kernels.attention import attention
 
 
 @dataclass(eq=False)

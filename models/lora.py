@@ -26,8 +26,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from models.lora_layers import (
-    DEFAULT_TARGETS, EXPERTS_TARGET, INITS, ExpertsLoRA, LoraConfig, LoRALinear, RowAdapters, per_row_adapters,
+from models.lora_layers import INITS, ExpertsLoRA, LoraConfig, LoRALinear, RowAdapters, per_row_adapters
+from models.lora_targets import (
+    DEFAULT_TARGETS, EXPERTS_TARGET, ModuleNames, is_strict, matches, matches_expert_weight, resolve_targets,
 )
 from models.moe import Experts
 
@@ -95,49 +96,15 @@ def _linears(model: nn.Module) -> tuple[dict[str, nn.Module], list[str]]:
     return linears, tied
 
 
-def _matches(name: str, target: str) -> bool:
-    # peft's rule for a list of targets: the target is the full name or a dotted suffix of it.
-    return name == target or name.endswith("." + target)
-
-
-def _matches_expert_weight(experts_path: str, weight: str, target: str) -> bool:
-    """A target names the Experts module ("experts": both fused tensors) or one tensor with its module qualifier
-    ("experts.down_proj"); a bare "down_proj" names nn.Linear modules only, as in peft's target_modules."""
-    return _matches(experts_path, target) or ("." in target and _matches(f"{experts_path}.{weight}", target))
-
-
 def _resolve_targets(
     model: nn.Module, targets: tuple[str, ...], strict: bool
 ) -> tuple[dict[str, nn.Module], dict[str, list[str]]]:
-    """(Linear modules to adapt by path, Experts paths -> fused tensor names to adapt). strict: every target must
-    match something; otherwise (the DEFAULT_TARGETS menu, adapters read from files) only at least one."""
+    """(Linear modules to adapt by path, Experts paths -> fused tensor names to adapt): models.lora_targets' rule
+    on this model's module names."""
     linears, tied = _linears(model)
     experts = [name for name, m in model.named_modules() if isinstance(m, Experts)]
-    hits = {
-        t: [n for n in linears if _matches(n, t)]
-        + [(p, w) for p in experts for w in Experts.WEIGHT_NAMES if _matches_expert_weight(p, w, t)]
-        for t in targets
-    }
-    unmatched = [t for t in targets if not hits[t]]
-    if unmatched and (strict or len(unmatched) == len(targets)):
-        on_tied = [t for t in unmatched if any(_matches(n, t) for n in tied)]
-        if on_tied:
-            raise ValueError(
-                f"LoRA target_modules {on_tied} name a layer that shares its weight with the input embeddings "
-                "(tie_word_embeddings=true, e.g. lm_head): an adapter there would change the embeddings too; remove "
-                "it from target_modules"
-            )
-        valid = {n.rsplit(".", 1)[-1] for n in linears}
-        if experts:
-            valid |= {EXPERTS_TARGET, *(f"{EXPERTS_TARGET}.{w}" for w in Experts.WEIGHT_NAMES)}
-        raise ValueError(f"Unknown LoRA target_modules {unmatched}; valid module names are {sorted(valid)}")
-    chosen = {hit for t in targets for hit in hits[t]}
-    expert_weights: dict[str, list[str]] = {}
-    for p in experts:
-        weights = [w for w in Experts.WEIGHT_NAMES if (p, w) in chosen]
-        if weights:
-            expert_weights[p] = weights
-    return {n: m for n, m in linears.items() if n in chosen}, expert_weights
+    chosen, expert_weights = resolve_targets(ModuleNames(list(linears), tied, experts), targets, strict)
+    return {n: linears[n] for n in chosen}, expert_weights
 
 
 def apply_lora(
@@ -151,14 +118,14 @@ def apply_lora(
     "experts" for both fused tensors of every models.moe.Experts, "experts.gate_up_proj" / "experts.down_proj" for
     one. With the default targets (DEFAULT_TARGETS, in any order) the names a model lacks are skipped; any other
     target list must match with every name."""
-    strict = set(cfg.target_modules) != set(DEFAULT_TARGETS)
+    strict = is_strict(tuple(cfg.target_modules))
     return _add_adapter(model, cfg, adapter_name, seed, strict)
 
 
 def check_targets(model: nn.Module, target_modules: tuple[str, ...]) -> None:
     """Raise the ValueError apply_lora would raise for these targets on this model (works on a meta-device model,
     so a service can check a request against a model's architecture without loading its weights)."""
-    _resolve_targets(model, tuple(target_modules), strict=set(target_modules) != set(DEFAULT_TARGETS))
+    _resolve_targets(model, tuple(target_modules), strict=is_strict(tuple(target_modules)))
 
 
 def _add_adapter(
@@ -325,14 +292,14 @@ def _saved_targets(model: nn.Module, cfg: LoraConfig, adapter_name: str) -> tupl
     matched, and the expert tensors as "<target>.gate_up_proj" / "<target>.down_proj"."""
     layers = [(p, layer) for p, layer in _lora_layers(model) if adapter_name in layer.lora_A]
     linear_paths = [p for p, layer in layers if isinstance(layer, LoRALinear)]
-    modules = sorted({t for t in cfg.target_modules if any(_matches(p, t) for p in linear_paths)})
+    modules = sorted({t for t in cfg.target_modules if any(matches(p, t) for p in linear_paths)})
     parameters = set()
     for path, layer in layers:
         for weight in layer.lora_A[adapter_name] if isinstance(layer, ExpertsLoRA) else ():
             for t in cfg.target_modules:
-                if _matches(path, t):
+                if matches(path, t):
                     parameters.add(f"{t}.{weight}")
-                elif _matches_expert_weight(path, weight, t):
+                elif matches_expert_weight(path, weight, t):
                     parameters.add(t)
     return modules or None, sorted(parameters) or None
 

@@ -20,15 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.moe import PermState, grouped_mm
+from models.lora_targets import DEFAULT_TARGETS
 from models.moe import Experts
 
-EXPERTS_TARGET = "experts"
-# A menu, not a list that must all exist: an all-MoE model has no gate_proj, a dense one no experts, DeepSeek's MLA
-# has no q_proj/k_proj/v_proj (see apply_lora).
-DEFAULT_TARGETS = (
-    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-    "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", EXPERTS_TARGET,
-)
 INITS = ("kaiming", "gaussian")
 
 

@@ -1,8 +1,22 @@
 """DeepSeek-V3 / Kimi K2 family: multi-head latent attention + DeepSeek MoE (docs/mla.md)."""
 
-from models.deepseek_v3 import state_dict_adapter
-from models.deepseek_v3.args import SUPPORTED_ARCHITECTURES, ModelArgs
-from models.deepseek_v3.model import CausalLM
-from models.kv_cache import KVCache
+_EXPORTS = {"SUPPORTED_ARCHITECTURES": "models.deepseek_v3.args", "ModelArgs": "models.deepseek_v3.args", "CausalLM": "models.deepseek_v3.model",
+            "KVCache": "models.kv_cache"}
+_SUBMODULES = ("args", "model", "state_dict_adapter")
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "CausalLM", "KVCache", "ModelArgs", "state_dict_adapter"]
+
+def __getattr__(name: str):
+    """Import on first use, so that reading a config (args) never imports torch."""
+    import importlib
+
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = sorted([*_EXPORTS, *_SUBMODULES])

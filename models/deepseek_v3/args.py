@@ -15,8 +15,10 @@ rotary, rope types other than default/llama3/yarn. Three fields are deliberately
 import copy
 from dataclasses import dataclass, field
 
-from kernels.rope import DEFAULT_ROPE_THETA, ROPE_TYPES_WITH_ATTENTION_FACTOR, parse_rope_config, yarn_mscale
-from models.moe import MoEArgs
+from models.lora_targets import ModuleNames, dense_layer_names, with_head
+
+from kernels.rope_config import DEFAULT_ROPE_THETA, ROPE_TYPES_WITH_ATTENTION_FACTOR, parse_rope_config, yarn_mscale
+from models.moe_args import MoEArgs
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 SUPPORTED_ARCHITECTURES = (ARCHITECTURE,)
@@ -125,6 +127,22 @@ class ModelArgs:
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return layer_idx >= self.first_k_dense_replace
+
+    def lora_module_names(self) -> ModuleNames:
+        """The Linear and expert-block names of this architecture (models.lora_targets; equal to the built model's,
+        tested)."""
+        q = ("q_proj",) if self.q_lora_rank is None else ("q_a_proj", "q_b_proj")
+        attention = (*q, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+        names = ModuleNames()
+        for i in range(self.num_layers):
+            layer = f"model.layers.{i}"
+            moe = self.is_moe_layer(i)
+            names.linears += dense_layer_names(layer, attention, () if moe else ("gate_proj", "up_proj", "down_proj"))
+            if moe:
+                names.experts.append(f"{layer}.mlp.experts")
+                if self.n_shared_experts > 0:
+                    names.linears += [f"{layer}.mlp.shared_experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+        return with_head(names, self.tie_word_embeddings)
 
     @classmethod
     def from_hf_config(cls, config: dict) -> "ModelArgs":

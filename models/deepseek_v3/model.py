@@ -17,7 +17,8 @@ that does not change the numerics contract. See docs/mla.md.
 import torch
 from torch import nn
 
-from kernels import Packing, attention
+from kernels import Packing
+from kernels.attention import attention
 from kernels.rope import (
     apply_rotary,
     apply_rotary_interleaved,

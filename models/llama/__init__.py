@@ -1,8 +1,22 @@
 """Dense Llama 3 / Qwen2 / Qwen3 family."""
 
-from models.llama import state_dict_adapter
-from models.llama.args import SUPPORTED_ARCHITECTURES, ModelArgs
-from models.kv_cache import KVCache
-from models.llama.model import CausalLM
+_EXPORTS = {"SUPPORTED_ARCHITECTURES": "models.llama.args", "ModelArgs": "models.llama.args", "CausalLM": "models.llama.model",
+            "KVCache": "models.kv_cache"}
+_SUBMODULES = ("args", "model", "state_dict_adapter")
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "CausalLM", "KVCache", "ModelArgs", "state_dict_adapter"]
+
+def __getattr__(name: str):
+    """Import on first use, so that reading a config (args) never imports torch."""
+    import importlib
+
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = sorted([*_EXPORTS, *_SUBMODULES])

@@ -10,7 +10,9 @@ else.
 import copy
 from dataclasses import dataclass, field
 
-from kernels.rope import DEFAULT_ROPE_THETA, SUPPORTED_ROPE_TYPES, parse_rope_config
+from models.lora_targets import ModuleNames, dense_layer_names, with_head
+
+from kernels.rope_config import DEFAULT_ROPE_THETA, SUPPORTED_ROPE_TYPES, parse_rope_config
 
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPES)
@@ -44,6 +46,11 @@ class ModelArgs:
     @property
     def model_type(self) -> str:
         return MODEL_TYPES[self.architecture]
+
+    def lora_module_names(self) -> ModuleNames:
+        """The Linear names of this architecture (models.lora_targets; equal to the built model's, tested)."""
+        linears = [n for i in range(self.num_layers) for n in dense_layer_names(f"model.layers.{i}", ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj"))]
+        return with_head(ModuleNames(linears), self.tie_word_embeddings)
 
     @classmethod
     def from_hf_config(cls, config: dict) -> "ModelArgs":

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import Packing, apply_rotary, attention, rms_norm, rope_cos_sin, rope_inv_freq
+from kernels import Packing, apply_rotary, rms_norm, rope_cos_sin, rope_inv_freq
+from kernels.attention import attention
 from models.kv_cache import KVCache
 from models.llama.args import ModelArgs
 

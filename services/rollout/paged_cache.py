@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import attention, native
+from kernels import native
+from kernels.attention import attention
 from services.rollout.kv_blocks import KVPool
 
 

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 
@@ -54,12 +56,14 @@ class RolloutGateway:
 def register_shared_models(settings: SchedulerSettings, db: Database) -> None:
     models = dict(settings.shared_models)
     if settings.builtin_tiny_models:
-        from models.tiny import build_tiny_model
-
         for name, family in TINY_MODELS.items():
             path = settings.data_dir / "models" / name
             if not (path / "config.json").exists():
-                build_tiny_model(path, family=family)
+                # Built by a child process: building needs torch, and the scheduler process never imports it.
+                built = subprocess.run([sys.executable, "-m", "models.tiny", str(path), "--family", family],
+                                       capture_output=True, text=True)
+                if built.returncode != 0:
+                    raise RuntimeError(f"building the built-in model {name} failed:\n{built.stderr[-2000:]}")
             models.setdefault(name, str(path))
     for name, path in models.items():
         with db.session() as s:

@@ -13,7 +13,7 @@ from services.common.errors import FailedPrecondition, InvalidArgument, Unavaila
 from services.common.schema import Dataset, Job, JobLog, JobMetric, new_id, utcnow
 from services.scheduler.dataset_formats import DatasetFormat
 from services.scheduler.ledger import TERMINAL, Ledger
-from services.trainer.sft_config import SftHyperparams, lora_target_problem
+from services.common.methods.sft import SftHyperparams, lora_target_problem
 
 SFT_FORMATS = (DatasetFormat.SFT_CHAT.value, DatasetFormat.SFT_PROMPT_COMPLETION.value)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from services.trainer.sft_config import LR_SCHEDULERS
+from services.common.methods.sft import LR_SCHEDULERS
 
 
 def lr_multiplier(step: int, *, kind: str, warmup_steps: int, total_steps: int) -> float:

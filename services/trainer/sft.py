@@ -33,7 +33,7 @@ from models.tokenizer import load_tokenizer
 from services.trainer.data import MicroBatch, SftData, StepSampler, batches, load_sft_data
 from services.trainer.engine import AdamW, TrainingEngine
 from services.trainer.schedule import learning_rate
-from services.trainer.sft_config import SftHyperparams
+from services.common.methods.sft import SftHyperparams
 
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"

@@ -179,3 +179,15 @@ def test_worker_killed_mid_job_is_retried_and_resumes_from_checkpoint(stack, cli
     # Steps after the resume point were computed again; every step has exactly one latest value.
     steps = [p.step for p in client.job_metrics(job.id) if "train/loss" in p.values]
     assert sorted(steps) == list(range(1, 41))  # each step once: the lost attempt's later points were discarded
+
+
+def test_the_scheduler_process_never_loads_torch(stack, client, dataset):
+    """CreateJob's checks (the model directory, LoRA targets against the architecture), uploads and the built-in
+    models' registration all run in a scheduler process that never maps torch's library."""
+    job = client.create_sft_job("tiny-qwen3-moe", dataset.id, max_steps=1, target_modules=["q_proj", "experts"])
+    with pytest.raises(TrainyardError) as exc:
+        client.create_sft_job("tiny-qwen3-moe", dataset.id, target_modules=["q_a_proj"])
+    assert exc.value.code == "INVALID_ARGUMENT" and "q_a_proj" in str(exc.value)
+    client.cancel_job(job.id)
+    maps = open(f"/proc/{stack.procs['scheduler'].popen.pid}/maps").read()
+    assert "libtorch" not in maps

@@ -92,7 +92,7 @@ def test_compose_file_defines_the_platform():
     app = services["scheduler"]["environment"]
     assert app["TRAINYARD_DATABASE_URL"].startswith("postgresql+psycopg://")
     assert app["TRAINYARD_BROKER_URL"].startswith("redis://")
-    assert services["worker"]["command"][:3] == ["celery", "-A", "services.scheduler.worker"]
+    assert services["worker"]["command"][:3] == ["celery", "-A", "services.worker.app"]
 
 
 def test_harness_runs_the_compose_commands(stack):

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels import Packing, attention
+from kernels import Packing
+from kernels.attention import attention
 from kernels.attention import document_groups, reference_attention
 from kernels.backends import optional_module
 from kernels.memory import TensorMemoryTracker

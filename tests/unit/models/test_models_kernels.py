@@ -9,7 +9,8 @@ import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-from kernels import apply_rotary, attention, rms_norm, rope_cos_sin, rope_inv_freq
+from kernels import apply_rotary, rms_norm, rope_cos_sin, rope_inv_freq
+from kernels.attention import attention
 
 
 def naive_attention(q_BHTD, k_BKSD, v_BKSD, causal, q_offset):

@@ -13,7 +13,7 @@ from models.tokenizer import load_tokenizer
 from services.trainer.data import batches, load_sft_data
 from services.trainer.engine.logprobs import target_nll_sum
 from services.trainer.sft import run_sft
-from services.trainer.sft_config import SftHyperparams
+from services.common.methods.sft import SftHyperparams
 
 FAMILIES = ("qwen3_moe", "deepseek_v3")
 

@@ -11,7 +11,7 @@ from trainer_helpers import PAIRS, chat_row, write_jsonl
 
 from services.trainer.schedule import lr_multiplier
 from services.trainer.sft import SftCheckpoint, run_sft
-from services.trainer.sft_config import SftHyperparams
+from services.common.methods.sft import SftHyperparams
 
 SMALL = dict(lora_rank=4, lora_alpha=8.0, max_seq_len=64, learning_rate=2e-3)
 

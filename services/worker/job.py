@@ -1,9 +1,10 @@
-"""A managed job on a worker: claim the lease, run the training loop, persist progress, finish.
+"""A managed job on a worker: claim the lease, run the job method's recipe, finish.
 
-Ordering: claim (queued -> running, attempt n) -> materialize the latest checkpoint if any (resume) -> run_sft with
-hooks that write metrics and checkpoints through the ledger (each conditional on the lease) -> finish. A heartbeat
-thread renews the lease every heartbeat_s and turns a cancellation request (or a lost lease) into a stop flag that the
-loop checks every step, so CancelJob takes effect within about heartbeat_s plus one step.
+Ordering: claim (queued -> running, attempt n) -> on a retry, rewind the job's progress to its latest checkpoint ->
+the recipe of job.method (services/worker/recipes/: it resumes from that checkpoint and writes metrics and
+checkpoints through the ledger, each conditional on the lease) -> finish. A heartbeat thread renews the lease every
+heartbeat_s and turns a cancellation request (or a lost lease) into a stop flag that the recipe checks every step, so
+CancelJob takes effect within about heartbeat_s plus one step.
 """
 from __future__ import annotations
 
@@ -14,15 +15,14 @@ import socket
 import tempfile
 import threading
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.blobstore import BlobStore, StoredFile
+from services.common.blobstore import BlobStore
 from services.common.db import Database
-from services.common.schema import Dataset
+from services.common.schema import Checkpoint, Job
 from services.scheduler.ledger import Ledger, LeaseLost
 from services.scheduler.settings import SchedulerSettings
-from services.trainer.sft import SftCheckpoint, run_sft
-from services.trainer.sft_config import SftHyperparams
 
 log = logging.getLogger("trainyard.worker")
 
@@ -50,34 +50,25 @@ class Heartbeat(threading.Thread):
         return self.cancel.is_set() or self.lost.is_set()
 
 
-class JobHooks:
-    """SftHooks backed by the ledger and the object store."""
+@dataclass
+class JobContext:
+    """What a recipe gets: the claimed job, the stores, its lease and a scratch directory removed afterwards."""
 
-    def __init__(self, ledger: Ledger, blobs: BlobStore, job_id: str, worker_id: str, hb: Heartbeat):
-        self.ledger, self.blobs, self.job_id, self.worker_id, self.hb = ledger, blobs, job_id, worker_id, hb
-        self.final_checkpoint_id = ""
+    job: Job
+    ledger: Ledger
+    blobs: BlobStore
+    db: Database
+    worker_id: str
+    heartbeat: Heartbeat
+    work: Path
+    latest_checkpoint: Checkpoint | None  # the job's latest checkpoint: a recipe resumes from it
 
-    def should_stop(self) -> bool:
-        return self.hb.should_stop()
 
-    def on_start(self, total_steps: int, info: dict) -> None:
-        self.ledger.progress(self.job_id, self.worker_id, total_steps=total_steps)
-        details = ", ".join(f"{k} {v}" for k, v in info.items())
-        self.ledger.log(self.job_id, f"training: {total_steps} steps ({details})")
-
-    def on_log(self, message: str, level: str = "info") -> None:
-        self.ledger.log(self.job_id, message, level)
-
-    def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        self.ledger.progress(self.job_id, self.worker_id, step=step, metrics=metrics)
-
-    def on_checkpoint(self, ckpt: SftCheckpoint, final: bool, metrics: dict[str, float]) -> None:
-        files = [f.to_json() for f in self.blobs.put_tree(ckpt.adapter_dir)]
-        state = [f.to_json() for f in self.blobs.put_tree(ckpt.state_dir)] if ckpt.state_dir else []
-        row = self.ledger.add_checkpoint(self.job_id, self.worker_id, step=ckpt.step, files=files, state=state,
-                                         final=final, metrics=metrics)
-        if final:
-            self.final_checkpoint_id = row.id
+@dataclass
+class RecipeOutcome:
+    step: int
+    stopped: bool  # True when the heartbeat's stop flag ended the run early
+    output_checkpoint_id: str = ""
 
 
 def run_managed_job(job_id: str, settings: SchedulerSettings) -> None:
@@ -104,29 +95,19 @@ def run_managed_job(job_id: str, settings: SchedulerSettings) -> None:
 
 
 def _run(job, ledger: Ledger, blobs: BlobStore, db: Database, worker_id: str, hb: Heartbeat, work: Path) -> None:
-    hooks = JobHooks(ledger, blobs, job.id, worker_id, hb)
+    from services.worker.recipes import recipe
+
     try:
-        with db.session() as s:
-            dataset = s.get(Dataset, job.dataset_id)
-        resume = None
         latest = ledger.latest_checkpoint(job.id)
         if job.attempts > 1:
             ledger.rewind(job.id, worker_id, latest.step if latest is not None else 0)
-        if latest is not None:
-            resume = SftCheckpoint(
-                step=latest.step,
-                adapter_dir=blobs.materialize([StoredFile.from_json(f) for f in latest.files], work / "resume-adapter"),
-                state_dir=blobs.materialize([StoredFile.from_json(f) for f in latest.state], work / "resume-state"),
-            )
-            ledger.log(job.id, f"resuming from the checkpoint at step {latest.step} ({latest.id})")
-        outcome = run_sft(Path(job.model_path), blobs.path(dataset.sha256), SftHyperparams.from_json(job.config),
-                          hooks, resume=resume, base_model_name=job.base_model, work_dir=work)
+        outcome = recipe(job.method)(JobContext(job, ledger, blobs, db, worker_id, hb, work, latest))
         if hb.lost.is_set():
             log.warning("job %s: lease lost; another worker owns it now", job.id)
         elif outcome.stopped:
             ledger.finish(job.id, worker_id, "cancelled", message=f"cancelled at step {outcome.step}")
         else:
-            ledger.finish(job.id, worker_id, "succeeded", output_checkpoint_id=hooks.final_checkpoint_id,
+            ledger.finish(job.id, worker_id, "succeeded", output_checkpoint_id=outcome.output_checkpoint_id,
                           message=f"succeeded after {outcome.step} steps")
     except LeaseLost:
         log.warning("job %s: lease lost; stopping without further writes", job.id)

@@ -1,7 +1,6 @@
-"""Celery worker entry point: ``celery -A services.scheduler.worker worker --pool solo -Q trainyard``.
+"""Celery worker entry point: ``celery -A services.worker.app worker --pool solo -Q trainyard``.
 
-One job at a time per worker process (a worker owns its accelerators); the job itself runs in
-services/trainer/managed.py.
+One job at a time per worker process (a worker owns its accelerators); the job itself runs in services/worker/job.py.
 """
 from __future__ import annotations
 
@@ -21,6 +20,6 @@ app = make_celery(settings)
 
 @app.task(name=RUN_JOB)
 def run_job(job_id: str) -> None:
-    from services.trainer.managed import run_managed_job
+    from services.worker.job import run_managed_job
 
     run_managed_job(job_id, settings)

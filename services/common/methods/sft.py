@@ -10,7 +10,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from models.lora import DEFAULT_TARGETS
+from models.lora_targets import DEFAULT_TARGETS, check_targets_for_config
+from models.model_dir import ModelDirError, read_config
 from services.common.errors import InvalidArgument, Violation
 
 LR_SCHEDULERS = ("cosine", "linear", "constant")
@@ -107,13 +108,10 @@ def lora_settings(rank: int | None, alpha: float | None, dropout: float | None, 
 
 
 def lora_target_problem(model_dir: str, targets: tuple[str, ...]) -> str | None:
-    """Why these LoRA targets do not fit the model in model_dir (None when they do); checks the architecture on the
-    meta device, so no weights are read."""
-    from models.checkpoint import build_on_meta
-    from models.lora import check_targets
-
+    """Why these LoRA targets do not fit the model in model_dir (None when they do): the model's module names from
+    its config.json (models.lora_targets), so no weights are read and no torch is needed."""
     try:
-        check_targets(build_on_meta(model_dir), targets)
-    except ValueError as exc:
+        check_targets_for_config(read_config(model_dir), targets)
+    except (ModelDirError, ValueError) as exc:
         return str(exc)
     return None
