@@ -1,6 +1,7 @@
 """SFT data: JSONL rows -> token ids + loss masks, the train/eval split, and seeded micro-batches.
 
-Shapes: B rows in a micro-batch, T its longest row minus one (inputs are tokens 0..n-2, targets tokens 1..n-1).
+Shapes: a micro-batch is one row (B = 1) of N tokens: its examples back to back, padding-free (models' Packing: each
+example attends only to itself, positions restart at 0); inputs are an example's tokens 0..n-2, targets 1..n-1.
 
 Which examples an optimizer step sees is a pure function of (seed, step): epoch e visits the train split in the
 order of the (e+1)-th permutation drawn from a torch.Generator seeded with the seed, and each step takes the next
@@ -17,10 +18,10 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from kernels import Packing
 from models.chat import SftExample, tokenize_sft_example
 
 IGNORE_INDEX = -100  # target id of positions that carry no loss (prompt tokens, padding)
-PAD_ID = 0  # any id works: causal attention and IGNORE_INDEX targets leave padded positions inert
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -90,22 +91,22 @@ def load_sft_data(
 
 @dataclass
 class MicroBatch:
-    input_ids_BT: torch.Tensor
-    targets_BT: torch.Tensor  # the next token where it is a target, else IGNORE_INDEX
+    input_ids_BT: torch.Tensor  # [1, N]: the examples back to back (padding-free), see packing
+    targets_BT: torch.Tensor  # the next token where it is a target, else IGNORE_INDEX (also at each example's end)
     num_targets: int
+    packing: Packing  # where each example starts: attention stays inside it, positions restart at 0
 
 
 def collate(examples: list[SftExample]) -> MicroBatch:
-    """Right-padded inputs and targets; the model is causal, so padding after a row's end needs no mask."""
-    T = max(len(ex.input_ids) for ex in examples) - 1
-    input_ids_BT = torch.full((len(examples), T), PAD_ID, dtype=torch.long)
-    targets_BT = torch.full((len(examples), T), IGNORE_INDEX, dtype=torch.long)
-    for b, ex in enumerate(examples):
-        n = len(ex.input_ids) - 1
-        input_ids_BT[b, :n] = torch.tensor(ex.input_ids[:-1])
-        targets = [tok if m else IGNORE_INDEX for tok, m in zip(ex.input_ids[1:], ex.loss_mask[1:])]
-        targets_BT[b, :n] = torch.tensor(targets)
-    return MicroBatch(input_ids_BT, targets_BT, sum(num_targets(ex) for ex in examples))
+    """The examples packed into one row, no padding: example i's inputs are its tokens 0..n-2 and its targets tokens
+    1..n-1 (IGNORE_INDEX where the loss mask is 0), so no target crosses into the next example."""
+    inputs, targets, lengths = [], [], []
+    for ex in examples:
+        inputs += ex.input_ids[:-1]
+        targets += [tok if m else IGNORE_INDEX for tok, m in zip(ex.input_ids[1:], ex.loss_mask[1:])]
+        lengths.append(len(ex.input_ids) - 1)
+    return MicroBatch(torch.tensor([inputs]), torch.tensor([targets]), sum(num_targets(ex) for ex in examples),
+                      Packing.from_lengths(lengths))
 
 
 def batches(examples: list[SftExample], batch_size: int) -> list[MicroBatch]:

@@ -146,7 +146,7 @@ class _SftRun:
         return AdamW(learning_rate=lr, weight_decay=self.hp.weight_decay, grad_clip_norm=self.hp.max_grad_norm)
 
     def _nll_sum(self, mb: MicroBatch) -> torch.Tensor:
-        return self.engine.nll_sum(mb.input_ids_BT, mb.targets_BT)
+        return self.engine.nll_sum(mb.input_ids_BT, mb.targets_BT, packing=mb.packing)
 
     def _train_step(self, step: int) -> dict[str, float] | None:
         """One optimizer step over its micro-batches; None when should_stop() fired before one of them."""

@@ -52,7 +52,8 @@ def test_every_epoch_visits_each_example_once_in_a_fresh_order():
         ids = []
         for step in range(epoch * 3, epoch * 3 + 3):
             for mb in sampler.step_batches(step):
-                ids += mb.input_ids_BT[:, 0].tolist()
+                starts = mb.packing.cu_seqlens[:-1].long()
+                ids += mb.input_ids_BT[0, starts].tolist()
         return ids
 
     first, second = epoch_ids(0), epoch_ids(1)
@@ -66,14 +67,14 @@ def test_every_epoch_visits_each_example_once_in_a_fresh_order():
                    for a, b in zip(again.step_batches(step), sampler.step_batches(step)))
 
 
-def test_collate_shifts_targets_and_right_pads():
+def test_collate_shifts_targets_and_packs_without_padding():
     mb = collate([
         SftExample(input_ids=[5, 6, 7, 8], loss_mask=[0, 0, 1, 1]),
         SftExample(input_ids=[9, 10], loss_mask=[1, 1]),  # token 0 is never a target: nothing predicts it
     ])
-    assert mb.input_ids_BT.tolist() == [[5, 6, 7], [9, 0, 0]]
-    assert mb.targets_BT.tolist() == [[IGNORE_INDEX, 7, 8], [10, IGNORE_INDEX, IGNORE_INDEX]]
-    assert mb.num_targets == 3
+    assert mb.input_ids_BT.tolist() == [[5, 6, 7, 9]]
+    assert mb.targets_BT.tolist() == [[IGNORE_INDEX, 7, 8, 10]]
+    assert mb.packing.lengths == (3, 1) and mb.num_targets == 3
 
 
 def test_chat_rows_train_only_the_assistant_reply(tokenizer):

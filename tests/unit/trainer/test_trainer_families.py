@@ -45,7 +45,7 @@ def test_lora_sft_trains_attention_and_experts(family_model, tmp_path, make_hook
     data_split = load_sft_data(data, load_tokenizer(model_dir), max_seq_len=hp.max_seq_len,
                                eval_fraction=hp.eval_fraction, seed=hp.seed)
     with torch.no_grad():
-        nll = sum(target_nll_sum(model, mb.input_ids_BT, mb.targets_BT) for mb in batches(data_split.eval, 10))
+        nll = sum(target_nll_sum(model, mb.input_ids_BT, mb.targets_BT, packing=mb.packing) for mb in batches(data_split.eval, 10))
     tokens = sum(mb.num_targets for mb in batches(data_split.eval, 10))
     assert abs(nll.item() / tokens - hooks.metrics[30]["eval/loss"]) < 1e-5
 
