@@ -456,9 +456,10 @@ class TrainingClient:
         """The base model's tokenizer (transformers), its files fetched from the trainer into the cache directory
         (TRAINYARD_CACHE_DIR, default ~/.cache/trainyard) once per client."""
         if self._tokenizer is None:
-            from models.tokenizer import load_tokenizer
+            from transformers import AutoTokenizer
 
-            self._tokenizer = load_tokenizer(_download_tokenizer(self._stub, self._md, self.model_id))
+            self._tokenizer = AutoTokenizer.from_pretrained(
+                str(_download_tokenizer(self._stub, self._md, self.model_id)), local_files_only=True)
         return self._tokenizer
 
     def close(self) -> None:
