@@ -6,6 +6,8 @@ selection rule (a `backend=` argument, else TRAINYARD_<OP>_BACKEND, else "auto")
 backends and their accuracy bounds.
 """
 
+from trainyard.lazy import lazy_exports
+
 _EXPORTS = {
     "ATTENTION_BACKENDS": "kernels.attention", "Packing": "kernels.attention",
     "chunked_logprobs": "kernels.logprobs", "default_chunk_size": "kernels.logprobs",
@@ -19,17 +21,4 @@ _EXPORTS = {
 # The attention op is `kernels.attention.attention`: `kernels.attention` is its module (a lazy package cannot also
 # bind the name to the function).
 
-
-def __getattr__(name: str):
-    """Import on first use: the torch-free modules (rope_config.py) load without torch."""
-    import importlib
-
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, globals(), _EXPORTS)

@@ -5,24 +5,11 @@ Names are imported on first use: config-level modules (model_dir.py, each family
 torch, so a service that only inspects model directories (the scheduler) never loads it.
 """
 
+from trainyard.lazy import lazy_exports
+
 _EXPORTS = {"CausalLM": "models.llama", "KVCache": "models.llama", "ModelArgs": "models.llama",
-            "ModelDirError": "models.model_dir", "ModelInfo": "models.model_dir", "inspect_model_dir": "models.model_dir",
-            "load_pretrained": "models.checkpoint", "save_pretrained": "models.checkpoint"}
-_SUBMODULES = ()
+            "ModelDirError": "models.model_dir", "ModelInfo": "models.model_dir",
+            "inspect_model_dir": "models.model_dir", "load_pretrained": "models.checkpoint",
+            "save_pretrained": "models.checkpoint"}
 
-
-def __getattr__(name: str):
-    """Import on first use, so that reading a config (args) never imports torch."""
-    import importlib
-
-    if name in _SUBMODULES:
-        return importlib.import_module(f"{__name__}.{name}")
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-__all__ = sorted([*_EXPORTS, *_SUBMODULES])
+__getattr__ = lazy_exports(__name__, globals(), _EXPORTS)

@@ -6,24 +6,12 @@ SamplingClient and `trainyard.types`: the Training API, shaped like the Tinker A
 Names are imported on first use, so a service importing the generated stubs (trainyard.v1) loads no client code.
 """
 
+from trainyard.lazy import lazy_exports
+
 _EXPORTS = {"Client": "trainyard.client", "FieldError": "trainyard.errors", "TrainyardError": "trainyard.errors",
             "APIFuture": "trainyard.futures", "SamplingClient": "trainyard.training",
             "ServiceClient": "trainyard.training", "TrainingClient": "trainyard.training"}
 _SUBMODULES = ("types",)
 
-
-def __getattr__(name: str):
-    import importlib
-
-    if name in _SUBMODULES:
-        return importlib.import_module(f"{__name__}.{name}")
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-__all__ = sorted([*_EXPORTS, *_SUBMODULES])
+__getattr__ = lazy_exports(__name__, globals(), _EXPORTS, _SUBMODULES)
 __version__ = "0.1.0"

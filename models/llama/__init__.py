@@ -1,22 +1,9 @@
 """Dense Llama 3 / Qwen2 / Qwen3 family."""
 
-_EXPORTS = {"SUPPORTED_ARCHITECTURES": "models.llama.args", "ModelArgs": "models.llama.args", "CausalLM": "models.llama.model",
-            "KVCache": "models.kv_cache"}
+from trainyard.lazy import lazy_exports
+
+_EXPORTS = {"SUPPORTED_ARCHITECTURES": "models.llama.args", "ModelArgs": "models.llama.args",
+            "CausalLM": "models.llama.model", "KVCache": "models.kv_cache"}
 _SUBMODULES = ("args", "model", "state_dict_adapter")
 
-
-def __getattr__(name: str):
-    """Import on first use, so that reading a config (args) never imports torch."""
-    import importlib
-
-    if name in _SUBMODULES:
-        return importlib.import_module(f"{__name__}.{name}")
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-__all__ = sorted([*_EXPORTS, *_SUBMODULES])
+__getattr__ = lazy_exports(__name__, globals(), _EXPORTS, _SUBMODULES)
