@@ -484,6 +484,27 @@ const char *ty_bf16_dot(void) {
 static void pack_b(const void *B, int64_t b_rs, int64_t b_cs, int b_bf16, int64_t K, int64_t k0, int64_t kc,
                    int64_t n0, int64_t ncols, int pairs, int dot, float *dst) {
     if (dot) {
+#if defined(__AVX512F__)
+        if (b_rs == 1 && ncols == TY_NR && kc <= K - k0) { /* weight rows with contiguous k: a pair is one 32-bit word
+                                                             * of a row; 16 x 16 transposes of words */
+            const int64_t pairs_n = kc / 2;
+            uint32_t *d32 = (uint32_t *)dst;
+            int64_t p = 0;
+            for (; p + 16 <= pairs_n; p += 16)
+                for (int64_t h = 0; h < TY_NR; h += 16) {
+                    __m512 r[16];
+                    for (int64_t j = 0; j < 16; j++)
+                        r[j] = _mm512_castsi512_ps(_mm512_loadu_si512(
+                            (const uint16_t *)B + (n0 + h + j) * b_cs + k0 + 2 * p));
+                    transpose16(r);
+                    for (int64_t q = 0; q < 16; q++) _mm512_storeu_ps((float *)(d32 + (p + q) * TY_NR + h), r[q]);
+                }
+            for (; p < pairs_n; p++)
+                for (int64_t j = 0; j < TY_NR; j++)
+                    memcpy(d32 + p * TY_NR + j, (const uint16_t *)B + (n0 + j) * b_cs + k0 + 2 * p, 4);
+            return;
+        }
+#endif
         for (int64_t j = 0; j < TY_NR; j++)
             pack_pairs((const uint16_t *)B + k0 * b_rs + (n0 + j) * b_cs, b_rs, kc, j < ncols ? K - k0 : 0,
                        (uint16_t *)dst, j, TY_NR);
