@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import grpc
 from pydantic import Field
 
 from services.common import channels
@@ -11,9 +12,11 @@ from services.common.auth import current_caller
 from services.common.blobstore import CHUNK, BlobStore
 from services.common.config import TrainyardSettings
 from services.common.db import Database
+from services.common.errors import Unavailable
 from services.common.grpcserver import Server, ServiceSpec, run_service, service_server
+from services.common.protoconv import ts
 from services.trainer.session_spec import CreateSpec, LoraSpec
-from services.trainer.sessions import SessionManager
+from services.trainer.sessions import SessionInfo, SessionManager
 from services.trainer.tensors import from_torch
 from services.weightsync.client import publish_dir
 from trainyard.v1 import common_pb2, trainer_pb2 as pb, trainer_pb2_grpc as rpc, weightsync_pb2, weightsync_pb2_grpc
@@ -54,18 +57,28 @@ def forward_response(outputs, metrics) -> pb.ForwardResponse:
                               metrics=metrics)
 
 
+def session_proto(info: SessionInfo) -> pb.Session:
+    """The one conversion of a session to the wire."""
+    return pb.Session(id=info.id, base_model=info.base_model, lora_rank=info.lora_rank, lora_alpha=info.lora_alpha,
+                      target_modules=info.target_modules, next_seq_id=info.next_seq_id, optim_steps=info.optim_steps,
+                      closed=info.closed, error=info.error, num_trainable_parameters=info.num_trainable_parameters,
+                      full_parameter=info.full_parameter, lineage=info.lineage, vocab_size=info.vocab_size,
+                      num_layers=info.num_layers, hidden_size=info.hidden_size, architecture=info.architecture,
+                      created_at=ts(info.created_at))
+
+
 class TrainerServicer(rpc.TrainerServiceServicer):
     def __init__(self, sessions: SessionManager):
         self.sessions = sessions
 
     def _session(self, sess) -> pb.Session:
-        return self.sessions.info(sess)
+        return session_proto(self.sessions.info(sess))
 
     def CreateSession(self, request, context):
         return self._session(self.sessions.create(current_caller().account_id, create_spec(request)))
 
     def GetSession(self, request, context):
-        return self.sessions.describe(current_caller().account_id, request.id)
+        return session_proto(self.sessions.describe(current_caller().account_id, request.id))
 
     def CloseSession(self, request, context):
         return self._session(self.sessions.close(current_caller().account_id, request.id))
@@ -118,9 +131,12 @@ def make_publisher(weightsync: weightsync_pb2_grpc.WeightSyncServiceStub):
     """SessionManager's publish: the saved directory as the next version of the session's lineage."""
 
     def publish(api_key: str, sess, directory: Path, kind: str) -> str:
-        version = publish_dir(weightsync, api_key, lineage=sess.id, parent_id=sess.weight_version_id,
-                              kind=WEIGHT_KINDS[kind], base_model=sess.base_model, directory=directory,
-                              metadata={"optim_steps": str(sess.optim_steps)})
+        try:
+            version = publish_dir(weightsync, api_key, lineage=sess.id, parent_id=sess.weight_version_id,
+                                  kind=WEIGHT_KINDS[kind], base_model=sess.base_model, directory=directory,
+                                  metadata={"optim_steps": str(sess.optim_steps)})
+        except grpc.RpcError as exc:  # the session's state is intact: the caller can save again
+            raise Unavailable(f"the weights were not published to the weight-sync service: {exc.details()}") from None
         return version.id
 
     return publish

@@ -39,7 +39,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 import torch
 
 from models import save_pretrained
@@ -47,8 +46,7 @@ from models.lora import LoraConfig, apply_lora, lora_state_dict, remove_adapter,
 from services.common import registry
 from services.common.blobstore import BlobStore, StoredFile
 from services.common.db import Database
-from services.common.errors import FailedPrecondition, InvalidArgument, TrainyardError, Unavailable, not_found
-from services.common.protoconv import ts
+from services.common.errors import FailedPrecondition, InvalidArgument, TrainyardError, not_found
 from services.common.schema import Checkpoint, TrainingSession, new_id, utcnow
 from services.trainer import state as saved_state
 from services.trainer.bases import ModelHolder, ModelPool
@@ -58,7 +56,6 @@ from services.trainer.engine.forward_backward import LossCall, check_loss_reques
 from services.trainer.session_spec import (
     CreateSpec, LoraSpec, check_create_matches_state, resolve_lora, state_mismatch,
 )
-from trainyard.v1 import trainer_pb2 as pb
 
 WEIGHTS_PREFIX = "trainyard://weights/"
 STATE_PREFIX = "trainyard://state/"
@@ -106,6 +103,29 @@ class Session:
         return self.holder.use(None if self.full_parameter else self.id)
 
 
+@dataclass
+class SessionInfo:
+    """What GetSession reports of a session (the servicer turns it into trainer_pb2.Session)."""
+
+    id: str
+    base_model: str
+    lora_rank: int
+    lora_alpha: float
+    target_modules: list[str]
+    closed: bool
+    error: str
+    full_parameter: bool
+    lineage: str
+    created_at: object
+    next_seq_id: int = 0
+    optim_steps: int = 0
+    num_trainable_parameters: int = 0
+    vocab_size: int = 0
+    num_layers: int = 0
+    hidden_size: int = 0
+    architecture: str = ""
+
+
 def _state_checkpoint_id(path: str, field_name: str) -> str:
     if not path.startswith(STATE_PREFIX) or len(path) == len(STATE_PREFIX):
         raise InvalidArgument(f"must be '{STATE_PREFIX}<checkpoint id>' (the path SaveState returned), got {path!r}",
@@ -118,7 +138,8 @@ class SessionManager:
                  deterministic: bool = False, micro_batch_tokens: int = 2048, device: str | None = None):
         self.db = db
         self.blobs = blobs
-        self.publish = publish  # (api_key, session, directory, kind "lora_adapter" | "full") -> version id
+        # (api_key, session, directory, kind "lora_adapter" | "full") -> version id; Unavailable when it cannot
+        self.publish = publish
         self.order_timeout_s = order_timeout_s
         # Batch-invariant numerics (services/trainer/engine/forward_backward.py): logprobs bitwise the deterministic
         # rollout's.
@@ -230,17 +251,17 @@ class SessionManager:
             s.expunge(row)
         return row
 
-    def describe(self, account_id: str, session_id: str) -> pb.Session:
+    def describe(self, account_id: str, session_id: str) -> SessionInfo:
         """GetSession: a loaded session as it is now; a closed one (or one a restarted trainer lost) from its row."""
         with self._lock:
             sess = self._sessions.get(session_id)
         if sess is not None and sess.account_id == account_id:
             return self.info(sess)
         row = self._row(account_id, session_id)
-        return pb.Session(id=row.id, base_model=row.base_model, lora_rank=row.lora_rank, lora_alpha=row.lora_alpha,
-                          target_modules=list(row.target_modules), closed=row.closed_at is not None,
-                          error="" if row.closed_at is not None else "no longer loaded (the trainer restarted)",
-                          full_parameter=row.full_parameter, lineage=row.id, created_at=ts(row.created_at))
+        return SessionInfo(id=row.id, base_model=row.base_model, lora_rank=row.lora_rank, lora_alpha=row.lora_alpha,
+                           target_modules=list(row.target_modules), closed=row.closed_at is not None,
+                           error="" if row.closed_at is not None else "no longer loaded (the trainer restarted)",
+                           full_parameter=row.full_parameter, lineage=row.id, created_at=row.created_at)
 
     def close(self, account_id: str, session_id: str) -> Session:
         sess = self.get(account_id, session_id)
@@ -370,11 +391,9 @@ class SessionManager:
                         save_peft_adapter(model, sess.lora, tmp, base_model_name_or_path=sess.base_model,
                                           adapter_name=sess.id)
                 files = [f.to_json() for f in self.blobs.put_tree(tmp)]
-                try:
-                    version_id = self.publish(api_key, sess, Path(tmp), kind)
-                except grpc.RpcError as exc:  # the session's state is intact: the caller can save again
-                    raise Unavailable(f"the weights were not published to the weight-sync service: "
-                                      f"{exc.details()}") from None
+                # A transient publishing failure is the publisher's Unavailable: the session's state is intact and
+                # the caller can save again.
+                version_id = self.publish(api_key, sess, Path(tmp), kind)
             ckpt = Checkpoint(id=new_id("ckpt"), account_id=account_id, session_id=sess.id,
                               name=name or f"{sess.id}-step{sess.optim_steps}", step=sess.optim_steps, kind=kind,
                               base_model=sess.base_model, model_path="" if sess.full_parameter else sess.model_path,
@@ -473,14 +492,13 @@ class SessionManager:
         sess = self.get(account_id, session_id)
         return [Path(sess.model_path) / n for n in TOKENIZER_FILES if (Path(sess.model_path) / n).is_file()]
 
-    def info(self, sess: Session) -> pb.Session:
+    def info(self, sess: Session) -> SessionInfo:
         args = sess.holder.model.args
         lora = sess.lora
-        return pb.Session(id=sess.id, base_model=sess.base_model, lora_rank=lora.rank if lora else 0,
-                          lora_alpha=lora.alpha if lora else 0.0,
-                          target_modules=list(lora.target_modules) if lora else [], next_seq_id=sess.next_seq_id,
-                          optim_steps=sess.optim_steps, closed=sess.closed, error=sess.error,
-                          num_trainable_parameters=sess.num_trainable, full_parameter=sess.full_parameter,
-                          lineage=sess.id, vocab_size=args.vocab_size, num_layers=args.num_layers,
-                          hidden_size=args.hidden_size, architecture=args.architecture,
-                          created_at=ts(sess.created_at))
+        return SessionInfo(id=sess.id, base_model=sess.base_model, lora_rank=lora.rank if lora else 0,
+                           lora_alpha=lora.alpha if lora else 0.0,
+                           target_modules=list(lora.target_modules) if lora else [], next_seq_id=sess.next_seq_id,
+                           optim_steps=sess.optim_steps, closed=sess.closed, error=sess.error,
+                           num_trainable_parameters=sess.num_trainable, full_parameter=sess.full_parameter,
+                           lineage=sess.id, vocab_size=args.vocab_size, num_layers=args.num_layers,
+                           hidden_size=args.hidden_size, architecture=args.architecture, created_at=sess.created_at)

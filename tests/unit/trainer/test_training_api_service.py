@@ -172,3 +172,25 @@ def test_full_parameter_save_weights_publishes_a_model_directory(services, tmp_p
     assert np.abs(to_numpy(served.loss_fn_outputs["logprobs"]) - want).max() <= 1e-5
     with services.env.db.session() as s:
         assert s.get(Checkpoint, saved.checkpoint_id).kind == "full"
+
+
+def test_a_publish_the_weight_sync_service_refuses_is_unavailable(tmp_path):
+    """The trainer's publisher turns the weight-sync call's failure into UNAVAILABLE (the session stays usable, the
+    caller saves again); the session manager itself speaks no gRPC."""
+    from types import SimpleNamespace
+
+    from services.common.errors import Unavailable
+    from services.trainer.app import make_publisher
+
+    class Down(grpc.RpcError):
+        def details(self):
+            return "connection refused"
+
+    class Stub:
+        def PublishVersion(self, requests, **kw):
+            raise Down()
+
+    sess = SimpleNamespace(id="sess_x", weight_version_id="", base_model="tiny", optim_steps=3)
+    (tmp_path / "adapter_config.json").write_text("{}")
+    with pytest.raises(Unavailable, match="connection refused"):
+        make_publisher(Stub())("ty_key", sess, tmp_path, "lora_adapter")
