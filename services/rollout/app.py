@@ -6,7 +6,7 @@ from services.common.auth import KeyAuthenticator
 from services.common.blobstore import BlobStore
 from services.common.db import Database
 from services.common.grpcserver import Server, ServiceSpec, run_service, service_server
-from services.rollout.core import RolloutCore
+from services.rollout.sampling_core import SamplingCore
 from services.rollout.engine import Engine
 from services.rollout.openai_http import OpenAIServer
 from services.rollout.pinned import PinnedWeights
@@ -26,7 +26,7 @@ def build(settings: RolloutSettings) -> Server:
     # Weight versions sampled by path ("trainyard://weights/<id>"), fetched over the follower's channel.
     pinned = PinnedWeights(engine, follower.stub, settings.data_dir / "rollout" / "pinned",
                            settings.max_pinned_full_versions)
-    core = RolloutCore(db, BlobStore(settings.blob_dir), engine, settings.adapters_dir(), follower, pinned)
+    core = SamplingCore(db, BlobStore(settings.blob_dir), engine, settings.adapters_dir(), follower, pinned)
 
     def register(server) -> None:
         rpc.add_RolloutServiceServicer_to_server(RolloutServicer(core), server)

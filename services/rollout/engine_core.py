@@ -3,7 +3,7 @@
 Single-threaded: services/rollout/engine.py runs `step` in a loop thread per base model and feeds requests to it;
 tests drive it directly, which fixes arrival orders step by step.
 
-- schedule: services/rollout/scheduler.py decides the sequences and token counts of the step (a plain dataclass).
+- schedule: services/rollout/batch_scheduler.py decides the sequences and token counts of the step (a plain dataclass).
 - execute: services/rollout/runner.py runs the forward over them and samples.
 - update: tokens go to each sample's SequenceBuilder (text, stop strings, finish); a prompt that is fully cached forks
   into its n samples; finished sequences free their blocks; each request gets the step's output (RequestOutput:
@@ -24,7 +24,7 @@ from services.common.errors import InvalidArgument
 from services.rollout.kv_blocks import KVLayout, KVPool
 from services.rollout.runner import ModelRunner, RowSample, StepBatch, StepRow
 from services.rollout.sampling import SamplingParams, SequenceBuilder, sample_generators
-from services.rollout.scheduler import Request, ScheduledSeq, Scheduler, SchedulerConfig, Sequence
+from services.rollout.batch_scheduler import Request, ScheduledSeq, BatchScheduler, BatchSchedulerConfig, Sequence
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ class EngineCore:
         layout = KVLayout.of(model.args)
         num_blocks = config.num_blocks(layout)
         self.pool = KVPool(layout, num_blocks, config.kv_block_size, config.dtype, config.device)
-        self.scheduler = Scheduler(SchedulerConfig(
+        self.scheduler = BatchScheduler(BatchSchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             num_blocks=num_blocks, block_size=config.kv_block_size))
         self.runner = ModelRunner(model, self.pool, deterministic=config.deterministic)

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP endpoint of the rollout service (docs/openai.md).
 
 POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}], GET /health. Served by the rollout process
-next to gRPC over the same RolloutCore: `model` resolves as SampleRequest.model does (a live deployment of the
+next to gRPC over the same SamplingCore: `model` resolves as SampleRequest.model does (a live deployment of the
 caller's account, else a base model it can see), the API key is the same (`Authorization: Bearer <key>`), and the
 samples, logprobs and finish reasons are the engine's (docs/rollout.md), only reshaped (openai_protocol.py).
 
@@ -51,7 +51,7 @@ from services.common.errors import (
     Unavailable,
 )
 from services.common.schema import SHARED_SCOPE, Deployment
-from services.rollout.core import SERVABLE_STATUSES, Prompt, RolloutCore, SampleStream
+from services.rollout.sampling_core import SERVABLE_STATUSES, Prompt, SamplingCore, SampleStream
 from services.rollout.engine import RequestOutput
 from services.rollout.openai_protocol import (
     ChatRequest,
@@ -170,9 +170,9 @@ async def _disconnected(request: Request) -> None:
 
 
 class OpenAIApp:
-    """The Starlette application over a RolloutCore."""
+    """The Starlette application over a SamplingCore."""
 
-    def __init__(self, core: RolloutCore, authenticate: Callable[[str | None], auth.Caller], *, max_requests: int):
+    def __init__(self, core: SamplingCore, authenticate: Callable[[str | None], auth.Caller], *, max_requests: int):
         self.core, self.authenticate = core, authenticate
         self.limiter = anyio.CapacityLimiter(max_requests)
         self.stopping = threading.Event()  # the service's: /health answers 503 once shutdown begins
@@ -450,7 +450,7 @@ class OpenAIServer:
     service's start; serve(stopping) is a gRPC Server background task: it runs until the service's shutdown begins,
     lets in-flight requests finish for grace_s (then cancels them, which aborts their engine requests) and returns."""
 
-    def __init__(self, core: RolloutCore, authenticate: Callable[[str | None], auth.Caller], *, host: str, port: int,
+    def __init__(self, core: SamplingCore, authenticate: Callable[[str | None], auth.Caller], *, host: str, port: int,
                  max_requests: int, grace_s: float):
         self.app = OpenAIApp(core, authenticate, max_requests=max_requests)
         try:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from services.common.errors import InvalidArgument
 from services.rollout import sampling
-from services.rollout.core import Prompt
+from services.rollout.sampling_core import Prompt
 from services.rollout.sampling import SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

@@ -7,7 +7,7 @@ import torch
 
 from services.common.auth import current_caller
 from services.common.protoconv import opt
-from services.rollout.core import LoadedInfo, Prompt, RolloutCore
+from services.rollout.sampling_core import LoadedInfo, Prompt, SamplingCore
 from services.rollout.engine_core import SequenceDelta
 from services.rollout.sampling import SampledSequence, SamplingParams
 from trainyard.v1 import rollout_pb2 as pb, rollout_pb2_grpc as rpc
@@ -64,7 +64,7 @@ def sequence_delta(d: SequenceDelta, layers: list[int] | None) -> pb.SequenceDel
 
 
 class RolloutServicer(rpc.RolloutServiceServicer):
-    def __init__(self, core: RolloutCore):
+    def __init__(self, core: SamplingCore):
         self.core = core
 
     def Sample(self, request, context):

@@ -21,8 +21,8 @@ class RolloutSettings(TrainyardSettings):
     # Precision and device of the base weights; adapters stay float32 (as peft keeps them).
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = Field(default="cpu", description="torch device for the models, e.g. 'cpu' or 'cuda:0'")
-    # Continuous batching (services/rollout/scheduler.py): sequences and tokens in one engine step; a longer prefill
-    # is split into chunks of the remaining token budget.
+    # Continuous batching (services/rollout/batch_scheduler.py): sequences and tokens in one engine step; a longer
+    # prefill is split into chunks of the remaining token budget.
     max_num_seqs: int = Field(default=256, ge=1)
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     # Paged KV cache per base model: block size in tokens, and the pool size in blocks (0: from kv_cache_mb).

@@ -2,7 +2,7 @@
 import pytest
 
 from services.rollout.kv_blocks import BlockAllocator
-from services.rollout.scheduler import Request, Scheduler, SchedulerConfig, Status
+from services.rollout.batch_scheduler import Request, BatchScheduler, BatchSchedulerConfig, Status
 
 
 def test_fork_shares_blocks_and_copy_on_write_copies_only_the_partial_last_block():
@@ -43,7 +43,7 @@ def _req(name, prompt_len, n=1, max_tokens=4):
     return Request(name, list(range(3, 3 + prompt_len)), n, max_tokens)
 
 
-def _run_to_completion(s: Scheduler, tokens_per_sample: int):
+def _run_to_completion(s: BatchScheduler, tokens_per_sample: int):
     """Drive the scheduler as the engine core would, sampling token 7 every time; returns each step's output."""
     outputs = []
     while s.has_work():
@@ -67,7 +67,7 @@ def _run_to_completion(s: Scheduler, tokens_per_sample: int):
 
 
 def test_preemption_frees_blocks_requeues_first_and_everything_finishes():
-    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, num_blocks=6, block_size=4))
+    s = BatchScheduler(BatchSchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, num_blocks=6, block_size=4))
     for i in range(3):
         s.add(_req(f"r{i}", prompt_len=5, n=2, max_tokens=6))
     outputs = _run_to_completion(s, tokens_per_sample=6)
@@ -78,7 +78,7 @@ def test_preemption_frees_blocks_requeues_first_and_everything_finishes():
 
 
 def test_chunked_prefill_respects_the_token_budget_and_batch_size():
-    s = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=5, num_blocks=64, block_size=4))
+    s = BatchScheduler(BatchSchedulerConfig(max_num_seqs=3, max_num_batched_tokens=5, num_blocks=64, block_size=4))
     s.add(_req("long", prompt_len=12, n=2))
     s.add(_req("short", prompt_len=2, n=1))
     outputs = _run_to_completion(s, tokens_per_sample=3)
@@ -91,13 +91,13 @@ def test_chunked_prefill_respects_the_token_budget_and_batch_size():
 
 
 def test_a_request_larger_than_the_pool_is_refused_at_add():
-    s = Scheduler(SchedulerConfig(num_blocks=2, block_size=4))
+    s = BatchScheduler(BatchSchedulerConfig(num_blocks=2, block_size=4))
     with pytest.raises(AssertionError):
         s.add(_req("big", prompt_len=8, max_tokens=2))  # 9 positions > 8 slots; EngineCore.check says so first
 
 
 def test_finish_of_a_waiting_sequence_removes_it():
-    s = Scheduler(SchedulerConfig())
+    s = BatchScheduler(BatchSchedulerConfig())
     seq = s.add(_req("r", prompt_len=3))
     s.finish(seq)
     assert seq.status is Status.FINISHED and not s.has_work()

@@ -37,7 +37,7 @@ class Env:
     http: httpx.Client
     stub: rpc.RolloutServiceStub
     keys: dict  # account name -> API key
-    core: object  # the app's RolloutCore
+    core: object  # the app's SamplingCore
 
     def post(self, path: str, body: dict, who: str | None = "alice") -> httpx.Response:
         return self.http.post(path, json=body, headers=_auth(self.keys.get(who)))

@@ -16,7 +16,7 @@ from services.common.blobstore import BlobStore
 from services.common.db import Database, migrate
 from services.common.schema import SHARED_SCOPE, Checkpoint, Deployment, new_id, utcnow
 from services.rollout.app import build
-from services.rollout.core import SampleStream
+from services.rollout.sampling_core import SampleStream
 from services.rollout.sampling import SamplingParams
 from services.rollout.settings import RolloutSettings
 from trainyard.v1 import common_pb2, rollout_pb2 as pb, rollout_pb2_grpc as rpc

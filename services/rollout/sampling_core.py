@@ -105,7 +105,7 @@ class _Target:
     adapter_files: tuple[StoredFile, ...] = ()  # a checkpoint deployment's files, laid out on first use
 
 
-class RolloutCore:
+class SamplingCore:
     def __init__(self, db: Database, blobs: BlobStore, engine: Engine, adapters_dir: Path,
                  follower: WeightFollower | None = None, pinned: PinnedWeights | None = None):
         self.db = db

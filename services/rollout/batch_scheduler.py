@@ -1,4 +1,4 @@
-"""The scheduler: which sequences run in the next step, how many tokens each, and their KV blocks.
+"""The batch scheduler: which sequences run in the next engine step, how many tokens each, and their KV blocks.
 
 Plain Python, no tensors: it owns the waiting and running queues and the BlockAllocator; the runner does the work
 it decides (services/rollout/engine_core.py wires the two).
@@ -29,7 +29,7 @@ from services.rollout.kv_blocks import BlockAllocator
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
+class BatchSchedulerConfig:
     max_num_seqs: int = 256  # sequences in one step's batch
     max_num_batched_tokens: int = 2048  # tokens in one step's forward (prefill chunks + decodes)
     num_blocks: int = 4096  # KV blocks in the pool
@@ -91,7 +91,7 @@ class ScheduledSeq:
 
 
 @dataclass
-class SchedulerOutput:
+class BatchSchedulerOutput:
     scheduled: list[ScheduledSeq]
     block_copies: list[tuple[int, int]]  # (source, destination) copy-on-write, before the forward
     preempted: list[Sequence]
@@ -101,8 +101,8 @@ class SchedulerOutput:
         return sum(s.num_new for s in self.scheduled)
 
 
-class Scheduler:
-    def __init__(self, config: SchedulerConfig):
+class BatchScheduler:
+    def __init__(self, config: BatchSchedulerConfig):
         self.config = config
         self.blocks = BlockAllocator(config.num_blocks, config.block_size)
         self.waiting: deque[Sequence] = deque()
@@ -124,7 +124,7 @@ class Scheduler:
         self.waiting.append(seq)
         return seq
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> BatchSchedulerOutput:
         budget, cfg = self.config.max_num_batched_tokens, self.config
         scheduled: list[ScheduledSeq] = []
         copies: list[tuple[int, int]] = []
@@ -159,7 +159,7 @@ class Scheduler:
             self.running.append(seq)
             self._append(seq, num_new, copies, scheduled)
             budget -= num_new
-        return SchedulerOutput(scheduled=scheduled, block_copies=copies, preempted=preempted)
+        return BatchSchedulerOutput(scheduled=scheduled, block_copies=copies, preempted=preempted)
 
     def _append(self, seq: Sequence, num_new: int, copies: list, scheduled: list) -> None:
         copy = self.blocks.append(seq.block_table, seq.num_computed, num_new)
