@@ -18,10 +18,7 @@ import math
 
 import torch
 
-from kernels.rope_config import (  # noqa: F401 - the config side, re-exported
-    DEFAULT_ROPE_THETA, ROPE_TYPES_WITH_ATTENTION_FACTOR, SUPPORTED_ROPE_TYPES, parse_rope_config, rope_type_of,
-    yarn_mscale,
-)
+from kernels.rope_config import ROPE_TYPES_WITH_ATTENTION_FACTOR, SUPPORTED_ROPE_TYPES, rope_type_of, yarn_mscale
 
 
 def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None = None) -> torch.Tensor:

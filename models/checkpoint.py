@@ -14,9 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from models.families import family_for_config
-from models.model_dir import (  # noqa: F401 - the torch-free half, re-exported
-    INDEX_FILE, TOKENIZER_FILES, ModelDirError, ModelInfo, inspect_model_dir, read_config, weight_files,
-)
+from models.model_dir import INDEX_FILE, read_config, weight_files
 
 _MAX_NAMES_IN_ERROR = 20
 

@@ -14,10 +14,10 @@ EXPERTS_TARGET = "experts"
 EXPERT_WEIGHT_NAMES = ("gate_up_proj", "down_proj")  # the fused tensors of a routed-expert block (models.moe.Experts)
 # A menu, not a list that must all exist: an all-MoE model has no gate_proj, a dense one no experts, DeepSeek's MLA
 # has no q_proj/k_proj/v_proj (see apply_lora).
-DEFAULT_TARGETS = (
-    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-    "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", EXPERTS_TARGET,
-)
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")  # grouped-query attention
+MLA_PROJECTIONS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # DeepSeek's latent attention (+ o_proj)
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+DEFAULT_TARGETS = (*ATTENTION_PROJECTIONS, *MLP_PROJECTIONS, *MLA_PROJECTIONS, EXPERTS_TARGET)
 
 
 @dataclass
@@ -85,12 +85,20 @@ def check_targets_for_config(config: dict, targets: tuple[str, ...]) -> None:
     resolve_targets(args.lora_module_names(), tuple(targets), is_strict(tuple(targets)))
 
 
-def dense_layer_names(layer: str, attention: tuple[str, ...], mlp: tuple[str, ...]) -> list[str]:
-    """Linear names of one decoder layer: its attention projections and (dense) MLP projections."""
-    return [f"{layer}.self_attn.{p}" for p in attention] + [f"{layer}.mlp.{p}" for p in mlp]
-
-
-def with_head(names: ModuleNames, tie_word_embeddings: bool) -> ModuleNames:
-    """lm_head: tied to the embeddings (LoRA may not wrap it) or a Linear of its own."""
+def decoder_module_names(num_layers: int, attention: tuple[str, ...], *, tie_word_embeddings: bool,
+                         is_moe_layer=lambda i: False, shared_experts: bool = False) -> ModuleNames:
+    """The module names of a decoder stack: per layer its attention projections, then a dense MLP or (where
+    is_moe_layer) a routed-expert block and, with shared_experts, a shared dense MLP; then lm_head, tied to the
+    embeddings (LoRA may not wrap it) or a Linear of its own."""
+    names = ModuleNames()
+    for i in range(num_layers):
+        layer = f"model.layers.{i}"
+        names.linears += [f"{layer}.self_attn.{p}" for p in attention]
+        if not is_moe_layer(i):
+            names.linears += [f"{layer}.mlp.{p}" for p in MLP_PROJECTIONS]
+            continue
+        names.experts.append(f"{layer}.mlp.experts")
+        if shared_experts:
+            names.linears += [f"{layer}.mlp.shared_experts.{p}" for p in MLP_PROJECTIONS]
     (names.tied if tie_word_embeddings else names.linears).append("lm_head")
     return names

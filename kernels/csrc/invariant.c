@@ -355,10 +355,15 @@ static inline const uint16_t *amx_chunk(const amx_src *s, int64_t c, int64_t *st
     return s->tail;
 }
 
+/* Rows (or columns) of a 16-wide tile starting at `start` that lie inside `total`: 0 .. 16. */
+static inline int64_t tile_extent(int64_t total, int64_t start) {
+    return start >= total ? 0 : total - start < 16 ? total - start : 16;
+}
+
 /* C tile (16 n x 16 m, float32) from / to C[m, n] (transposed; only m < rows, n < cols). */
-static void amx_c_in(const float *C, int64_t ldc, int64_t rows, int64_t cols, int load, float *t) {
+static void amx_c_in(const float *C, int64_t ldc, int64_t rows, int64_t cols, float *t) {
     for (int64_t i = 0; i < 16; i++)
-        for (int64_t j = 0; j < 16; j++) t[i * 16 + j] = load && j < rows && i < cols ? C[j * ldc + i] : 0.0f;
+        for (int64_t j = 0; j < 16; j++) t[i * 16 + j] = j < rows && i < cols ? C[j * ldc + i] : 0.0f;
 }
 static void amx_c_out(const float *t, float *C, int64_t ldc, int64_t rows, int64_t cols) {
     __m512 r[16];
@@ -397,11 +402,9 @@ static void amx_gemm(int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
             int64_t nt0 = (task / mblocks) * nb_tiles, mt0 = (task % mblocks) * mb_tiles;
-            int64_t nts = ntiles - nt0 < nb_tiles ? ntiles - nt0 : nb_tiles;
-            int64_t mts = mtiles - mt0 < mb_tiles ? mtiles - mt0 : mb_tiles;
             amx_src src[4];
             for (int64_t a = 0; a < nb_tiles; a++) {
-                int64_t n0 = (nt0 + a) * 16, cols = a < nts ? (N - n0 < 16 ? N - n0 : 16) : 0;
+                int64_t n0 = (nt0 + a) * 16, cols = tile_extent(N, n0);
                 uint16_t *tail = tails + a * 16 * 32;
                 if (direct && cols == 16) {
                     src[a] = (amx_src){B + n0 * b_cs, tail, b_cs * 2, K / 32};
@@ -418,16 +421,16 @@ static void amx_gemm(int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t
                 }
             }
             int64_t s0, s1, s2, s3;
+/* C tile `tile` of n-tile a, m-tile b of the task: loaded from C (accumulate) or zeroed; stored where it is in C */
+#define TY_C(a, b) (C + (mt0 + (b)) * 16 * ldc + (nt0 + (a)) * 16)
+#define TY_EXTENTS(a, b) tile_extent(M, (mt0 + (b)) * 16), tile_extent(N, (nt0 + (a)) * 16)
+#define TY_CIN(tile, a, b) do { if (!accumulate) { _tile_zero(tile); break; } \
+        amx_c_in(TY_C(a, b), ldc, TY_EXTENTS(a, b), t); _tile_loadd(tile, t, 64); } while (0)
+#define TY_COUT(tile, a, b) do { if (tile_extent(M, (mt0 + (b)) * 16) && tile_extent(N, (nt0 + (a)) * 16)) { \
+        _tile_stored(tile, t, 64); amx_c_out(t, TY_C(a, b), ldc, TY_EXTENTS(a, b)); } } while (0)
             if (mb_tiles == 1) { /* 4 n-tiles x 1 m-tile: C in tmm0-3, rows of A in tmm4, weights in tmm5-7 */
                 const uint16_t *x = ap + mt0 * K32 * 16;
-                int64_t rows = M - mt0 * 16 < 16 ? M - mt0 * 16 : 16;
-                float *c = C + mt0 * 16 * ldc;
-#define TY_CIN(tile, a) do { int64_t n0 = (nt0 + a) * 16; if (!accumulate) { _tile_zero(tile); break; } \
-        amx_c_in(c + n0, ldc, rows, n0 < N ? (N - n0 < 16 ? N - n0 : 16) : 0, 1, t); \
-        _tile_loadd(tile, t, 64); } while (0)
-#define TY_COUT(tile, a) do { int64_t n0 = (nt0 + a) * 16; if (a < nts) { _tile_stored(tile, t, 64); \
-        amx_c_out(t, c + n0, ldc, rows, N - n0 < 16 ? N - n0 : 16); } } while (0)
-                TY_CIN(0, 0); TY_CIN(1, 1); TY_CIN(2, 2); TY_CIN(3, 3);
+                TY_CIN(0, 0, 0); TY_CIN(1, 1, 0); TY_CIN(2, 2, 0); TY_CIN(3, 3, 0);
                 for (int64_t ch = 0; ch < chunks; ch++) {
                     _tile_loadd(4, x + ch * 16 * 32, 64);
                     const uint16_t *w0 = amx_chunk(&src[0], ch, &s0), *w1 = amx_chunk(&src[1], ch, &s1);
@@ -437,17 +440,9 @@ static void amx_gemm(int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t
                     _tile_loadd(7, w2, s2); _tile_dpbf16ps(2, 7, 4);
                     _tile_loadd(5, w3, s3); _tile_dpbf16ps(3, 5, 4);
                 }
-                TY_COUT(0, 0); TY_COUT(1, 1); TY_COUT(2, 2); TY_COUT(3, 3);
-#undef TY_CIN
-#undef TY_COUT
+                TY_COUT(0, 0, 0); TY_COUT(1, 1, 0); TY_COUT(2, 2, 0); TY_COUT(3, 3, 0);
             } else { /* 2 n-tiles x 2 m-tiles: C in tmm0-3 (n-tile a, m-tile b at 2a + b), weights tmm4-5, A tmm6-7 */
-                const uint16_t *x0 = ap + mt0 * K32 * 16, *x1 = x0 + (mts > 1 ? K32 * 16 : 0);
-#define TY_ROWS(b) (M - (mt0 + b) * 16 < 16 ? M - (mt0 + b) * 16 : 16)
-#define TY_CIN(tile, a, b) do { int64_t n0 = (nt0 + a) * 16; if (!accumulate) { _tile_zero(tile); break; } \
-        amx_c_in(C + (mt0 + b) * 16 * ldc + n0, ldc, b < mts ? TY_ROWS(b) : 0, \
-                 n0 < N ? (N - n0 < 16 ? N - n0 : 16) : 0, 1, t); _tile_loadd(tile, t, 64); } while (0)
-#define TY_COUT(tile, a, b) do { int64_t n0 = (nt0 + a) * 16; if (a < nts && b < mts) { _tile_stored(tile, t, 64); \
-        amx_c_out(t, C + (mt0 + b) * 16 * ldc + n0, ldc, TY_ROWS(b), N - n0 < 16 ? N - n0 : 16); } } while (0)
+                const uint16_t *x0 = ap + mt0 * K32 * 16, *x1 = x0 + (mt0 + 1 < mtiles ? K32 * 16 : 0);
                 TY_CIN(0, 0, 0); TY_CIN(1, 0, 1); TY_CIN(2, 1, 0); TY_CIN(3, 1, 1);
                 for (int64_t ch = 0; ch < chunks; ch++) {
                     const uint16_t *w0 = amx_chunk(&src[0], ch, &s0), *w1 = amx_chunk(&src[1], ch, &s1);
@@ -461,10 +456,11 @@ static void amx_gemm(int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t
                     _tile_dpbf16ps(3, 5, 7);
                 }
                 TY_COUT(0, 0, 0); TY_COUT(1, 0, 1); TY_COUT(2, 1, 0); TY_COUT(3, 1, 1);
-#undef TY_ROWS
+            }
+#undef TY_C
+#undef TY_EXTENTS
 #undef TY_CIN
 #undef TY_COUT
-            }
         }
         _tile_release();
     }
@@ -478,6 +474,15 @@ const char *ty_bf16_dot(void) {
     return TY_BF16_DOT;
 }
 
+
+#if defined(__AVX512F__)
+/* A 16 x 16 block whose rows are 16 panel columns' next 16 values (floats, or bf16 pairs as 32-bit words) into a
+ * packed B panel: value i of row j at dst[i * TY_NR + j]. */
+static inline void transpose_into_panel(__m512 r[16], float *dst) {
+    transpose16(r);
+    for (int64_t i = 0; i < 16; i++) _mm512_storeu_ps(dst + i * TY_NR, r[i]);
+}
+#endif
 
 /* Packing. B panel q (NR columns n0 + q*NR ..) of k-block k0 (kc rows) into dst: [kc][NR] floats, or with dot
  * [kc/2][NR] pairs of bf16; columns past ncols and k past K zero; with pairs (fp32 chains), position k holds k ^ 1. */
@@ -496,8 +501,7 @@ static void pack_b(const void *B, int64_t b_rs, int64_t b_cs, int b_bf16, int64_
                     for (int64_t j = 0; j < 16; j++)
                         r[j] = _mm512_castsi512_ps(_mm512_loadu_si512(
                             (const uint16_t *)B + (n0 + h + j) * b_cs + k0 + 2 * p));
-                    transpose16(r);
-                    for (int64_t q = 0; q < 16; q++) _mm512_storeu_ps((float *)(d32 + (p + q) * TY_NR + h), r[q]);
+                    transpose_into_panel(r, (float *)(d32 + p * TY_NR + h));
                 }
             for (; p < pairs_n; p++)
                 for (int64_t j = 0; j < TY_NR; j++)
@@ -521,8 +525,7 @@ static void pack_b(const void *B, int64_t b_rs, int64_t b_cs, int b_bf16, int64_
                     int64_t at = (n0 + h + j) * b_cs + k0 + k;
                     r[j] = b_bf16 ? v_load_bf16((const uint16_t *)B + at) : _mm512_loadu_ps((const float *)B + at);
                 }
-                transpose16(r);
-                for (int64_t kk = 0; kk < 16; kk++) _mm512_storeu_ps(dst + (k + kk) * TY_NR + h, r[kk]);
+                transpose_into_panel(r, dst + k * TY_NR + h);
             }
         for (; k < kc; k++)
             for (int64_t j = 0; j < TY_NR; j++) dst[k * TY_NR + j] = load_elem(B, (n0 + j) * b_cs + k0 + k, b_bf16);

@@ -15,7 +15,7 @@ rotary, rope types other than default/llama3/yarn. Three fields are deliberately
 import copy
 from dataclasses import dataclass, field
 
-from models.lora_targets import ModuleNames, dense_layer_names, with_head
+from models.lora_targets import ModuleNames, decoder_module_names
 
 from kernels.rope_config import DEFAULT_ROPE_THETA, ROPE_TYPES_WITH_ATTENTION_FACTOR, parse_rope_config, yarn_mscale
 from models.moe_args import MoEArgs
@@ -132,17 +132,9 @@ class ModelArgs:
         """The Linear and expert-block names of this architecture (models.lora_targets; equal to the built model's,
         tested)."""
         q = ("q_proj",) if self.q_lora_rank is None else ("q_a_proj", "q_b_proj")
-        attention = (*q, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
-        names = ModuleNames()
-        for i in range(self.num_layers):
-            layer = f"model.layers.{i}"
-            moe = self.is_moe_layer(i)
-            names.linears += dense_layer_names(layer, attention, () if moe else ("gate_proj", "up_proj", "down_proj"))
-            if moe:
-                names.experts.append(f"{layer}.mlp.experts")
-                if self.n_shared_experts > 0:
-                    names.linears += [f"{layer}.mlp.shared_experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
-        return with_head(names, self.tie_word_embeddings)
+        return decoder_module_names(self.num_layers, (*q, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
+                                    is_moe_layer=self.is_moe_layer, shared_experts=self.n_shared_experts > 0,
+                                    tie_word_embeddings=self.tie_word_embeddings)
 
     @classmethod
     def from_hf_config(cls, config: dict) -> "ModelArgs":

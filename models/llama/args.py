@@ -10,7 +10,7 @@ else.
 import copy
 from dataclasses import dataclass, field
 
-from models.lora_targets import ModuleNames, dense_layer_names, with_head
+from models.lora_targets import ATTENTION_PROJECTIONS, ModuleNames, decoder_module_names
 
 from kernels.rope_config import DEFAULT_ROPE_THETA, SUPPORTED_ROPE_TYPES, parse_rope_config
 
@@ -49,8 +49,8 @@ class ModelArgs:
 
     def lora_module_names(self) -> ModuleNames:
         """The Linear names of this architecture (models.lora_targets; equal to the built model's, tested)."""
-        linears = [n for i in range(self.num_layers) for n in dense_layer_names(f"model.layers.{i}", ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj"))]
-        return with_head(ModuleNames(linears), self.tie_word_embeddings)
+        return decoder_module_names(self.num_layers, ATTENTION_PROJECTIONS,
+                                    tie_word_embeddings=self.tie_word_embeddings)
 
     @classmethod
     def from_hf_config(cls, config: dict) -> "ModelArgs":

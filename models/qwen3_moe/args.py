@@ -9,7 +9,7 @@ is `num_experts` in published configs and `num_local_experts` in what transforme
 import copy
 from dataclasses import dataclass, field
 
-from models.lora_targets import ModuleNames, dense_layer_names, with_head
+from models.lora_targets import ATTENTION_PROJECTIONS, ModuleNames, decoder_module_names
 
 from kernels.rope_config import DEFAULT_ROPE_THETA, SUPPORTED_ROPE_TYPES, parse_rope_config
 from models.moe_args import MoEArgs
@@ -74,14 +74,8 @@ class ModelArgs:
     def lora_module_names(self) -> ModuleNames:
         """The Linear and expert-block names of this architecture (models.lora_targets; equal to the built model's,
         tested)."""
-        names = ModuleNames()
-        for i in range(self.num_layers):
-            layer = f"model.layers.{i}"
-            moe = self.is_moe_layer(i)
-            names.linears += dense_layer_names(layer, ("q_proj", "k_proj", "v_proj", "o_proj"), () if moe else ("gate_proj", "up_proj", "down_proj"))
-            if moe:
-                names.experts.append(f"{layer}.mlp.experts")
-        return with_head(names, self.tie_word_embeddings)
+        return decoder_module_names(self.num_layers, ATTENTION_PROJECTIONS, is_moe_layer=self.is_moe_layer,
+                                    tie_word_embeddings=self.tie_word_embeddings)
 
     @classmethod
     def from_hf_config(cls, config: dict) -> "ModelArgs":

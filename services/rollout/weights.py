@@ -30,7 +30,7 @@ import grpc
 from safetensors.torch import load_file
 
 from models.families import family_for_config
-from models.checkpoint import read_config
+from models.model_dir import read_config
 from services.common.channels import auth_metadata, open_channel
 from services.common.errors import FailedPrecondition, Unavailable
 from services.weightsync.client import fetch_delta, fetch_version

@@ -1,6 +1,7 @@
 """The trainer process: Training API sessions over gRPC (python -m services.trainer)."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from services.common.errors import Unavailable
 from services.common.grpcserver import Server, ServiceSpec, run_service, service_server
 from services.common.protoconv import ts
 from services.trainer.session_spec import CreateSpec, LoraSpec
-from services.trainer.sessions import SessionInfo, SessionManager
+from services.trainer.sessions import SESSION_ADAMW, SessionInfo, SessionManager
 from services.trainer.tensors import from_torch
 from services.weightsync.client import publish_dir
 from trainyard.v1 import common_pb2, trainer_pb2 as pb, trainer_pb2_grpc as rpc, weightsync_pb2, weightsync_pb2_grpc
@@ -31,8 +32,7 @@ class TrainerSettings(TrainyardSettings):
     micro_batch_tokens: int = Field(default=2048, ge=1)
 
 
-ADAM_DEFAULTS = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
-                 "grad_clip_norm": 0.0}
+ADAM_DEFAULTS = dataclasses.asdict(SESSION_ADAMW)
 WEIGHT_KINDS = {"lora_adapter": weightsync_pb2.WEIGHT_KIND_LORA_ADAPTER, "full": weightsync_pb2.WEIGHT_KIND_FULL}
 
 

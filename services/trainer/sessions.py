@@ -126,6 +126,10 @@ class SessionInfo:
     architecture: str = ""
 
 
+# A Training API session's AdamW defaults (Tinker's): what OptimStep applies for the fields a request leaves unset.
+SESSION_ADAMW = AdamW(learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=0.0, grad_clip_norm=0.0)
+
+
 def _state_checkpoint_id(path: str, field_name: str) -> str:
     if not path.startswith(STATE_PREFIX) or len(path) == len(STATE_PREFIX):
         raise InvalidArgument(f"must be '{STATE_PREFIX}<checkpoint id>' (the path SaveState returned), got {path!r}",
@@ -211,7 +215,7 @@ class SessionManager:
                 self.pool.release(holder, sess_id)
                 raise
         # Every OptimStep sets the hyperparameters it applies; these only initialize the optimizer.
-        engine = TrainingEngine(holder.model, params, optimizer=AdamW(beta2=0.95, eps=1e-12), device=self.device)
+        engine = TrainingEngine(holder.model, params, optimizer=SESSION_ADAMW, device=self.device)
         sess = Session(id=sess_id, account_id=account_id, base_model=name, model_path=path, holder=holder, lora=lora,
                        seed=seed, engine=engine, created_at=utcnow(), from_state=spec.from_state,
                        num_trainable=engine.num_trainable)
@@ -362,9 +366,7 @@ class SessionManager:
                 if not (ok and math.isfinite(adam[name])):
                     raise InvalidArgument(f"must be {rule}, got {adam[name]}", field=f"adam.{name}")
             with sess.use():
-                norm = sess.engine.step(AdamW(learning_rate=lr, beta1=b1, beta2=b2, eps=adam["eps"],
-                                              weight_decay=adam["weight_decay"],
-                                              grad_clip_norm=adam["grad_clip_norm"]))
+                norm = sess.engine.step(AdamW(**adam))
             sess.optim_steps += 1
             return sess.optim_steps, {"grad_norm": float(norm), "learning_rate": lr}  # float() syncs
 

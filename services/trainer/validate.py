@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from models.checkpoint import inspect_model_dir
+from models.model_dir import inspect_model_dir
 from models.lora import LoraConfig
 from models.tokenizer import load_tokenizer
 from services.trainer.engine import AdamW, TrainingEngine

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from models.checkpoint import build_on_meta, read_config
+from models.checkpoint import build_on_meta
+from models.model_dir import read_config
 from models.lora import _linears, check_targets
 from models.lora_targets import check_targets_for_config
 from models.moe import Experts
