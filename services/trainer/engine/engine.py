@@ -6,7 +6,8 @@
     engine.loss_call(req, ...)                      a micro-batched forward / backward of datums under a built-in
                                                     loss (forward_backward.py)
     engine.step(AdamW(...))                         clip / measure the gradient norm, AdamW step, clear gradients
-    engine.training_state() / load_training_state() the optimizer and RNG state a bit-exact resume needs
+    engine.training_state()                         the optimizer and RNG state a bit-exact resume needs, restored
+                                                    by load_optimizer_state / load_rng_state
 
 Managed SFT (services/trainer/sft.py), Training API sessions (services/trainer/sessions.py) and `trainyard validate`
 (services/trainer/validate.py) all train through it; none keeps a loop of its own. A LoRA session on a shared base

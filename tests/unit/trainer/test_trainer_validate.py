@@ -4,18 +4,9 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from models.tiny import TINY_CONFIGS, build_tiny_model
 from services.trainer.validate import memorization_check
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("family", sorted(TINY_CONFIGS))
