@@ -1,7 +1,7 @@
 """Generate the Python gRPC stubs for protos/trainyard/v1 into trainyard/v1 (committed, so importing needs no step).
 
 Run after editing a .proto:  python scripts/gen_protos.py
-tests/unit/platform/test_platform_basics.py fails when the committed stubs are stale.
+tests/services/common/test_common_basics.py fails when the committed stubs are stale.
 """
 from __future__ import annotations
 

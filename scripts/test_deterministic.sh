@@ -7,11 +7,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 TESTS=(
-  tests/unit/models/test_models_batch_invariant.py
-  tests/unit/models/test_models_invariant_kernels.py
-  tests/unit/rollout/test_rollout_deterministic_decode.py
-  tests/unit/rollout/test_rollout_batching.py
-  tests/unit/rollout/test_rollout_kl.py
+  tests/kernels/test_kernels_batch_invariant.py
+  tests/kernels/test_kernels_invariant.py
+  tests/services/rollout/test_rollout_deterministic_decode.py
+  tests/services/rollout/test_rollout_batching.py
+  tests/services/rollout/test_rollout_kl.py
 )
 flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true)
 has() { [[ " $flags " == *" $1 "* ]]; }

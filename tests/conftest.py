@@ -1,4 +1,5 @@
-"""Shared fixtures: a fresh Postgres database per session, Redis, and the service stack from docker-compose.yml."""
+"""Shared fixtures: the locally built tiny models of every family (built once per test session), a fresh Postgres
+database per session, Redis, and the service stack from docker-compose.yml."""
 from __future__ import annotations
 
 import os
@@ -11,12 +12,34 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 PG_ADMIN_URL = os.environ.get("TRAINYARD_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("TRAINYARD_TEST_REDIS", "redis://127.0.0.1:6379/0")
 
 
+# -- models ------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """The tiny dense Qwen3 model and tokenizer the project builds locally (models/tiny.py)."""
+    from models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_model"))
+
+
+@pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory, tiny_model_dir) -> dict[str, Path]:
+    """The tiny model of every family: qwen3 (dense), qwen3_moe (MoE, softmax router), deepseek_v3 (MLA + MoE)."""
+    from models.tiny import build_tiny_model
+
+    dirs = {"qwen3": tiny_model_dir}
+    for family in ("qwen3_moe", "deepseek_v3"):
+        dirs[family] = build_tiny_model(tmp_path_factory.mktemp(family), family=family)
+    return dirs
+
+
+# -- services ----------------------------------------------------------------------------------------------------
 def _admin(sql: str) -> None:
     import psycopg
 

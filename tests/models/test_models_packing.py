@@ -1,7 +1,7 @@
 """Sequence packing: one packed row (kernels.attention.Packing) trains exactly like its sequences run one by one.
 
 Models: the locally built tiny Qwen3 model (models.tiny.build_tiny_model) and a tiny random Llama (GQA, biases,
-llama3 rope scaling; tests/unit/models/conftest.py). Tolerance (float32, CPU): each sequence's summed NLL within
+llama3 rope scaling; tests/models/conftest.py). Tolerance (float32, CPU): each sequence's summed NLL within
 1e-5 relative, and every parameter gradient of the summed loss within 1e-5 of the unpacked one relative to that
 gradient's largest entry.
 """

@@ -1,18 +1,12 @@
-"""Fixtures for the models/ tests: the locally built tiny Qwen3 directory and tiny random HF reference models.
+"""Fixtures for the models/ tests: tiny random Hugging Face reference models (the tiny model directories of every
+family come from tests/conftest.py).
 
 Everything runs offline on CPU in float32; transformers is the named numerical reference throughout.
 """
 
-import os
-
-os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ["TRANSFORMERS_OFFLINE"] = "1"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import transformers  # noqa: E402
-
-from models.tiny import build_tiny_model  # noqa: E402
+import pytest
+import torch
+import transformers
 
 transformers.utils.logging.set_verbosity_error()
 transformers.utils.logging.disable_progress_bar()
@@ -50,11 +44,6 @@ def make_hf_model(family: str, seed: int = 0) -> transformers.PreTrainedModel:
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.05)
     return model.eval()
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_model"))
 
 
 @pytest.fixture(scope="session")

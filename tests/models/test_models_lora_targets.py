@@ -12,7 +12,7 @@ from models.lora_targets import check_targets_for_config
 from models.moe import Experts
 from models.tiny import build_tiny_model
 
-CONFIG_DIRS = sorted(p for p in (Path(__file__).resolve().parents[3] / "models" / "configs").iterdir() if p.is_dir())
+CONFIG_DIRS = sorted(p for p in (Path(__file__).resolve().parents[2] / "models" / "configs").iterdir() if p.is_dir())
 
 
 @pytest.fixture(scope="module")

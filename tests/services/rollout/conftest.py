@@ -1,22 +1,16 @@
-"""Fixtures for the rollout tests: the tiny model directories (dense Qwen3, Qwen3-MoE, DeepSeek-V3 MLA), a shared
-engine and LoRA adapters.
+"""Fixtures for the rollout tests: a shared engine and LoRA adapters on the tiny models (tests/conftest.py builds
+them once per session).
 
 CPU only, float32, offline. The numerical reference and the engine-driving helpers are in rollout_reference.py.
 """
 
-import os
 from pathlib import Path
 
-os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ["TRANSFORMERS_OFFLINE"] = "1"
+import pytest
+import torch
+from rollout_reference import SMALL_POOL_MB, write_adapter
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from models.tiny import build_tiny_model  # noqa: E402
-from services.rollout.engine import Engine  # noqa: E402
-
-from rollout_reference import SMALL_POOL_MB, write_adapter  # noqa: E402
+from services.rollout.engine import Engine
 
 PROMPT = "The quick brown fox"
 
@@ -28,20 +22,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_model"))
-
-
-@pytest.fixture(scope="session")
-def family_dirs(tmp_path_factory, tiny_model_dir) -> dict[str, Path]:
-    """The tiny model of every family: qwen3 (dense), qwen3_moe (MoE, softmax router), deepseek_v3 (MLA + MoE)."""
-    dirs = {"qwen3": tiny_model_dir}
-    for family in ("qwen3_moe", "deepseek_v3"):
-        dirs[family] = build_tiny_model(tmp_path_factory.mktemp(family), family=family)
-    return dirs
 
 
 @pytest.fixture(scope="session")

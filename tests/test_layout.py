@@ -7,7 +7,7 @@ from pathlib import Path
 
 from models.tiny import build_tiny_model
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[1]
 SERVICES = ROOT / "services"
 
 

@@ -1,24 +1,13 @@
-"""Fixtures for the trainer tests: the tiny model directory, small JSONL datasets and recording hooks.
+"""Fixtures for the trainer tests: small JSONL datasets, recording hooks, the in-process Training API platform.
 
 CPU only, float32, offline.
 """
 
-import os
 from pathlib import Path
 
-os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ["TRANSFORMERS_OFFLINE"] = "1"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from trainer_helpers import PAIRS, RecordingHooks, chat_row, write_jsonl  # noqa: E402
-
-from models.tiny import build_tiny_model  # noqa: E402
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_model"))
+import pytest
+import torch
+from trainer_helpers import PAIRS, RecordingHooks, chat_row, write_jsonl
 
 
 @pytest.fixture
