@@ -250,7 +250,7 @@ def run_family(family: str, model_dir: Path, gain: float, args) -> None:
 
 def moe_layers(model: torch.nn.Module) -> list[int]:
     """The MoE layers in order, as the engine lists them (EngineCore.moe_layers): the router ids' layer axis."""
-    return [i for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, MoE)]
+    return [int(i) for i, layer in model.model.layers.items() if isinstance(layer.mlp, MoE)]
 
 
 HEADER = (f"{'family':12s} {'gain':>6s} {'mode':21s} {'tokens':>6s} {'entropy':>7s} {'k1':>10s} {'k1 s.e.':>8s} "

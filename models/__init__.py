@@ -7,7 +7,7 @@ torch, so a service that only inspects model directories (the scheduler) never l
 
 from trainyard.lazy import lazy_exports
 
-_EXPORTS = {"CausalLM": "models.llama", "KVCache": "models.llama", "ModelArgs": "models.llama",
+_EXPORTS = {"CausalLM": "models.common", "KVCache": "models.kv_cache", "ModelArgs": "models.llama",
             "ModelDirError": "models.model_dir", "ModelInfo": "models.model_dir",
             "inspect_model_dir": "models.model_dir", "load_pretrained": "models.checkpoint",
             "save_pretrained": "models.checkpoint"}

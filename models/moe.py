@@ -32,7 +32,7 @@ from torch import nn
 
 from kernels.moe import PermState, grouped_mm, permute, unpermute
 from kernels.quant4 import Packed4Weight, quant4_grouped_mm
-from models.llama.model import MLP
+from models.common.blocks import MLP
 from models.moe_args import MoEArgs  # noqa: F401 - re-exported
 
 RECORD, REPLAY = "record", "replay"
@@ -50,7 +50,7 @@ def routed_id_dtype(num_experts: int) -> torch.dtype:
 
 @dataclass(frozen=True)
 class MLPShape:
-    """The fields models.llama.model.MLP reads, for MLPs whose width is not the config's intermediate_size."""
+    """The fields models.common.blocks.MLP reads, for MLPs whose width is not the config's intermediate_size."""
 
     hidden_size: int
     intermediate_size: int

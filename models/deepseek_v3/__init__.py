@@ -3,7 +3,7 @@
 from trainyard.lazy import lazy_exports
 
 _EXPORTS = {"SUPPORTED_ARCHITECTURES": "models.deepseek_v3.args", "ModelArgs": "models.deepseek_v3.args",
-            "CausalLM": "models.deepseek_v3.model", "KVCache": "models.kv_cache"}
+            "CausalLM": "models.common.decoder", "KVCache": "models.kv_cache"}
 _SUBMODULES = ("args", "model", "state_dict_adapter")
 
 __getattr__ = lazy_exports(__name__, globals(), _EXPORTS, _SUBMODULES)

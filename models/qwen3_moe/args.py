@@ -1,7 +1,7 @@
 """ModelArgs for Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B), parsed from a Hugging Face config.json dict.
 
-Attention is Qwen3's (per-head q/k RMSNorm, GQA); the field names that models.llama.model's Attention, MLP and
-RMSNorm read are the same as models.llama.args.ModelArgs, so those classes are reused as they are. A layer is MoE
+Attention is Qwen3's (per-head q/k RMSNorm, GQA); the field names that models.common's Attention, MLP and RMSNorm
+read are the same as models.llama.args.ModelArgs, so those classes are reused as they are. A layer is MoE
 when it is not in mlp_only_layers and (layer + 1) % decoder_sparse_step == 0, as in transformers. The expert count
 is `num_experts` in published configs and `num_local_experts` in what transformers 5.x writes; both are read.
 """
@@ -46,7 +46,7 @@ class ModelArgs:
     o_bias: bool = False  # ... and o_proj
     torch_dtype: str | None = None
     hf_config: dict = field(default_factory=dict, repr=False, compare=False)
-    # Fixed by the architecture; fields because models.llama.model's Attention and MLP read them.
+    # Fixed by the architecture; fields because models.common's Attention and MLP read them.
     qk_norm: bool = field(default=True, init=False)
     mlp_bias: bool = field(default=False, init=False)
 

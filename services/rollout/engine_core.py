@@ -103,7 +103,7 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             num_blocks=num_blocks, block_size=config.kv_block_size))
         self.runner = ModelRunner(model, self.pool, deterministic=config.deterministic)
-        self.moe_layers = [i for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, MoE)]
+        self.moe_layers = [int(i) for i, layer in model.model.layers.items() if isinstance(layer.mlp, MoE)]
         self._requests: dict[str, _RequestState] = {}
         self.num_steps = 0
         self.last_batch_size = 0  # sequences in the latest step

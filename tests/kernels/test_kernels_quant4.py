@@ -213,7 +213,7 @@ def test_errors_name_the_knob_and_dtype_moves_keep_the_format(tiny_dir):
     with pytest.raises(ValueError, match="block_size must be one of"):
         quantize_experts_(model, "nf4", 16)
     with pytest.raises(ValueError, match="has no routed experts"):
-        quantize_experts_(model.model.layers[0], "nf4", 32)
+        quantize_experts_(model.model.layers["0"], "nf4", 32)
 
     apply_lora(model, LoraConfig(rank=4, target_modules=("experts",)), seed=0)
     merge_adapter(model, "default")
@@ -230,7 +230,7 @@ def test_errors_name_the_knob_and_dtype_moves_keep_the_format(tiny_dir):
     with pytest.raises(ValueError, match="Cannot merge into 4-bit experts"):
         merge_adapter(model, "default")
     model.to(torch.bfloat16)  # float buffers follow model.to(dtype); the packed format must not
-    packed = model.model.layers[1].mlp.experts.gate_up_proj
+    packed = model.model.layers["1"].mlp.experts.gate_up_proj
     assert isinstance(packed, Packed4Weight) and packed.packed.dtype == torch.uint8
     assert packed.scales.dtype == torch.int16 and packed.fmt == "int4" and packed.block_size == 32
     assert model(_ids()).dtype == torch.bfloat16

@@ -18,7 +18,7 @@ def test_bf16_load_keeps_the_deepseek_router_in_float32(tmp_path):
     hf = DeepseekV3ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
     router = {n: t.dtype for n, t in [*ours.named_parameters(), *ours.named_buffers()] if ".mlp.gate." in n}
     assert router and set(router.values()) == {torch.float32}, router
-    assert ours.model.layers[1].self_attn.o_proj.weight.dtype == torch.bfloat16
+    assert ours.model.layers["1"].self_attn.o_proj.weight.dtype == torch.bfloat16
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         diff = (ours(ids).float() - hf(ids).logits.float()).abs().max().item()

@@ -170,7 +170,7 @@ def test_several_adapters_switch_and_remove(tiny_model_dir):
         remove_adapter(model, "b")
         assert torch.equal(model(ids), base)
     assert not any(isinstance(m, LoRALinear) for m in model.modules())
-    assert isinstance(model.model.layers[0].self_attn.o_proj, nn.Linear)
+    assert isinstance(model.model.layers["0"].self_attn.o_proj, nn.Linear)
     assert set(model.state_dict()) == base_keys
 
 

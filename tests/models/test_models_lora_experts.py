@@ -84,7 +84,7 @@ def _randomize(model, name: str = "default", seed: int = 5, std: float = 0.1) ->
 def test_default_targets_cover_attention_and_experts_of_an_all_moe_model(hf_dir):
     model = load_pretrained(hf_dir)
     params = apply_lora(model, LoraConfig(rank=4), seed=0)
-    layer = model.model.layers[0]
+    layer = model.model.layers["0"]
     assert isinstance(layer.mlp.experts.lora, ExpertsLoRA)
     assert {type(getattr(layer.self_attn, n)).__name__ for n in ("q_proj", "k_proj", "v_proj", "o_proj")} == {
         "LoRALinear"
@@ -103,9 +103,9 @@ def test_default_targets_cover_attention_and_experts_of_an_all_moe_model(hf_dir)
                                          r"\[.*'experts', 'experts.down_proj', 'experts.gate_up_proj'"):
         apply_lora(fresh, LoraConfig(target_modules=("q_proj", "gate_proj")))
     apply_lora(fresh, LoraConfig(rank=2, target_modules=("experts.down_proj",)), seed=0)
-    lora = fresh.model.layers[1].mlp.experts.lora
+    lora = fresh.model.layers["1"].mlp.experts.lora
     assert list(lora.lora_A["default"]) == ["down_proj"]
-    assert type(fresh.model.layers[1].self_attn.q_proj).__name__ == "Linear"
+    assert type(fresh.model.layers["1"].self_attn.q_proj).__name__ == "Linear"
 
 
 def test_fresh_adapter_is_bitwise_base_and_inits_follow_peft(hf_dir):
@@ -116,13 +116,13 @@ def test_fresh_adapter_is_bitwise_base_and_inits_follow_peft(hf_dir):
     params = apply_lora(model, LoraConfig(rank=8, target_modules=("q_proj", "experts")), seed=0)
     with torch.no_grad():
         assert torch.equal(model(ids), base)
-    A = model.model.layers[0].mlp.experts.lora.lora_A["default"]["gate_up_proj"]
+    A = model.model.layers["0"].mlp.experts.lora.lora_A["default"]["gate_up_proj"]
     assert A.abs().max() <= 1 / D**0.5  # kaiming-uniform a=sqrt(5): bound 1/sqrt(fan_in), fan_in = D per expert
     assert all(p.abs().max() == 0 for p in params[1::2])  # every B starts at zero
 
     gaussian = load_pretrained(hf_dir)
     apply_lora(gaussian, LoraConfig(rank=8, target_modules=("experts",), init="gaussian"), seed=0)
-    A = gaussian.model.layers[0].mlp.experts.lora.lora_A["default"]["down_proj"]
+    A = gaussian.model.layers["0"].mlp.experts.lora.lora_A["default"]["down_proj"]
     assert abs(A.std().item() - 1 / 8) < 0.01  # peft's "gaussian": std 1/r
     with pytest.raises(ValueError, match="LoRA init must be one of"):
         LoraConfig(init="pissa")
@@ -156,7 +156,7 @@ def test_expert_lora_matches_naive_per_expert_reference_values_and_grads(hf_dir,
     model = load_pretrained(hf_dir)
     apply_lora(model, LoraConfig(rank=4, alpha=12.0, target_modules=("experts",)), seed=0)
     _randomize(model)
-    block = model.model.layers[1].mlp
+    block = model.model.layers["1"].mlp
     block.experts.backend = backend
     lora = block.experts.lora
     x_ND = torch.randn(13, D, generator=torch.Generator().manual_seed(3))
@@ -195,7 +195,7 @@ def test_merge_unmerge_experts_is_exact_within_fp_tolerance(hf_dir):
     model = load_pretrained(hf_dir)
     apply_lora(model, LoraConfig(rank=4, alpha=8.0), seed=0)
     _randomize(model, seed=7)
-    experts = model.model.layers[0].mlp.experts
+    experts = model.model.layers["0"].mlp.experts
     before = {n: getattr(experts, n).detach().clone() for n in ("gate_up_proj", "down_proj")}
     ids = _ids(seed=3)
     with torch.no_grad():
@@ -237,7 +237,7 @@ def test_several_expert_adapters_switch_and_remove(hf_dir):
         assert torch.equal(model(ids), out_b)
         remove_adapter(model, "b")
         assert torch.equal(model(ids), base)
-    assert all(layer.mlp.experts.lora is None for layer in model.model.layers)
+    assert all(layer.mlp.experts.lora is None for layer in model.model.layers.values())
     assert set(model.state_dict()) == base_keys
 
 

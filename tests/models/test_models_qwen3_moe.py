@@ -67,7 +67,7 @@ def _loss(logits_BTV: torch.Tensor, ids_BT: torch.Tensor) -> torch.Tensor:
 
 
 def test_layers_follow_mlp_only_and_sparse_step(ours):
-    assert [isinstance(layer.mlp, MoE) for layer in ours.model.layers] == [False, True, True]
+    assert [isinstance(layer.mlp, MoE) for layer in ours.model.layers.values()] == [False, True, True]
     args = ModelArgs.from_hf_config({**_hf_config(decoder_sparse_step=2, mlp_only_layers=[]).to_dict(),
                                      "architectures": ["Qwen3MoeForCausalLM"]})
     assert [args.is_moe_layer(i) for i in range(3)] == [False, True, False]
@@ -115,7 +115,7 @@ def test_bf16_matches_transformers_bf16(hf_dir):
         ref = hf(ids).logits.float()
         diff = (ours(ids).float() - ref).abs().max().item()
     print(f"qwen3_moe bf16: logits max abs diff {diff:.3g} (reference max {ref.abs().max().item():.3g})")
-    assert ours.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.bfloat16
+    assert ours.model.layers["1"].mlp.experts.gate_up_proj.dtype == torch.bfloat16
     assert diff <= 0.01 * ref.abs().max().item()
 
 

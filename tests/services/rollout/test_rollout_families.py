@@ -58,7 +58,7 @@ def test_router_ids_replayed_by_the_trainer_give_the_same_logits(loaded, family,
     core = make_core(model, tokenizer, deterministic=deterministic, kv_block_size=4)
     result = drive(core, [Arrival("r", PROMPT, params)]).results["r"]
     layers = core.moe_layers
-    top_k = model.model.layers[layers[0]].mlp.args.top_k
+    top_k = model.model.layers[str(layers[0])].mlp.args.top_k
     for seq in result.sequences:
         ids = PROMPT + seq.tokens
         recorded = seq.router_ids
