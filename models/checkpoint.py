@@ -108,7 +108,8 @@ def save_pretrained(model: torch.nn.Module, out_dir: str | Path, max_shard_bytes
                  "weight_map": {k: name for name, keys in zip(names, shards) for k in keys}}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     config = model.args.to_hf_config()
-    config["dtype"] = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
+    # The first parameter's dtype: the embeddings' (a later pipeline stage has none; its first layer's then).
+    config["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
