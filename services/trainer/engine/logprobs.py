@@ -4,8 +4,9 @@ Shapes: B rows, T tokens per row, N tokens back to back, K targets per position 
 C tokens per chunk.
 
 - token_logprobs: float32 logprobs of targets at final-normed hidden states, C tokens at a time, never holding [N, V]
-  logits (kernels/logprobs.py for a plain unembedding; in deterministic mode, or when LoRA wraps lm_head, each chunk
-  is model.logits -> log_softmax -> gather, recomputed in backward). Training API calls and managed SFT both use it.
+  logits (kernels/logprobs.py on model.unembedding_weight() when lm_head is a plain unembedding; in deterministic
+  mode, or when LoRA wraps lm_head, each chunk is model.logits -> log_softmax -> gather, recomputed in backward).
+  Training API calls and managed SFT both use it.
 - target_nll_sum: the summed NLL of a batch's target tokens (IGNORE_INDEX elsewhere): SFT's and validation's loss.
 - target_logprobs: the reference formula (one forward to full logits, log_softmax in float32, gather). The rollout
   (services/rollout/runner.py) computes a sampled token's logprob the same way, so with deterministic=True
@@ -29,10 +30,10 @@ def token_logprobs(model: nn.Module, hidden_ND: torch.Tensor, targets: torch.Ten
     """float32 logprobs of targets ([N] or [N, K]; IGNORE_INDEX gives 0) under the model's raw distribution at
     hidden_ND (final-normed), chunk_size tokens at a time (default: kernels.logprobs.default_chunk_size of the
     vocabulary), never holding [N, V] logits."""
-    head = model.lm_head
-    chunk = chunk_size or default_chunk_size(head.out_features)
-    if not deterministic and type(head) is nn.Linear and head.bias is None:
-        return chunked_logprobs(hidden_ND, None, 0.0, head.weight, targets, chunk_size=chunk,
+    chunk = chunk_size or default_chunk_size(model.args.vocab_size)
+    weight_VD = model.unembedding_weight()
+    if not deterministic and weight_VD is not None:
+        return chunked_logprobs(hidden_ND, None, 0.0, weight_VD, targets, chunk_size=chunk,
                                 ignore_index=IGNORE_INDEX)
     parts = [checkpoint(_chunk_logprobs, model, hidden_ND[i:i + chunk], targets[i:i + chunk], deterministic,
                         use_reentrant=False) for i in range(0, hidden_ND.shape[0], chunk)]
