@@ -75,7 +75,7 @@ def batch_invariant_mode(enabled: bool = True) -> Iterator[None]:
 @contextlib.contextmanager
 def suspend_mode() -> Iterator[None]:
     """Within the block, torch calls on this thread run as plain torch even under batch_invariant_mode(): for code
-    that calls the invariant kernels itself (services/rollout/paged_cache.py's deterministic decode attention), and
+    that calls the invariant kernels itself (kernels/paged_attention.py's deterministic decode rows), and
     for the backward formulas here."""
     _local.suspended = getattr(_local, "suspended", 0) + 1
     try:

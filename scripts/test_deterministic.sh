@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 TESTS=(
   tests/kernels/test_kernels_batch_invariant.py
   tests/kernels/test_kernels_invariant.py
-  tests/services/rollout/test_rollout_deterministic_decode.py
+  tests/kernels/test_kernels_paged_attention_invariant.py
   tests/services/rollout/test_rollout_batching.py
   tests/services/rollout/test_rollout_kl.py
 )

@@ -4,7 +4,8 @@ samples the step needs.
 Shapes: N tokens of the step packed in one row ([1, N]), R logits rows computed (the last position of each sequence
 that samples, plus the prompt positions whose logprobs were asked for), V vocab, L MoE layers, K experts per token.
 
-- Inputs: ids and positions [1, N]; the paged cache (services/rollout/paged_cache.py) writes and reads KV blocks.
+- Inputs: ids and positions [1, N]; the paged cache (services/rollout/paged_cache.py) writes KV blocks and attends
+  through them (kernels/paged_attention.py).
 - Multi-LoRA: when the model holds adapters, models.lora.per_row_adapters gives every token its sequence's adapter
   (or none), so requests for different adapters and for the base model share the forward, expert LoRA included.
 - Only the R rows that need logits go through the unembedding (a prefill chunk without prompt logprobs needs none).
@@ -23,10 +24,11 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.batch_invariant import batch_invariant_mode
+from kernels.paged_attention import SeqSpan
 from models.lora import LoRALinear, RowAdapters, per_row_adapters
 from models.moe import Experts, RouterReplay
 from services.rollout.kv_blocks import KVPool
-from services.rollout.paged_cache import PagedStepCache, SeqSpan
+from services.rollout.paged_cache import PagedStepCache
 from services.rollout.sampling import Sampled, SampleRow, SamplingParams, sample
 
 

@@ -1,4 +1,4 @@
-"""The paged cache's fast decode attention against a naive fp32 reference: every row attends exactly its own
+"""kernels.paged_attention's fast decode path against a naive fp64 reference: every row attends exactly its own
 context read through its block table. Cases cover samples of a prompt sharing prefix blocks (prefix groups of equal
 and unequal size), rows with no full shared block, contexts past the short-context batch (size classes), batches split
 by the byte budget, and a step mixing a prefill chunk with decode rows. Tolerance: fp32 1e-5 absolute; the pool's
@@ -9,11 +9,11 @@ import random
 import pytest
 import torch
 
-from services.rollout import paged_cache
-from services.rollout.kv_blocks import KVLayout, KVPool
-from services.rollout.paged_cache import PagedStepCache, SeqSpan
+from kernels import paged_attention as paged
+from kernels.paged_attention import SeqSpan, paged_attention, plan_paged_attention
 
 BS, K, H, D, DV = 4, 2, 4, 8, 6
+NUM_BLOCKS = 4096
 
 
 def _reference(q_HD, k_KSD, v_KSD, scale):
@@ -29,10 +29,9 @@ def _build(seed: int, groups: list[tuple[int, int, list[int]]], prefill: tuple[i
     spans, and each row's full key/value history for the reference."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    pool = KVPool(KVLayout(1, K, D, DV), num_blocks=4096, block_size=BS, dtype=torch.float32, device="cpu")
-    pool.k.normal_()  # stale data everywhere: finite, must be masked out
-    pool.v.normal_()
-    free = list(range(pool.num_blocks))
+    k_pool = torch.empty(K, NUM_BLOCKS, BS, D).normal_()  # stale data everywhere: finite, must be masked out
+    v_pool = torch.empty(K, NUM_BLOCKS, BS, DV).normal_()
+    free = list(range(NUM_BLOCKS))
     rng.shuffle(free)
     spans, histories, start = [], [], 0
     for prompt_len, _, extras in groups:
@@ -40,8 +39,8 @@ def _build(seed: int, groups: list[tuple[int, int, list[int]]], prefill: tuple[i
         shared_k = torch.randn(K, len(shared_blocks) * BS, D)
         shared_v = torch.randn(K, len(shared_blocks) * BS, DV)
         for i, b in enumerate(shared_blocks):
-            pool.k[0, :, b] = shared_k[:, i * BS:(i + 1) * BS]
-            pool.v[0, :, b] = shared_v[:, i * BS:(i + 1) * BS]
+            k_pool[:, b] = shared_k[:, i * BS:(i + 1) * BS]
+            v_pool[:, b] = shared_v[:, i * BS:(i + 1) * BS]
         for extra in extras:
             cached = len(shared_blocks) * BS + extra  # tokens cached before this step
             own = [free.pop() for _ in range(-(-(cached + 1) // BS) - len(shared_blocks))]
@@ -50,8 +49,8 @@ def _build(seed: int, groups: list[tuple[int, int, list[int]]], prefill: tuple[i
             own_v = torch.randn(K, cached - len(shared_blocks) * BS, DV)
             for p in range(own_k.shape[1]):
                 pos = len(shared_blocks) * BS + p
-                pool.k[0, :, table[pos // BS], pos % BS] = own_k[:, p]
-                pool.v[0, :, table[pos // BS], pos % BS] = own_v[:, p]
+                k_pool[:, table[pos // BS], pos % BS] = own_k[:, p]
+                v_pool[:, table[pos // BS], pos % BS] = own_v[:, p]
             spans.append(SeqSpan(start, 1, cached, table))
             histories.append((torch.cat([shared_k, own_k], 1), torch.cat([shared_v, own_v], 1)))
             start += 1
@@ -60,12 +59,25 @@ def _build(seed: int, groups: list[tuple[int, int, list[int]]], prefill: tuple[i
         table = [free.pop() for _ in range(-(-(cached + new) // BS))]
         k_hist, v_hist = torch.randn(K, cached, D), torch.randn(K, cached, DV)
         for p in range(cached):
-            pool.k[0, :, table[p // BS], p % BS] = k_hist[:, p]
-            pool.v[0, :, table[p // BS], p % BS] = v_hist[:, p]
+            k_pool[:, table[p // BS], p % BS] = k_hist[:, p]
+            v_pool[:, table[p // BS], p % BS] = v_hist[:, p]
         spans.append(SeqSpan(start, new, cached, table))
         histories.append((k_hist, v_hist))
         start += new
-    return pool, spans, histories, start
+    return (k_pool, v_pool), spans, histories, start
+
+
+def _attend(pool, spans, q, k_new, v_new, scale, *, deterministic=False, batch_bytes=None):
+    """Write the step's new keys/values into their slots (the rollout's cache does this), then attend."""
+    k_pool, v_pool = pool
+    bs = k_pool.shape[2]
+    for s in spans:
+        for t in range(s.num_new):
+            p = s.num_computed + t
+            k_pool[:, s.block_table[p // bs], p % bs] = k_new[0, :, s.start + t]
+            v_pool[:, s.block_table[p // bs], p % bs] = v_new[0, :, s.start + t]
+    plan = plan_paged_attention(spans, k_pool, deterministic=deterministic, batch_bytes=batch_bytes)
+    return paged_attention(q, k_pool, v_pool, plan, scale=scale, workspace={})
 
 
 CASES = {
@@ -77,15 +89,14 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
-@pytest.mark.parametrize("budget", [paged_cache.DECODE_BATCH_BYTES, 256])
-def test_fast_paged_attention_matches_reference(name, budget, monkeypatch):
-    monkeypatch.setattr(paged_cache, "DECODE_BATCH_BYTES", budget)
+@pytest.mark.parametrize("budget", [paged.DECODE_BATCH_BYTES, 256])
+def test_fast_paged_attention_matches_reference(name, budget):
     groups, prefill = CASES[name]
     pool, spans, histories, N = _build(list(CASES).index(name), groups, prefill)
     q = torch.randn(1, H, N, D)
     k_new, v_new = torch.randn(1, K, N, D), torch.randn(1, K, N, DV)
     scale = 1 / math.sqrt(D)
-    out = PagedStepCache(pool, spans, deterministic=False, workspace={}).attend(0, q, k_new, v_new, scale=scale)
+    out = _attend(pool, spans, q, k_new, v_new, scale, batch_bytes=budget)
     assert out.shape == (1, H, N, DV) and torch.isfinite(out).all()
     for span, (k_hist, v_hist) in zip(spans, histories):
         for t in range(span.num_new):
@@ -96,16 +107,13 @@ def test_fast_paged_attention_matches_reference(name, budget, monkeypatch):
             torch.testing.assert_close(out[0, :, row].double(), ref, atol=1e-5, rtol=0)
 
 
-def test_batches_split_by_budget_and_size_class(monkeypatch):
+def test_batches_split_by_budget_and_size_class():
     groups, _ = CASES["long contexts"]
-    pool, spans, _, N = _build(1, groups, None)
-    decodes = [s for s in spans if s.num_new == 1]
-    block_bytes = K * BS * D * 4
-    one = paged_cache._decode_batches(decodes, BS, N, torch.float32, "cpu", block_bytes)
+    (k_pool, _), spans, _, N = _build(1, groups, None)
+    one = plan_paged_attention(spans, k_pool, deterministic=False).decode_batches
     # size classes (contexts up to 2 * DECODE_BATCH_MIN_TOKENS share one): {1100.., 40..} and {2100..}
     assert [b.rows.tolist() for b in one] == [[0, 1, 2, 3, 4], [5]]
-    monkeypatch.setattr(paged_cache, "DECODE_BATCH_BYTES", 1)
-    many = paged_cache._decode_batches(decodes, BS, N, torch.float32, "cpu", block_bytes)
+    many = plan_paged_attention(spans, k_pool, deterministic=False, batch_bytes=1).decode_batches
     assert len(many) == 3  # one group per batch when every group exceeds the budget
     rows = sorted(r for b in many for r in b.rows.tolist())
     assert rows == list(range(N))

@@ -1,4 +1,4 @@
-"""The paged cache's deterministic decode attention: every decode row of a step in one call of the invariant
+"""kernels.paged_attention's deterministic decode rows: every decode row of a step in one call of the invariant
 attention kernel, reading the pool in place through the rows' block tables; each row must be bitwise what
 kernels.batch_invariant's attention gives for that row alone (a one-query decode over exactly its context, keys
 gathered contiguous) and for the same position as the last query of a causal prefill. Cases mix contexts in one
@@ -14,8 +14,7 @@ import torch
 
 from kernels.attention import attention
 from kernels.batch_invariant import batch_invariant_mode
-from services.rollout.kv_blocks import KVLayout, KVPool
-from services.rollout.paged_cache import PagedStepCache, SeqSpan
+from kernels.paged_attention import SeqSpan, paged_attention, plan_paged_attention
 
 # (prompt length, [tokens each sample holds beyond the prompt's full blocks]) per prefix group
 CASES = {
@@ -25,6 +24,7 @@ CASES = {
     "size classes": [(2100, [0, 3]), (40, [2, 2]), (1100, [1])],
 }
 HEADS = {"gqa": (2, 4, 32, 32), "mla-like": (4, 4, 48, 32)}  # K, H, D, Dv
+NUM_BLOCKS = 2048
 
 
 def _build(seed: int, groups, bs: int, dims, dtype, prefill: tuple[int, int] | None):
@@ -33,17 +33,16 @@ def _build(seed: int, groups, bs: int, dims, dtype, prefill: tuple[int, int] | N
     K, _, D, Dv = dims
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    pool = KVPool(KVLayout(1, K, D, Dv), num_blocks=2048, block_size=bs, dtype=dtype, device="cpu")
-    pool.k.normal_()
-    pool.v.normal_()
-    free = list(range(pool.num_blocks))
+    k_pool = torch.empty(K, NUM_BLOCKS, bs, D, dtype=dtype).normal_()
+    v_pool = torch.empty(K, NUM_BLOCKS, bs, Dv, dtype=dtype).normal_()
+    free = list(range(NUM_BLOCKS))
     rng.shuffle(free)
 
     def write(table, start, k_KTD, v_KTD):
         for i in range(k_KTD.shape[1]):
             pos = start + i
-            pool.k[0, :, table[pos // bs], pos % bs] = k_KTD[:, i]
-            pool.v[0, :, table[pos // bs], pos % bs] = v_KTD[:, i]
+            k_pool[:, table[pos // bs], pos % bs] = k_KTD[:, i]
+            v_pool[:, table[pos // bs], pos % bs] = v_KTD[:, i]
 
     spans, histories, start = [], [], 0
     for prompt_len, extras in groups:
@@ -68,12 +67,21 @@ def _build(seed: int, groups, bs: int, dims, dtype, prefill: tuple[int, int] | N
         spans.append(SeqSpan(start, new, cached, table))
         histories.append((k_hist, v_hist))
         start += new
-    return pool, spans, histories, start
+    return (k_pool, v_pool), spans, histories, start
 
 
 def _step(pool, spans, q, k_new, v_new, scale):
+    """Write the step's new keys/values into their slots (the rollout's cache does this), then attend."""
+    k_pool, v_pool = pool
+    bs = k_pool.shape[2]
+    for s in spans:
+        for t in range(s.num_new):
+            p = s.num_computed + t
+            k_pool[:, s.block_table[p // bs], p % bs] = k_new[0, :, s.start + t]
+            v_pool[:, s.block_table[p // bs], p % bs] = v_new[0, :, s.start + t]
     with batch_invariant_mode():
-        return PagedStepCache(pool, spans, deterministic=True, workspace={}).attend(0, q, k_new, v_new, scale=scale)
+        plan = plan_paged_attention(spans, k_pool, deterministic=True)
+        return paged_attention(q, k_pool, v_pool, plan, scale=scale)
 
 
 def _check_rows(out, spans, histories, q, k_new, v_new, scale, prefill_seed: int):
@@ -109,7 +117,7 @@ def test_batched_decode_rows_equal_each_row_alone_and_prefill(case, bs, dtype):
     out = _step(pool, spans, q, k_new, v_new, scale)
     assert out.shape == (1, H, N, Dv) and out.dtype == dtype and torch.isfinite(out).all()
     decode = [s for s in spans if s.num_new == 1]
-    invariant = PagedStepCache(pool, spans, deterministic=True).invariant
+    invariant = plan_paged_attention(spans, pool[0], deterministic=True).invariant
     assert invariant.rows is None if len(decode) == N else invariant.rows.tolist() == [s.start for s in decode]
     _check_rows(out, decode, histories, q, k_new, v_new, scale, seed)
 
