@@ -76,7 +76,7 @@ def test_a_half_head_shard_equals_the_reference_on_its_heads(model):
     for layer_idx, layer in model.model.layers.items():
         attn = layer.self_attn
         captured = {}
-        hook = attn.o_proj.register_forward_pre_hook(lambda m, inp: captured.__setitem__("o_in", inp[0]))
+        hook = attn.o_proj.register_forward_pre_hook(lambda m, inp, store=captured: store.__setitem__("o_in", inp[0]))
         full_BTD = attn(x_BTD, cos, sin, None)
         hook.remove()
         o_in_BTX = captured["o_in"]
