@@ -82,14 +82,16 @@ def _require_adapter(model: nn.Module, name: str) -> None:
 
 def _linears(model: nn.Module) -> tuple[dict[str, nn.Module], list[str]]:
     """(Linear layers LoRA may wrap, names of those it may not because they share their weight with an embedding:
-    a tied lm_head, where merging would silently change the input embeddings too)."""
+    a tied lm_head, where merging would silently change the input embeddings too). A last pipeline stage holds a
+    tied lm_head without the embedding; its config still says they are tied."""
     embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    tied_head = "lm_head" if getattr(getattr(model, "args", None), "tie_word_embeddings", False) else None
     inside_lora = tuple(f"{name}." for name, m in _lora_layers(model) if isinstance(m, LoRALinear))
     linears, tied = {}, []
     for name, m in model.named_modules():
         if not isinstance(m, (nn.Linear, LoRALinear)) or (inside_lora and name.startswith(inside_lora)):
             continue
-        if id(m.weight) in embedding_weights:
+        if id(m.weight) in embedding_weights or name == tied_head:
             tied.append(name)
         else:
             linears[name] = m

@@ -1,7 +1,7 @@
 """Pipeline stages (models/common/pipeline.py): the tiny model of every family (4 layers) split into 2 or 3 stages,
 chained, gives bitwise the unsplit model's output (torch.equal; float32, CPU): logits, logits of a packed row, a
-prefill + decode through one KV cache per stage, and the experts an MoE model's router picks. Stages keep the
-original layer numbers and state-dict keys."""
+prefill + decode through one KV cache per stage, the experts an MoE model's router picks, and a LoRA model. Stages
+keep the original layer numbers and state-dict keys."""
 
 import pytest
 import torch
@@ -9,6 +9,7 @@ import torch
 from kernels import Packing
 from models import KVCache, load_pretrained
 from models.common import pipeline_stage
+from models.lora import LoraConfig, apply_lora
 from models.moe import RouterReplay
 
 FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3")
@@ -87,3 +88,25 @@ def test_a_stage_names_layers_the_model_holds(model):
     first = pipeline_stage(model, [0, 1], first=True, last=False)
     with pytest.raises(ValueError, match=r"layers \[2\] are not in this model"):
         pipeline_stage(first, [2], first=False, last=True)
+
+
+@torch.no_grad()
+def test_stages_of_a_model_with_lora_and_lora_on_a_stage(family_dirs):
+    """A LoRA adapter splits with its layers (bitwise the same logits); apply_lora on a stage adapts only the stage's
+    layers, and refuses a tied lm_head on a last stage that holds no embedding."""
+    model = load_pretrained(family_dirs["qwen3"])
+    apply_lora(model, LoraConfig(rank=4), seed=0)
+    gen = torch.Generator().manual_seed(1)
+    for name, p in sorted(model.named_parameters()):
+        if "lora_B" in name:
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    ids_BT = _ids(2, 9, 3)
+    assert torch.equal(_chain(_stages(model, SPLITS["2 stages"]), ids_BT), model(ids_BT))
+
+    base = load_pretrained(family_dirs["qwen3"])
+    first = pipeline_stage(base, [0, 1], first=True, last=False)
+    apply_lora(first, LoraConfig(rank=4))
+    assert {n.split(".")[2] for n, _ in first.named_parameters() if "lora_" in n} == {"0", "1"}
+    last = pipeline_stage(base, [2, 3], first=False, last=True)
+    with pytest.raises(ValueError, match="shares its weight with the input embeddings"):
+        apply_lora(last, LoraConfig(target_modules=("lm_head",)))
