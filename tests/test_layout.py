@@ -59,3 +59,17 @@ print("ok")
 """
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_the_method_declarations_are_client_code():
+    """trainyard/methods/ (each job method's settings, declared once) is read by the SDK, the CLI and the dashboard as
+    well as the server: importing it, the client and the CLI loads neither torch nor the server's packages."""
+    script = """
+import sys
+import trainyard.methods, trainyard.methods.proto, trainyard.client, trainyard.cli.main
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "services", "models", "kernels"))
+assert loaded == [], loaded
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

@@ -3,6 +3,7 @@
     from trainyard import Client
     c = Client()                                  # TRAINYARD_URL / TRAINYARD_API_KEY or `trainyard login`
     ds, _ = c.upload_dataset("train.jsonl")
+    plan = c.plan_job("sft", "tiny-qwen3", ds.id, learning_rate=3e-3, max_steps=100)   # nothing created
     job = c.create_sft_job("tiny-qwen3", ds.id, learning_rate=3e-3, max_steps=100)
     for event in c.watch_job(job.id): ...
     c.create_deployment("my-model", job_id=job.id)
@@ -25,6 +26,7 @@ from google.protobuf import json_format
 
 from trainyard.config import ClientConfig
 from trainyard.errors import TrainyardError, translate, translate_iter
+from trainyard.methods import method as find_method, proto as method_proto
 from trainyard.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, scheduler_pb2 as pb, scheduler_pb2_grpc as rpc
 
 UPLOAD_CHUNK = 1 << 20  # 1 MiB: far below the default 4 MiB message limit
@@ -35,11 +37,6 @@ DATASET_FORMATS = {
     "sft_prompt_completion": pb.DATASET_FORMAT_SFT_PROMPT_COMPLETION, "dpo": pb.DATASET_FORMAT_DPO,
     "rft": pb.DATASET_FORMAT_RFT,
 }
-LR_SCHEDULERS = {"cosine": pb.LR_SCHEDULER_COSINE, "linear": pb.LR_SCHEDULER_LINEAR,
-                 "constant": pb.LR_SCHEDULER_CONSTANT}
-SFT_FIELDS = ("learning_rate", "epochs", "max_steps", "batch_size", "gradient_accumulation_steps", "warmup_steps",
-              "weight_decay", "max_seq_len", "eval_fraction", "eval_every", "checkpoint_every", "seed",
-              "max_grad_norm")
 
 
 def status_name(status: int) -> str:
@@ -48,6 +45,21 @@ def status_name(status: int) -> str:
 
 def format_name(fmt: int) -> str:
     return pb.DatasetFormat.Name(fmt).removeprefix("DATASET_FORMAT_").lower()
+
+
+def job_spec(method: str, base_model: str, dataset_id: str, display_name: str = "", **settings) -> pb.JobSpec:
+    """A JobSpec of a method (trainyard.methods.METHODS) with the settings given; None leaves a setting unset (the
+    server's default). ValueError for an unknown method or setting (listing the known ones) or an unknown choice."""
+    m = find_method(method)
+    known = [f.name for f in m.fields()]
+    unknown = sorted(set(settings) - set(known))
+    if unknown:
+        raise ValueError(f"unknown {m.name} setting(s) {unknown}; known: {', '.join(known)}")
+    spec = pb.JobSpec(method=m.proto, base_model=base_model, dataset_id=dataset_id, display_name=display_name)
+    config = getattr(spec, m.config)
+    config.SetInParent()  # the oneof names the method even when every setting is left to its default
+    method_proto.write(m.settings, settings, config)
+    return spec
 
 
 def deployment_status_name(status: int) -> str:
@@ -194,29 +206,23 @@ class Client:
 
     # -- jobs ----------------------------------------------------------------------------------------------------
     @translate
-    def create_sft_job(self, base_model: str, dataset_id: str, display_name: str = "", *, lora_rank: int | None = None,
-                       lora_alpha: float | None = None, lora_dropout: float | None = None,
-                       target_modules: list[str] | None = None, lr_scheduler: str | None = None,
-                       **hyperparameters) -> pb.Job:
-        """Create a LoRA SFT job. hyperparameters: any SftConfig field (learning_rate, max_steps, batch_size...)."""
-        unknown = set(hyperparameters) - set(SFT_FIELDS)
-        if unknown:
-            raise ValueError(f"unknown hyperparameter(s) {sorted(unknown)}; known: {', '.join(SFT_FIELDS)}")
-        lora = pb.LoraConfig(target_modules=target_modules or [])
-        if lora_rank is not None:
-            lora.rank = lora_rank
-        if lora_alpha is not None:
-            lora.alpha = lora_alpha
-        if lora_dropout is not None:
-            lora.dropout = lora_dropout
-        sft = pb.SftConfig(lora=lora, **{k: v for k, v in hyperparameters.items() if v is not None})
-        if lr_scheduler is not None:
-            if lr_scheduler not in LR_SCHEDULERS:
-                raise ValueError(f"lr_scheduler must be one of {', '.join(LR_SCHEDULERS)}")
-            sft.lr_scheduler = LR_SCHEDULERS[lr_scheduler]
-        spec = pb.JobSpec(method=pb.JOB_METHOD_SFT, base_model=base_model, dataset_id=dataset_id,
-                          display_name=display_name, sft=sft)
+    def create_job(self, method: str, base_model: str, dataset_id: str, display_name: str = "",
+                   **settings) -> pb.Job:
+        """Create a job of a method ("sft"); settings: the method's declared settings (trainyard/methods/, e.g.
+        learning_rate, max_steps, lora_rank), unset ones take the server's defaults."""
+        spec = job_spec(method, base_model, dataset_id, display_name, **settings)
         return self.jobs.CreateJob(pb.CreateJobRequest(spec=spec), **self._kw())
+
+    def create_sft_job(self, base_model: str, dataset_id: str, display_name: str = "", **settings) -> pb.Job:
+        """Create a LoRA SFT job (settings: trainyard/methods/sft.py, e.g. learning_rate, max_steps, lora_rank)."""
+        return self.create_job("sft", base_model, dataset_id, display_name, **settings)
+
+    @translate
+    def plan_job(self, method: str, base_model: str, dataset_id: str, **settings) -> pb.JobPlan:
+        """What create_job would run, without creating anything: the same checks (the same errors), the settings
+        resolved, the split, tokens, steps, checkpoints, trainable parameters and a memory estimate."""
+        spec = job_spec(method, base_model, dataset_id, **settings)
+        return self.jobs.PlanJob(pb.PlanJobRequest(spec=spec), **self._kw(120))
 
     @translate
     def get_job(self, job_id: str) -> pb.Job:

@@ -19,6 +19,7 @@ from services.scheduler.datasets import DatasetStore
 from services.scheduler.deployments import DeploymentCore
 from services.scheduler.jobs import JobCore
 from services.scheduler.ledger import Ledger
+from services.scheduler.planner import Planner
 from services.scheduler.servicer import (
     AccountServicer,
     CheckpointServicer,
@@ -105,7 +106,8 @@ def build(settings: SchedulerSettings) -> Server:
     # holding the process for the whole grace period.
     stopping = threading.Event()
     accounts = AccountCore(db, blobs, settings.model_import_roots)
-    jobs = JobCore(db, ledger, dispatch, settings.watch_poll_s, stopping)
+    planner = Planner(blobs)
+    jobs = JobCore(db, ledger, dispatch, settings.watch_poll_s, stopping, planner)
     deployments = DeploymentCore(db, rollout.load, rollout.unload)
     datasets = DatasetStore(db, blobs, settings.max_dataset_mb * 1024 * 1024)
 
@@ -118,6 +120,7 @@ def build(settings: SchedulerSettings) -> Server:
         rpc.add_DeploymentServiceServicer_to_server(DeploymentServicer(deployments), server)
 
     def shutdown() -> None:
+        planner.close()
         rollout.channel.close()
         db.dispose()
 

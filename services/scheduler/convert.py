@@ -4,8 +4,11 @@ from __future__ import annotations
 from google.protobuf import json_format, struct_pb2
 
 from services.common import schema
+from services.common.methods import HYPERPARAMS
 from services.common.protoconv import ts
 from services.scheduler.dataset_formats import DatasetFormat
+from trainyard.methods import METHODS, proto as method_proto
+from trainyard.methods.spec import as_dict
 from trainyard.v1 import scheduler_pb2 as pb
 
 DATASET_FORMATS = {
@@ -32,9 +35,6 @@ DEPLOYMENT_STATUS = {
     "deleted": pb.DEPLOYMENT_STATUS_DELETED,
 }
 CHECKPOINT_KIND = {"lora_adapter": pb.CHECKPOINT_KIND_LORA_ADAPTER, "full": pb.CHECKPOINT_KIND_FULL}
-LR_SCHEDULERS = {"cosine": pb.LR_SCHEDULER_COSINE, "linear": pb.LR_SCHEDULER_LINEAR,
-                 "constant": pb.LR_SCHEDULER_CONSTANT}
-LR_SCHEDULERS_BACK = {v: k for k, v in LR_SCHEDULERS.items()}
 
 
 def account(a: schema.Account) -> pb.Account:
@@ -63,27 +63,28 @@ def row_struct(row: dict) -> struct_pb2.Struct:
     return s
 
 
-def sft_config(c: dict) -> pb.SftConfig:
-    return pb.SftConfig(
-        lora=pb.LoraConfig(rank=c["lora_rank"], alpha=c["lora_alpha"], dropout=c["lora_dropout"],
-                           target_modules=c["target_modules"]),
-        learning_rate=c["learning_rate"], epochs=c["epochs"], max_steps=c["max_steps"], batch_size=c["batch_size"],
-        gradient_accumulation_steps=c["gradient_accumulation_steps"], warmup_steps=c["warmup_steps"],
-        lr_scheduler=LR_SCHEDULERS[c["lr_scheduler"]], weight_decay=c["weight_decay"], max_seq_len=c["max_seq_len"],
-        eval_fraction=c["eval_fraction"], eval_every=c["eval_every"], checkpoint_every=c["checkpoint_every"],
-        seed=c["seed"], max_grad_norm=c["max_grad_norm"],
-    )
+def job_spec(method: str, base_model: str, dataset_id: str, display_name: str, config: dict) -> pb.JobSpec:
+    """A job's spec with every setting set (config: the settings as stored on the job row)."""
+    m = METHODS[method]
+    spec = pb.JobSpec(method=m.proto, base_model=base_model, dataset_id=dataset_id, display_name=display_name)
+    method_proto.write(m.settings, as_dict(HYPERPARAMS[method].from_json(config)), getattr(spec, m.config))
+    return spec
 
 
 def job(j: schema.Job) -> pb.Job:
-    spec = pb.JobSpec(method=pb.JOB_METHOD_SFT, base_model=j.base_model, dataset_id=j.dataset_id,
-                      display_name=j.display_name, sft=sft_config(j.config))
+    spec = job_spec(j.method, j.base_model, j.dataset_id, j.display_name, j.config)
     return pb.Job(
         id=j.id, spec=spec, status=JOB_STATUS[j.status], created_at=ts(j.created_at), started_at=ts(j.started_at),
         finished_at=ts(j.finished_at), error=j.error, step=j.step, total_steps=j.total_steps, attempts=j.attempts,
         cancel_requested=j.cancel_requested, output_checkpoint_id=j.output_checkpoint_id,
         latest_metrics={k: float(v) for k, v in (j.latest_metrics or {}).items()},
     )
+
+
+def plan(spec: pb.JobSpec, p: dict) -> pb.JobPlan:
+    """A planner answer (services/trainer/plan.py) as the API's JobPlan."""
+    fields = {k: v for k, v in p.items() if k != "memory"}
+    return pb.JobPlan(spec=spec, memory=pb.MemoryEstimate(**p["memory"]), **fields)
 
 
 def metric(m: schema.JobMetric) -> pb.MetricPoint:

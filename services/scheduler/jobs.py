@@ -1,4 +1,4 @@
-"""Managed jobs as the user sees them: create (validate, store queued, dispatch), read, watch, cancel."""
+"""Managed jobs as the user sees them: plan and create (validate, store queued, dispatch), read, watch, cancel."""
 from __future__ import annotations
 
 import threading
@@ -10,12 +10,12 @@ from sqlalchemy import select
 from services.common import registry
 from services.common.db import Database
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable, not_found
-from services.common.schema import Dataset, Job, JobLog, JobMetric, new_id, utcnow
-from services.scheduler.dataset_formats import DatasetFormat
+from services.common.methods import HYPERPARAMS
+from services.common.methods.resolved import Resolved, model_violations
+from services.common.schema import Dataset, Job, JobLog, JobMetric, Model, new_id, utcnow
 from services.scheduler.ledger import TERMINAL, Ledger
-from services.common.methods.sft import SftHyperparams, lora_target_problem
-
-SFT_FORMATS = (DatasetFormat.SFT_CHAT.value, DatasetFormat.SFT_PROMPT_COMPLETION.value)
+from services.scheduler.planner import Planner
+from trainyard.methods import METHODS, Method
 
 
 @dataclass
@@ -24,7 +24,17 @@ class NewJob:
     base_model: str
     dataset_id: str
     display_name: str
-    config: dict  # method config as given (None = unset), validated here
+    config: dict  # the method's settings as given (unset ones left out or None), validated here
+
+
+@dataclass
+class CheckedJob:
+    """A request that passed every CreateJob check: what a job row (or a plan) is made from."""
+
+    method: Method
+    model: Model
+    dataset: Dataset
+    settings: Resolved
 
 
 @dataclass
@@ -35,16 +45,21 @@ class WatchItem:
 
 class JobCore:
     def __init__(self, db: Database, ledger: Ledger, dispatch: Callable[[str], None], poll_s: float,
-                 stopping: threading.Event):
+                 stopping: threading.Event, planner: Planner | None = None):
         self.db = db
         self.ledger = ledger
         self.dispatch = dispatch
         self.poll_s = poll_s
         self.stopping = stopping
+        self.planner = planner
 
-    def create(self, account_id: str, req: NewJob) -> Job:
-        if req.method != "sft":
-            raise InvalidArgument("only SFT jobs are supported (method JOB_METHOD_SFT)", field="spec.method")
+    def check(self, account_id: str, req: NewJob) -> CheckedJob:
+        """CreateJob's checks (PlanJob runs the same): the method, the model, the dataset and its format, then the
+        settings against their declaration and against the model; one INVALID_ARGUMENT with every violation."""
+        method = METHODS.get(req.method)
+        if method is None:
+            raise InvalidArgument(f"must be one of {', '.join('JOB_METHOD_' + m.upper() for m in METHODS)}",
+                                  field="spec.method")
         with self.db.session() as s:
             model = registry.require_model(s, account_id, req.base_model, field="spec.base_model")
             if not req.dataset_id:
@@ -52,19 +67,30 @@ class JobCore:
             ds = s.get(Dataset, req.dataset_id)
             if ds is None or ds.account_id != account_id or ds.deleted_at is not None:
                 raise not_found("dataset", req.dataset_id)
-            if ds.format not in SFT_FORMATS:
-                raise InvalidArgument(f"dataset '{ds.id}' is in {ds.format} format; SFT needs sft_chat or "
-                                      "sft_prompt_completion rows", field="spec.dataset_id")
-            hp = SftHyperparams.from_request(req.config)
-            problem = lora_target_problem(model.path, hp.target_modules)
-            if problem:
-                raise InvalidArgument(problem, field="spec.sft.lora.target_modules")
-            if hp.max_seq_len > model.max_position_embeddings:
-                raise InvalidArgument(f"must be at most the model's context length {model.max_position_embeddings}, "
-                                      f"got {hp.max_seq_len}", field="spec.sft.max_seq_len")
-            job = Job(id=new_id("job"), account_id=account_id, display_name=req.display_name[:256], method="sft",
-                      base_model=model.name, model_path=model.path, dataset_id=ds.id, config=hp.to_json(),
-                      status="queued", created_at=utcnow(), updated_at=utcnow())
+        if ds.format not in method.dataset_formats:
+            raise InvalidArgument(f"dataset '{ds.id}' is in {ds.format} format; {method.name} needs "
+                                  f"{' or '.join(method.dataset_formats)} rows", field="spec.dataset_id")
+        settings, problems = HYPERPARAMS[method.name].check_request(req.config, prefix=method.prefix)
+        wrong = {v.field for v in problems}  # a value already reported is checked against the model no further
+        problems += [v for v in model_violations(settings, model.path, model.max_position_embeddings,
+                                                 prefix=method.prefix) if v.field not in wrong]
+        if problems:
+            raise InvalidArgument(violations=problems)
+        return CheckedJob(method, model, ds, settings)
+
+    def plan(self, account_id: str, req: NewJob) -> tuple[CheckedJob, dict]:
+        """The checked request and its plan (services/scheduler/planner.py); nothing is stored."""
+        checked = self.check(account_id, req)
+        return checked, self.planner.plan(checked.method.name, checked.model.path, checked.dataset.sha256,
+                                          checked.settings.to_json())
+
+    def create(self, account_id: str, req: NewJob) -> Job:
+        checked = self.check(account_id, req)
+        with self.db.session() as s:
+            job = Job(id=new_id("job"), account_id=account_id, display_name=req.display_name[:256],
+                      method=checked.method.name, base_model=checked.model.name, model_path=checked.model.path,
+                      dataset_id=checked.dataset.id, config=checked.settings.to_json(), status="queued",
+                      created_at=utcnow(), updated_at=utcnow())
             s.add(job)
             s.add(JobLog(job_id=job.id, level="info", message="queued", created_at=utcnow()))
         try:

@@ -5,13 +5,13 @@ import hashlib
 
 from services.common.auth import current_caller
 from services.common.errors import InvalidArgument
-from services.common.protoconv import opt
 from services.scheduler import convert
 from services.scheduler.accounts import AccountCore
 from services.common.streams import split_header
 from services.scheduler.datasets import DatasetStore, UploadHeader
 from services.scheduler.deployments import DeploymentCore
 from services.scheduler.jobs import JobCore, NewJob
+from trainyard.methods import BY_PROTO, proto as method_proto
 from trainyard.v1 import common_pb2, scheduler_pb2 as pb, scheduler_pb2_grpc as rpc
 
 
@@ -118,20 +118,15 @@ def _enum(known: dict, value: int, field: str):
     return known[value]
 
 
-def _sft_request(c: pb.SftConfig) -> dict:
-    lora = c.lora
-    return {
-        "lora_rank": opt(lora, "rank"), "lora_alpha": opt(lora, "alpha"), "lora_dropout": opt(lora, "dropout"),
-        "target_modules": tuple(lora.target_modules) or None,
-        "learning_rate": opt(c, "learning_rate"), "epochs": opt(c, "epochs"), "max_steps": opt(c, "max_steps"),
-        "batch_size": opt(c, "batch_size"), "gradient_accumulation_steps": opt(c, "gradient_accumulation_steps"),
-        "warmup_steps": opt(c, "warmup_steps"),
-        "lr_scheduler": _enum(convert.LR_SCHEDULERS_BACK, c.lr_scheduler, "spec.sft.lr_scheduler"),
-        "weight_decay": opt(c, "weight_decay"), "max_seq_len": opt(c, "max_seq_len"),
-        "eval_fraction": opt(c, "eval_fraction"), "eval_every": opt(c, "eval_every"),
-        "checkpoint_every": opt(c, "checkpoint_every"), "seed": opt(c, "seed"),
-        "max_grad_norm": opt(c, "max_grad_norm"),
-    }
+def _new_job(spec: pb.JobSpec) -> NewJob:
+    """The request's method (looked up in trainyard.methods.METHODS) and the settings its config message sets."""
+    method = BY_PROTO.get(spec.method)
+    if method is None:  # the core names the known methods
+        return NewJob("", spec.base_model, spec.dataset_id, spec.display_name, {})
+    if spec.WhichOneof("config") not in (None, method.config):
+        raise InvalidArgument(f"a {method.name} job takes spec.{method.config}", field="spec.config")
+    given = method_proto.read(method.settings, getattr(spec, method.config))
+    return NewJob(method.name, spec.base_model, spec.dataset_id, spec.display_name, given)
 
 
 class JobServicer(rpc.JobServiceServicer):
@@ -139,14 +134,13 @@ class JobServicer(rpc.JobServiceServicer):
         self.core = core
 
     def CreateJob(self, request, context):
-        spec = request.spec
-        method = {pb.JOB_METHOD_SFT: "sft"}.get(spec.method, "")
-        if spec.method == pb.JOB_METHOD_SFT and spec.WhichOneof("config") not in (None, "sft"):
-            raise InvalidArgument("an SFT job takes spec.sft", field="spec.config")
-        job = self.core.create(current_caller().account_id, NewJob(
-            method=method, base_model=spec.base_model, dataset_id=spec.dataset_id, display_name=spec.display_name,
-            config=_sft_request(spec.sft)))
-        return convert.job(job)
+        return convert.job(self.core.create(current_caller().account_id, _new_job(request.spec)))
+
+    def PlanJob(self, request, context):
+        checked, plan = self.core.plan(current_caller().account_id, _new_job(request.spec))
+        spec = convert.job_spec(checked.method.name, checked.model.name, checked.dataset.id,
+                                request.spec.display_name, checked.settings.to_json())
+        return convert.plan(spec, plan)
 
     def GetJob(self, request, context):
         return convert.job(self.core.get(current_caller().account_id, request.id))

@@ -11,8 +11,9 @@ from models.checkpoint import build_on_meta
 from models.lora import DEFAULT_TARGETS, EXPERTS_TARGET, LoraConfig, check_targets
 from services.common.errors import InvalidArgument
 from services.trainer.state import SavedState
+from trainyard.methods.lora import LORA_DEFAULTS
 
-LORA_RANK, LORA_ALPHA = 32, 32.0
+LORA_RANK, LORA_ALPHA = LORA_DEFAULTS.lora_rank, LORA_DEFAULTS.lora_alpha  # the platform's one LoRA default
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj", EXPERTS_TARGET)
 assert set(ATTN_TARGETS + MLP_TARGETS) == set(DEFAULT_TARGETS)

@@ -69,6 +69,16 @@ def test_upload_train_watch_download_deploy_sample(cli, client, tmp_path):
     failed = cli("datasets", "upload", str(bad), ok=False)
     assert failed.returncode == 1 and "row 1" in failed.stderr and "messages[0].content" in failed.stderr
 
+    planned = cli("jobs", "plan", "--model", "tiny-qwen3", "--dataset", ds_id, "--max-steps", "6", "--lr", "5e-3",
+                  "--checkpoint-every", "3", "--rank", "8").stdout
+    assert "nothing created" in planned and "steps" in planned and "--rank" in planned and "(default)" in planned
+    plan = json.loads(cli("jobs", "plan", "--model", "tiny-qwen3", "--dataset", ds_id, "--max-steps", "6",
+                          "--rank", "8", "--json").stdout)
+    assert (plan["total_steps"], plan["spec"]["sft"]["lora"]["rank"], plan["spec"]["sft"]["lora"]["alpha"]) == \
+        ("6", 8, 32.0)
+    rejected = cli("jobs", "plan", "--model", "tiny-qwen3", "--dataset", ds_id, "--lr", "-1", "--rank", "0", ok=False)
+    assert rejected.returncode == 1 and "INVALID_ARGUMENT" in rejected.stderr
+    assert "--lr (spec.sft.learning_rate)" in rejected.stderr and "--rank (spec.sft.lora.rank)" in rejected.stderr
     created = cli("jobs", "create", "--model", "tiny-qwen3", "--dataset", ds_id, "--max-steps", "6", "--lr", "5e-3",
                   "--checkpoint-every", "3", "--rank", "8", "--watch")
     assert "succeeded" in created.stdout and "6/6" in created.stdout

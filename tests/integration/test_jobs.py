@@ -47,6 +47,9 @@ def test_invalid_hyperparameters_store_nothing(client, dataset, kwargs, field):
         client.create_sft_job("tiny-qwen3", dataset.id, **kwargs)
     assert exc.value.code == "INVALID_ARGUMENT"
     assert field in [v.field for v in exc.value.violations], exc.value.violations
+    with pytest.raises(TrainyardError) as planned:  # PlanJob runs the same checks
+        client.plan_job("sft", "tiny-qwen3", dataset.id, **kwargs)
+    assert (planned.value.code, planned.value.violations) == (exc.value.code, exc.value.violations)
     assert len(client.list_jobs()) == before
 
 
@@ -68,9 +71,11 @@ def test_unknown_base_model_and_wrong_dataset_kind(client, dataset):
 def test_unknown_enum_values_are_rejected(client, dataset):
     bad = pb.JobSpec(method=pb.JOB_METHOD_SFT, base_model="tiny-qwen3", dataset_id=dataset.id,
                      sft=pb.SftConfig(lr_scheduler=99))
-    with pytest.raises(grpc.RpcError) as exc:
-        client.jobs.CreateJob(pb.CreateJobRequest(spec=bad), metadata=client._md)
-    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "spec.sft.lr_scheduler" in exc.value.details()
+    for call, request in ((client.jobs.CreateJob, pb.CreateJobRequest(spec=bad)),
+                          (client.jobs.PlanJob, pb.PlanJobRequest(spec=bad))):
+        with pytest.raises(grpc.RpcError) as exc:
+            call(request, metadata=client._md)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "spec.sft.lr_scheduler" in exc.value.details()
     with pytest.raises(grpc.RpcError) as exc:
         client.jobs.ListJobs(pb.ListJobsRequest(status=42), metadata=client._md)
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "status" in exc.value.details()
@@ -87,7 +92,9 @@ def test_unknown_job_id_is_not_found(client):
 
 
 def test_job_runs_to_success_with_streamed_metrics_and_checkpoints(client, other_client, dataset):
+    plan = client.plan_job("sft", "tiny-qwen3", dataset.id, max_steps=12, checkpoint_every=5, **FAST)
     job = client.create_sft_job("tiny-qwen3", dataset.id, "addition", max_steps=12, checkpoint_every=5, **FAST)
+    assert (job.spec.sft, job.spec.base_model) == (plan.spec.sft, plan.spec.base_model)  # the same resolved settings
     assert job.status == pb.JOB_STATUS_QUEUED
     statuses, metrics, logs = [], [], []
     for ev in client.watch_job(job.id):
@@ -106,6 +113,8 @@ def test_job_runs_to_success_with_streamed_metrics_and_checkpoints(client, other
     assert steps == list(range(1, 13))
     assert any("eval/loss" in m.values for m in metrics)
     assert any("checkpoint saved at step 5" in line for line in logs)
+    assert f"training: 12 steps (train examples {plan.train_rows}, eval examples {plan.eval_rows}, trainable params " \
+           f"{plan.trainable_parameters})" in logs, logs
 
     done = client.get_job(job.id)
     assert (done.step, done.total_steps, done.attempts) == (12, 12, 1)
@@ -115,6 +124,7 @@ def test_job_runs_to_success_with_streamed_metrics_and_checkpoints(client, other
     assert [p.step for p in persisted if "train/loss" in p.values] == list(range(1, 13))
     ckpts = client.list_checkpoints(job.id)
     assert [c.step for c in ckpts] == [5, 10, 12] and ckpts[-1].final and ckpts[-1].id == done.output_checkpoint_id
+    assert (plan.total_steps, plan.checkpoints) == (done.total_steps, len(ckpts))
     assert {f.path for f in ckpts[-1].files} == {"adapter_config.json", "adapter_model.safetensors"}
     log = client.job_logs(job.id)
     assert log[0].message == "queued" and log[-1].message == "succeeded after 12 steps"
@@ -182,8 +192,11 @@ def test_worker_killed_mid_job_is_retried_and_resumes_from_checkpoint(stack, cli
 
 
 def test_the_scheduler_process_never_loads_torch(stack, client, dataset):
-    """CreateJob's checks (the model directory, LoRA targets against the architecture), uploads and the built-in
-    models' registration all run in a scheduler process that never maps torch's library."""
+    """CreateJob's checks (the model directory, LoRA targets against the architecture), uploads, the built-in
+    models' registration and PlanJob (its numbers come from a child process) all run in a scheduler process that
+    never maps torch's library."""
+    plan = client.plan_job("sft", "tiny-qwen3-moe", dataset.id, max_steps=1, target_modules=["q_proj", "experts"])
+    assert plan.total_steps == 1 and plan.trainable_parameters > 0
     job = client.create_sft_job("tiny-qwen3-moe", dataset.id, max_steps=1, target_modules=["q_proj", "experts"])
     with pytest.raises(TrainyardError) as exc:
         client.create_sft_job("tiny-qwen3-moe", dataset.id, target_modules=["q_a_proj"])

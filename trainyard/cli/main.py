@@ -11,6 +11,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeE
 
 from trainyard.cli.admin import admin
 from trainyard.cli.local import validate
+from trainyard.cli.method_flags import flag_of, job_target, method_options, plan_table, settings_from_flags
 from trainyard.cli.render import (
     ascii_chart,
     console,
@@ -21,14 +22,15 @@ from trainyard.cli.render import (
     jobs_table,
     when,
 )
-from trainyard.client import DATASET_FORMATS, LR_SCHEDULERS, TERMINAL, Client, format_name, status_name
+from trainyard.client import DATASET_FORMATS, TERMINAL, Client, format_name, status_name
 from trainyard.config import ClientConfig
 from trainyard.errors import TrainyardError
 from trainyard.v1 import scheduler_pb2 as pb
 
 
 class Cli(click.Group):
-    """Turns every TrainyardError into a readable message and exit status 1."""
+    """Turns every TrainyardError into a readable message and exit status 1; a violation of a request field a flag
+    sets names the flag."""
 
     def invoke(self, ctx):
         try:
@@ -37,7 +39,8 @@ class Cli(click.Group):
             headline = f"{len(exc.violations)} problem(s) found" if exc.violations else exc.message
             err_console.print(f"[bold red]error[/] {exc.code}: {headline}", highlight=False)
             for v in exc.violations[:20]:
-                where = ", ".join(x for x in (f"row {v.row}" if v.row else "", v.field) if x)
+                field = f"{flag_of(v.field)} ({v.field})" if flag_of(v.field) else v.field
+                where = ", ".join(x for x in (f"row {v.row}" if v.row else "", field) if x)
                 err_console.print(f"  - {where}: {v.reason}" if where else f"  - {v.reason}", highlight=False)
             if len(exc.violations) > 20:
                 err_console.print(f"  ... and {len(exc.violations) - 20} more", highlight=False)
@@ -261,36 +264,39 @@ def jobs():
 
 
 @jobs.command("create")
-@click.option("--model", "base_model", required=True, help="Base model name (see `trainyard models list`).")
-@click.option("--dataset", "dataset_id", required=True)
+@job_target
 @click.option("--name", "display_name", default="")
-@click.option("--lr", "learning_rate", type=float)
-@click.option("--epochs", type=int)
-@click.option("--max-steps", type=int)
-@click.option("--batch-size", type=int)
-@click.option("--grad-accum", "gradient_accumulation_steps", type=int)
-@click.option("--warmup-steps", type=int)
-@click.option("--lr-scheduler", type=click.Choice(list(LR_SCHEDULERS)))
-@click.option("--weight-decay", type=float)
-@click.option("--max-seq-len", type=int)
-@click.option("--eval-fraction", type=float)
-@click.option("--eval-every", type=int)
-@click.option("--checkpoint-every", type=int)
-@click.option("--seed", type=int)
-@click.option("--max-grad-norm", type=float)
-@click.option("--rank", "lora_rank", type=int, help="LoRA rank (default 16).")
-@click.option("--alpha", "lora_alpha", type=float, help="LoRA alpha (default 2 x rank).")
-@click.option("--dropout", "lora_dropout", type=float)
-@click.option("--target", "target_modules", multiple=True, help="LoRA target module (repeat); default all.")
+@method_options
+@click.option("--plan", "show_plan", is_flag=True, help="Print the plan (see `jobs plan`) before creating the job.")
 @click.option("--watch", is_flag=True, help="Follow the job until it ends.")
 @click.pass_context
-def jobs_create(ctx, base_model, dataset_id, display_name, watch, target_modules, **hp):
-    """Create a LoRA SFT job."""
+def jobs_create(ctx, base_model, dataset_id, display_name, method, show_plan, watch, **settings):
+    """Create a job (LoRA SFT by default). Flags left out take the server's defaults, shown in each flag's help."""
+    m, given = settings_from_flags(method, settings)
     c = client(ctx)
-    job = c.create_sft_job(base_model, dataset_id, display_name, target_modules=list(target_modules) or None, **hp)
+    if show_plan:
+        console.print(plan_table(c.plan_job(m.name, base_model, dataset_id, **given), given))
+    job = c.create_job(m.name, base_model, dataset_id, display_name, **given)
     console.print(f"job [bold]{job.id}[/] queued")
     if watch:
         _watch(c, job.id)
+
+
+@jobs.command("plan")
+@job_target
+@method_options
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def jobs_plan(ctx, base_model, dataset_id, method, as_json, **settings):
+    """What `jobs create` with the same flags would run, creating nothing: the same checks, then the resolved
+    settings, the train/eval split, tokens, steps, checkpoints, trainable parameters and a memory estimate."""
+    m, given = settings_from_flags(method, settings)
+    plan = client(ctx).plan_job(m.name, base_model, dataset_id, **given)
+    if as_json:
+        out_json(plan)
+        return
+    console.print(f"[bold]{m.title}[/] of {base_model} on {dataset_id}: nothing created")
+    console.print(plan_table(plan, given))
 
 
 @jobs.command("list")

@@ -397,6 +397,74 @@ class CreateJobRequest(_message.Message):
     spec: JobSpec
     def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ...) -> None: ...
 
+class PlanJobRequest(_message.Message):
+    __slots__ = ("spec",)
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    spec: JobSpec
+    def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ...) -> None: ...
+
+class MemoryEstimate(_message.Message):
+    __slots__ = ("device", "weights_dtype", "weights_bytes", "trainable_bytes", "gradient_bytes", "optimizer_bytes", "activation_bytes", "logprob_chunk_bytes", "total_bytes")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRAINABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    weights_dtype: str
+    weights_bytes: int
+    trainable_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    logprob_chunk_bytes: int
+    total_bytes: int
+    def __init__(self, device: _Optional[str] = ..., weights_dtype: _Optional[str] = ..., weights_bytes: _Optional[int] = ..., trainable_bytes: _Optional[int] = ..., gradient_bytes: _Optional[int] = ..., optimizer_bytes: _Optional[int] = ..., activation_bytes: _Optional[int] = ..., logprob_chunk_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class JobPlan(_message.Message):
+    __slots__ = ("spec", "dataset_rows", "train_rows", "eval_rows", "skipped_rows", "tokens_per_epoch", "target_tokens_per_epoch", "eval_target_tokens", "steps_per_epoch", "total_steps", "epochs", "checkpoints", "eval_passes", "trainable_parameters", "base_parameters", "largest_micro_batch_tokens", "memory", "warnings")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    DATASET_ROWS_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_ROWS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_ROWS_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TARGET_TOKENS_PER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    EVAL_TARGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_PER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_PASSES_FIELD_NUMBER: _ClassVar[int]
+    TRAINABLE_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    BASE_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    LARGEST_MICRO_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    WARNINGS_FIELD_NUMBER: _ClassVar[int]
+    spec: JobSpec
+    dataset_rows: int
+    train_rows: int
+    eval_rows: int
+    skipped_rows: int
+    tokens_per_epoch: int
+    target_tokens_per_epoch: int
+    eval_target_tokens: int
+    steps_per_epoch: int
+    total_steps: int
+    epochs: float
+    checkpoints: int
+    eval_passes: int
+    trainable_parameters: int
+    base_parameters: int
+    largest_micro_batch_tokens: int
+    memory: MemoryEstimate
+    warnings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ..., dataset_rows: _Optional[int] = ..., train_rows: _Optional[int] = ..., eval_rows: _Optional[int] = ..., skipped_rows: _Optional[int] = ..., tokens_per_epoch: _Optional[int] = ..., target_tokens_per_epoch: _Optional[int] = ..., eval_target_tokens: _Optional[int] = ..., steps_per_epoch: _Optional[int] = ..., total_steps: _Optional[int] = ..., epochs: _Optional[float] = ..., checkpoints: _Optional[int] = ..., eval_passes: _Optional[int] = ..., trainable_parameters: _Optional[int] = ..., base_parameters: _Optional[int] = ..., largest_micro_batch_tokens: _Optional[int] = ..., memory: _Optional[_Union[MemoryEstimate, _Mapping]] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class GetJobRequest(_message.Message):
     __slots__ = ("id",)
     ID_FIELD_NUMBER: _ClassVar[int]

@@ -726,6 +726,11 @@ class JobServiceStub:
                 request_serializer=trainyard_dot_v1_dot_scheduler__pb2.CreateJobRequest.SerializeToString,
                 response_deserializer=trainyard_dot_v1_dot_scheduler__pb2.Job.FromString,
                 _registered_method=True)
+        self.PlanJob = channel.unary_unary(
+                '/trainyard.v1.JobService/PlanJob',
+                request_serializer=trainyard_dot_v1_dot_scheduler__pb2.PlanJobRequest.SerializeToString,
+                response_deserializer=trainyard_dot_v1_dot_scheduler__pb2.JobPlan.FromString,
+                _registered_method=True)
         self.GetJob = channel.unary_unary(
                 '/trainyard.v1.JobService/GetJob',
                 request_serializer=trainyard_dot_v1_dot_scheduler__pb2.GetJobRequest.SerializeToString,
@@ -766,6 +771,16 @@ class JobServiceServicer:
 
     def CreateJob(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PlanJob(self, request, context):
+        """What CreateJob would run, without creating anything: the same checks (the same INVALID_ARGUMENT violations),
+        then the settings with their defaults filled, the data as the trainer will split and tokenize it, the steps and
+        a memory estimate. Token statistics are cached per (dataset, model, max_seq_len, method), so a form can call it
+        on every change.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -816,6 +831,11 @@ def add_JobServiceServicer_to_server(servicer, server):
                     servicer.CreateJob,
                     request_deserializer=trainyard_dot_v1_dot_scheduler__pb2.CreateJobRequest.FromString,
                     response_serializer=trainyard_dot_v1_dot_scheduler__pb2.Job.SerializeToString,
+            ),
+            'PlanJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.PlanJob,
+                    request_deserializer=trainyard_dot_v1_dot_scheduler__pb2.PlanJobRequest.FromString,
+                    response_serializer=trainyard_dot_v1_dot_scheduler__pb2.JobPlan.SerializeToString,
             ),
             'GetJob': grpc.unary_unary_rpc_method_handler(
                     servicer.GetJob,
@@ -878,6 +898,33 @@ class JobService:
             '/trainyard.v1.JobService/CreateJob',
             trainyard_dot_v1_dot_scheduler__pb2.CreateJobRequest.SerializeToString,
             trainyard_dot_v1_dot_scheduler__pb2.Job.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PlanJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainyard.v1.JobService/PlanJob',
+            trainyard_dot_v1_dot_scheduler__pb2.PlanJobRequest.SerializeToString,
+            trainyard_dot_v1_dot_scheduler__pb2.JobPlan.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,2 +1,9 @@
-"""Job methods' settings, declared once and torch-free: what the scheduler checks at CreateJob, the worker's recipe
-runs and the trainer trains with (sft.py; DPO and RL join here)."""
+"""Job methods on the server. Each method's settings are declared once, torch-free, in trainyard/methods/ (the SDK,
+the CLI and the dashboard read the same declaration); here they gain what only the server can do: LoRA targets and
+max_seq_len checked against the model directory, JSON for the job row (resolved.py). HYPERPARAMS maps a method's
+name (trainyard.methods.METHODS) to the class the scheduler resolves a request into and the worker trains with."""
+from __future__ import annotations
+
+from services.common.methods.sft import SftHyperparams
+
+HYPERPARAMS = {"sft": SftHyperparams}

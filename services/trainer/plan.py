@@ -1,0 +1,175 @@
+"""Plans of managed jobs from the trainer's own code: the scheduler's planner process (services/scheduler/planner.py
+runs `python -m services.trainer.plan`; the scheduler itself never imports torch).
+
+Protocol: one JSON request per stdin line ({"method", "model_path", "dataset_path", "dataset_sha256", "settings"}:
+settings as stored on a job row), one JSON answer per stdout line ({"error": ...} when planning failed), until
+end of input.
+
+The numbers come from the code a job runs: data.py's tokenization, masks, seeded split and StepSampler, the engine's
+device and dtype rule, apply_lora on the model built on the meta device (the trainable count is exact). Tokenized
+examples are kept per (dataset sha256, model path, max_seq_len, method), so a plan that only changes batch sizes,
+the split or the step counts skips tokenizing.
+
+Memory (an estimate; tests/services/trainer/test_plan.py compares it with a measured run): weights at the engine's
+dtype; the float32 adapter, its gradients and AdamW's two moments; the activations autograd keeps for the largest
+micro-batch, per token and layer:
+    sum over the layer's weights of (in + out) features       the inputs and outputs of its projections (routed
+                                                              experts: top_k of them per token)
+    + rank per LoRA A                                         the adapter's low-rank intermediate
+    + 4 x hidden                                              norms and residuals
+    + heads x span                                            attention probabilities where the eager path keeps
+                                                              them (float32 SDPA on the CPU: packed groups of up to
+                                                              SDPA_PACKED_CHUNK_TOKENS; none on CUDA's fused kernels)
+at the weights' dtype; and the logprob head's three float32 [chunk, vocab] blocks (kernels/logprobs.py).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from kernels.attention import SDPA_PACKED_CHUNK_TOKENS
+from kernels.logprobs import default_chunk_size
+from models.checkpoint import build_on_meta
+from models.lora import LoraConfig, apply_lora
+from models.model_dir import read_config
+from models.tokenizer import load_tokenizer
+from services.common.methods import HYPERPARAMS
+from services.trainer.data import StepSampler, num_targets, read_jsonl, split_train_eval, tokenize_rows
+from services.trainer.engine.engine import training_device, training_dtype
+
+EXAMPLES_KEPT = 8  # tokenized datasets kept
+FEW_STEPS = 10
+_examples: OrderedDict[tuple, tuple] = OrderedDict()
+_tokenizers: dict[str, object] = {}
+_models: dict[tuple, dict] = {}
+
+
+def tokenized(model_path: str, dataset_path: str, sha256: str, max_seq_len: int, method: str):
+    """(examples kept, rows skipped, rows, the error that would fail the job or ''), as services/trainer/sft.py gets
+    them from load_sft_data."""
+    key = (sha256, model_path, max_seq_len, method)
+    if key not in _examples:
+        if model_path not in _tokenizers:
+            _tokenizers[model_path] = load_tokenizer(model_path)
+        rows = read_jsonl(Path(dataset_path))
+        try:
+            examples, skipped = tokenize_rows(_tokenizers[model_path], rows, max_seq_len)
+            _examples[key] = (examples, skipped, len(rows), "")
+        except ValueError as exc:  # a row the chat template cannot render fails the job the same way
+            _examples[key] = ([], 0, len(rows), str(exc))
+        if len(_examples) > EXAMPLES_KEPT:
+            _examples.popitem(last=False)
+    _examples.move_to_end(key)
+    return _examples[key]
+
+
+def model_numbers(model_path: str, lora: LoraConfig, seed: int) -> dict:
+    """Parameter counts and activation elements per token (without attention probabilities) of the model with this
+    adapter, from the model built on the meta device (no weights are read)."""
+    key = (model_path, lora.rank, lora.dropout, tuple(lora.target_modules))
+    if key not in _models:
+        config = read_config(model_path)
+        model = build_on_meta(model_path)
+        base = sum(p.numel() for p in model.parameters())
+        trainable = sum(p.numel() for p in apply_lora(model, lora, seed=seed))
+        top_k = int(config.get("num_experts_per_tok") or 1)
+        per_token = 4 * int(config["hidden_size"]) * int(config["num_hidden_layers"])
+        for name, p in model.named_parameters():
+            if ".layers." not in name:
+                continue
+            if ".lora_A." in name:
+                copies = top_k if ".experts." in name else 1  # routed experts' A stacks every expert's
+                per_token += copies * (lora.rank + p.shape[-1] * (lora.dropout > 0))
+            elif ".lora_B." in name or p.dim() < 2:
+                continue
+            elif p.dim() == 3:  # routed experts [E, out, in]: top_k of them see each token
+                per_token += top_k * (p.shape[1] + p.shape[2])
+            else:
+                per_token += p.shape[0] + p.shape[1]
+        _models[key] = {"base": base, "trainable": trainable, "per_token": per_token,
+                        "heads": int(config["num_attention_heads"]) * int(config["num_hidden_layers"]),
+                        "vocab": int(config["vocab_size"])}
+    return _models[key]
+
+
+def memory_estimate(numbers: dict, tokens: int, longest: int) -> dict:
+    device = training_device()
+    dtype = training_dtype(device, full_parameter=False)
+    width = torch.empty((), dtype=dtype).element_size()
+    span = 0 if device.type == "cuda" else min(tokens, max(SDPA_PACKED_CHUNK_TOKENS, longest))
+    adapter = 4 * numbers["trainable"]
+    out = {"device": device.type, "weights_dtype": str(dtype).removeprefix("torch."),
+           "weights_bytes": numbers["base"] * width, "trainable_bytes": adapter, "gradient_bytes": adapter,
+           "optimizer_bytes": 2 * adapter,
+           "activation_bytes": tokens * (numbers["per_token"] + numbers["heads"] * span) * width,
+           "logprob_chunk_bytes": 3 * min(tokens, default_chunk_size(numbers["vocab"])) * numbers["vocab"] * 4}
+    out["total_bytes"] = sum(v for k, v in out.items() if k.endswith("_bytes"))
+    return out
+
+
+def plan_sft(req: dict) -> dict:
+    hp = HYPERPARAMS["sft"].from_json(req["settings"])
+    examples, skipped, num_rows, failure = tokenized(req["model_path"], req["dataset_path"], req["dataset_sha256"],
+                                                     hp.max_seq_len, "sft")
+    warnings = [f"the job would fail: {failure}"] if failure else []
+    if skipped and examples:
+        warnings.append(f"{skipped} of {num_rows} rows have no assistant/completion token within max_seq_len="
+                        f"{hp.max_seq_len} and are skipped")
+    train, held_out, steps_per_epoch, total = [], [], 0, 0
+    if examples:
+        train, held_out = split_train_eval(examples, hp.eval_fraction, hp.seed)
+        steps_per_epoch = StepSampler(train, batch_size=hp.batch_size, grad_accum=hp.gradient_accumulation_steps,
+                                      seed=hp.seed).steps_per_epoch
+        total = hp.max_steps or steps_per_epoch * hp.epochs  # as services/trainer/sft.py's _SftRun counts
+    elif not failure:
+        warnings.append(f"none of the {num_rows} rows has an assistant/completion token within max_seq_len="
+                        f"{hp.max_seq_len}: the job would fail; raise max_seq_len or shorten the prompts")
+    # A micro-batch packs examples' tokens 0..n-2 (data.collate); the largest packs the batch_size longest.
+    lengths = sorted((len(ex.input_ids) - 1 for ex in train), reverse=True)
+    largest = sum(lengths[:hp.batch_size])
+    checkpoints = -(-total // hp.checkpoint_every)  # every checkpoint_every steps, and the final step
+    eval_passes = 0 if not held_out else -(-total // hp.eval_every) if hp.eval_every else checkpoints
+    if examples and total < FEW_STEPS:
+        warnings.append(f"only {total} optimizer step{'s' * (total != 1)}: too few to learn much; raise epochs or "
+                        "max_steps, or lower batch_size")
+    if examples and hp.eval_fraction > 0 and not held_out:
+        warnings.append("the eval split is empty (fewer than 2 usable rows): no eval loss will be reported")
+    if total and hp.warmup_steps >= total:
+        warnings.append(f"warmup_steps ({hp.warmup_steps}) >= total steps ({total}): the learning rate never "
+                        "reaches its peak")
+    lora = LoraConfig(rank=hp.lora_rank, alpha=hp.lora_alpha, dropout=hp.lora_dropout,
+                      target_modules=hp.target_modules)
+    numbers = model_numbers(req["model_path"], lora, hp.seed)
+    return {
+        "dataset_rows": num_rows, "train_rows": len(train), "eval_rows": len(held_out), "skipped_rows": skipped,
+        "tokens_per_epoch": sum(lengths), "target_tokens_per_epoch": sum(num_targets(ex) for ex in train),
+        "eval_target_tokens": sum(num_targets(ex) for ex in held_out), "steps_per_epoch": steps_per_epoch,
+        "total_steps": total, "epochs": total / steps_per_epoch if steps_per_epoch else 0.0,
+        "checkpoints": checkpoints, "eval_passes": eval_passes, "trainable_parameters": numbers["trainable"],
+        "base_parameters": numbers["base"], "largest_micro_batch_tokens": largest,
+        "memory": memory_estimate(numbers, largest, lengths[0] if lengths else 0), "warnings": warnings,
+    }
+
+
+PLANNERS = {"sft": plan_sft}
+
+
+def main() -> None:
+    torch.set_num_threads(1)  # tokenizing and a seeded permutation: nothing to gain from a thread pool
+    for line in sys.stdin:
+        try:
+            req = json.loads(line)
+            answer = PLANNERS[req["method"]](req)
+        except Exception as exc:  # noqa: BLE001 - the process boundary: the scheduler reports it, this loop goes on
+            traceback.print_exc()
+            answer = {"error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(answer), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""PlanJob in process (JobCore + its planner child) on SQLite: CreateJob's checks with the same violations, a plan of
+the resolved settings, nothing stored; and the servicer's method table."""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select
+
+from services.common import auth, registry
+from services.common.blobstore import BlobStore
+from services.common.db import Database, migrate
+from services.common.errors import InvalidArgument
+from services.common.schema import SHARED_SCOPE, Job
+from services.scheduler import convert
+from services.scheduler.datasets import DatasetStore, UploadHeader
+from services.scheduler.jobs import JobCore, NewJob
+from services.scheduler.ledger import Ledger
+from services.scheduler.planner import Planner
+from services.scheduler.servicer import _new_job
+from trainyard.client import job_spec
+from trainyard.v1 import scheduler_pb2 as pb
+
+SAMPLE = Path(__file__).resolve().parents[3] / "examples" / "data" / "sft_demo.jsonl"
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, tiny_model_dir):
+    tmp = tmp_path_factory.mktemp("plan")
+    url = f"sqlite:///{tmp / 'db.sqlite'}"
+    migrate(url)
+    db = Database(url)
+    account, _, _ = auth.create_account(db, "acme")
+    with db.session() as s:
+        registry.register_model(s, SHARED_SCOPE, "tiny", str(tiny_model_dir))
+    blobs = BlobStore(tmp / "blobs")
+    store = DatasetStore(db, blobs, 1 << 20)
+    chat, _ = store.upload(account.id, UploadHeader("faq", None, ""), iter([SAMPLE.read_bytes()]))
+    dpo, _ = store.upload(account.id, UploadHeader("dpo", None, ""),
+                          iter([b'{"prompt": "a", "chosen": "b", "rejected": "c"}\n']))
+    planner = Planner(blobs)
+    core = JobCore(db, Ledger(db), lambda job_id: None, 0.05, threading.Event(), planner)
+    yield core, account.id, chat.id, dpo.id
+    planner.close()
+    db.dispose()
+
+
+def jobs_stored(core: JobCore) -> int:
+    with core.db.session() as s:
+        return s.scalar(select(func.count()).select_from(Job))
+
+
+def violations(call, req: NewJob) -> list[tuple[str, str]]:
+    with pytest.raises(InvalidArgument) as exc:
+        call(req)
+    return sorted((v.field, v.reason) for v in exc.value.violations)
+
+
+@pytest.mark.parametrize("config", [
+    {"lora_rank": 0, "learning_rate": -1.0, "lr_scheduler": "step"},
+    {"max_seq_len": 100_000, "target_modules": ("nope",)},
+    {"lora_dropout": 1.5, "eval_fraction": 0.9, "batch_size": 0, "max_seq_len": 4096},
+    {"target_modules": ("q proj",), "unknown": 1},
+], ids=["bounds", "model", "mixed", "names"])
+def test_plan_runs_create_jobs_checks_with_the_same_violations(env, config):
+    core, account, chat, _ = env
+    req = NewJob("sft", "tiny", chat, "", config)
+    planned = violations(lambda r: core.plan(account, r), req)
+    assert planned == violations(lambda r: core.create(account, r), req)
+    assert all(field.startswith("spec.sft.") for field, _ in planned) and len(planned) == len(config)
+    assert jobs_stored(core) == 0
+
+
+def test_plan_checks_method_model_and_dataset_like_create(env):
+    core, account, chat, dpo = env
+    for req, field in ((NewJob("", "tiny", chat, "", {}), "spec.method"),
+                       (NewJob("sft", "no-such-model", chat, "", {}), "spec.base_model"),
+                       (NewJob("sft", "tiny", "", "", {}), "spec.dataset_id"),
+                       (NewJob("sft", "tiny", dpo, "", {}), "spec.dataset_id")):
+        assert violations(lambda r: core.plan(account, r), req) == violations(lambda r: core.create(account, r), req)
+        assert violations(lambda r: core.plan(account, r), req)[0][0] == field
+    assert jobs_stored(core) == 0
+
+
+def test_plan_resolves_the_settings_and_stores_nothing(env):
+    core, account, chat, _ = env
+    req = _new_job(job_spec("sft", "tiny", chat, lora_rank=8, batch_size=2, epochs=3))
+    checked, plan = core.plan(account, req)
+    assert (checked.settings.lora_rank, checked.settings.lora_alpha, checked.settings.learning_rate) == (8, 32.0, 1e-4)
+    spec = convert.job_spec("sft", "tiny", chat, "", checked.settings.to_json())
+    answer = convert.plan(spec, plan)
+    assert answer.spec.sft.lora.rank == 8 and answer.spec.sft.lora.alpha == 32 and answer.spec.sft.epochs == 3
+    assert list(answer.spec.sft.lora.target_modules)[:4] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert (answer.train_rows, answer.eval_rows, answer.steps_per_epoch, answer.total_steps) == (18, 2, 9, 27)
+    assert answer.memory.total_bytes == sum(getattr(answer.memory, k) for k in (
+        "weights_bytes", "trainable_bytes", "gradient_bytes", "optimizer_bytes", "activation_bytes",
+        "logprob_chunk_bytes"))
+    assert jobs_stored(core) == 0
+
+
+def test_the_servicer_reads_the_method_from_the_table():
+    spec = job_spec("sft", "m", "ds", lora_rank=4, lr_scheduler="constant")
+    req = _new_job(spec)
+    assert (req.method, req.config) == ("sft", {"lora_rank": 4, "lr_scheduler": "constant"})
+    assert _new_job(pb.JobSpec(base_model="m")).method == ""  # unspecified: the core names the known methods
+    bad = pb.JobSpec(method=pb.JOB_METHOD_SFT, sft=pb.SftConfig(lr_scheduler=42))
+    assert _new_job(bad).config == {"lr_scheduler": 42}  # checked by the declaration, naming the field

@@ -1,0 +1,52 @@
+"""Managed job methods, each declared once: its settings (a dataclass, trainyard.methods.spec), the JobSpec field
+that carries them, the dataset formats it trains on and the worker recipe that runs it.
+
+Everything that differs by method reads this table: the scheduler's checks and conversions, the worker's recipe
+lookup, the SDK's keywords, the CLI's flags and the dashboard's form. A new method (DPO, RFT) is one settings
+declaration, one entry here and one recipe. Torch-free and server-free: the SDK imports it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainyard.methods.lora import LORA_DEFAULTS, LoraSettings
+from trainyard.methods.sft import SftSettings
+from trainyard.methods.spec import Field, Problem, declared, resolve
+from trainyard.v1 import scheduler_pb2 as pb
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str  # the jobs table's method, the CLI's --method, services/worker/recipes/<recipe>.py
+    title: str
+    proto: int  # the JobMethod enum value
+    config: str  # the JobSpec oneof field that holds the settings
+    settings: type  # the declared settings dataclass
+    dataset_formats: tuple[str, ...]
+    recipe: str
+
+    @property
+    def prefix(self) -> str:
+        """Request fields of this method's settings start with it, e.g. 'spec.sft.'."""
+        return f"spec.{self.config}."
+
+    def fields(self) -> tuple[Field, ...]:
+        return declared(self.settings)
+
+
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("sft", "Supervised fine-tuning (LoRA)", pb.JOB_METHOD_SFT, "sft", SftSettings,
+           ("sft_chat", "sft_prompt_completion"), "sft"),
+)}
+BY_PROTO = {m.proto: m for m in METHODS.values()}
+
+
+def method(name: str) -> Method:
+    """The method of a name; ValueError listing the known ones."""
+    if name not in METHODS:
+        raise ValueError(f"unknown job method {name!r}; known: {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+__all__ = ["BY_PROTO", "LORA_DEFAULTS", "METHODS", "LoraSettings", "Method", "Problem", "SftSettings", "method",
+           "resolve"]
