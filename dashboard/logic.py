@@ -1,4 +1,5 @@
-"""What the pages compute, without Streamlit: dataset uploads, tables, the loss chart and the SFT plan.
+"""What the pages compute, without Streamlit: dataset uploads, tables, the loss chart, the Train form (from a job
+method's declaration) and the plan summary (from PlanJob).
 
 Kept apart from the page scripts so tests call it directly with a real client.
 """
@@ -8,6 +9,7 @@ import io
 import json
 import math
 import re
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import altair as alt
@@ -15,10 +17,14 @@ import pandas as pd
 
 from trainyard import Client
 from trainyard.client import format_name
+from trainyard.methods import BY_PROTO, Method
+from trainyard.methods.proto import read
+from trainyard.methods.spec import Field
 from trainyard.v1 import scheduler_pb2 as pb
 
 FORMATS = ("auto", "sft_chat", "sft_prompt_completion", "dpo", "rft")
-SFT_FORMATS = ("sft_chat", "sft_prompt_completion")
+# Request fields outside a method's settings -> the Train page's inputs that set them.
+SPEC_LABELS = {"spec.base_model": "Base model", "spec.dataset_id": "Dataset"}
 LOSS_METRICS = ("train/loss", "eval/loss")
 _MD_SPECIAL = re.compile(r"([\\`*_\[\]<>$~|#])")
 
@@ -116,59 +122,66 @@ def loss_chart(frame: pd.DataFrame) -> alt.Chart:
     return base.mark_line() + base.mark_point(filled=True, size=30)
 
 
-# -- training plan -----------------------------------------------------------------------------------------------
-@dataclass
-class SftPlan:
-    """The dashboard's SFT settings; defaults are the server's (services/common/methods/sft.py)."""
+# -- the Train form and the plan ---------------------------------------------------------------------------------
+def field_labels(method: Method) -> dict[str, str]:
+    """Request field (e.g. spec.sft.lora.rank) -> the label of the input that sets it."""
+    return SPEC_LABELS | {method.prefix + f.setting.proto: f.setting.label for f in method.fields()}
 
-    lora_rank: int = 16
-    lora_alpha: float = 32.0
-    learning_rate: float = 1e-4
-    epochs: int = 1
-    max_steps: int = 0  # 0: run `epochs` passes over the data
-    batch_size: int = 4
-    gradient_accumulation_steps: int = 1
-    checkpoint_every: int = 50
-    eval_fraction: float = 0.1
-    warmup_steps: int = 0
-    lr_scheduler: str = "cosine"
-    max_seq_len: int = 2048
-    seed: int = 0
 
-    def job_kwargs(self) -> dict:
-        """Keyword arguments of Client.create_sft_job; max_steps is sent only when set (it overrides epochs)."""
-        kw = dict(vars(self))
-        if not self.max_steps:
-            del kw["max_steps"]
-        return kw
+def field_errors(violations, method: Method) -> dict[str, list[str]]:
+    """The server's violations by the input they belong to: a setting's name, or the request field itself
+    (spec.base_model, spec.dataset_id, or one no input sets)."""
+    names = {method.prefix + f.setting.proto: f.name for f in method.fields()}
+    out: dict[str, list[str]] = defaultdict(list)
+    for v in violations:
+        out[names.get(v.field, v.field)].append(v.reason)
+    return dict(out)
 
-    def split(self, num_rows: int) -> tuple[int, int]:
-        """(train rows, eval rows) as the trainer splits them (services/trainer/data.py split_train_eval)."""
-        n_eval = 0 if self.eval_fraction <= 0 or num_rows < 2 else \
-            min(num_rows - 1, max(1, round(num_rows * self.eval_fraction)))
-        return num_rows - n_eval, n_eval
 
-    def total_steps(self, num_rows: int) -> int:
-        if self.max_steps:
-            return self.max_steps
-        train, _ = self.split(num_rows)
-        per_step = max(1, self.batch_size * self.gradient_accumulation_steps)
-        return math.ceil(train / per_step) * max(self.epochs, 0)
+def float_step(default: float) -> float:
+    """The +/- step of a float input: a tenth of the default's order of magnitude (1e-5 for 1e-4, 1 for 32)."""
+    return 10.0 ** (math.floor(math.log10(abs(default))) - 1) if default else 0.01
 
-    def summary(self, model: pb.Model, dataset: pb.Dataset) -> list[str]:
-        """The plan in sentences (markdown), for the user to approve before launching."""
-        train, n_eval = self.split(dataset.num_rows)
-        steps = self.total_steps(dataset.num_rows)
-        length = f"{self.max_steps} steps" if self.max_steps else \
-            f"{self.epochs} epoch{'s' * (self.epochs != 1)}, about {steps} steps"
-        checkpoints = (steps - 1) // self.checkpoint_every if steps > 0 and self.checkpoint_every > 0 else 0
-        return [
-            f"Fine-tune **{md_escape(model.name)}** ({model.architecture}, {model.num_parameters:,} parameters) with a "
-            f"LoRA adapter of rank {self.lora_rank} (alpha {self.lora_alpha:g}).",
-            f"Data: **{md_escape(dataset.name)}** ({format_name(dataset.format)}): about {train} rows for training and "
-            f"{n_eval} held out for the eval loss.",
-            f"Length: {length} of {self.batch_size * self.gradient_accumulation_steps} sequences each, learning "
-            f"rate {self.learning_rate:g} ({self.lr_scheduler}, {self.warmup_steps} warmup steps).",
-            f"Checkpoints: every {self.checkpoint_every} steps ({checkpoints} along the way) plus the final adapter, "
-            "which you can deploy and try in the Playground.",
-        ]
+
+def list_value(text: str) -> tuple[str, ...]:
+    """A comma-separated text input as a list of names; empty for the declared default."""
+    return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
+def form_groups(method: Method) -> tuple[list[Field], list[Field]]:
+    """(the inputs shown first, the ones under Advanced)."""
+    fields = method.fields()
+    return [f for f in fields if not f.setting.advanced], [f for f in fields if f.setting.advanced]
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
+
+
+def plan_summary(plan: pb.JobPlan, model: pb.Model, dataset: pb.Dataset) -> list[str]:
+    """PlanJob's answer in sentences (markdown), for the user to approve before launching; the settings are the
+    plan's resolved ones, so defaults the form left alone show as the server will apply them."""
+    method = BY_PROTO[plan.spec.method]
+    hp = read(method.settings, getattr(plan.spec, method.config))
+    mem = plan.memory
+    share = plan.trainable_parameters / plan.base_parameters if plan.base_parameters else 0.0
+    steps = f"{plan.total_steps} step{'s' * (plan.total_steps != 1)}"
+    lines = [
+        (f"Fine-tune **{md_escape(model.name)}** ({model.architecture}, {plan.base_parameters:,} parameters) with a "
+         f"LoRA adapter of rank {hp['lora_rank']} (alpha {hp['lora_alpha']:g}): {plan.trainable_parameters:,} "
+         f"trainable parameters ({share:.2%})."),
+        (f"Data: **{md_escape(dataset.name)}** ({format_name(dataset.format)}): {plan.train_rows} rows for training "
+         f"and {plan.eval_rows} held out for the eval loss ({plan.skipped_rows} skipped); {plan.tokens_per_epoch:,} "
+         f"tokens per epoch, {plan.target_tokens_per_epoch:,} of them with loss."),
+        (f"Length: {steps} of {hp['batch_size'] * hp['gradient_accumulation_steps']} sequences each "
+         f"({plan.epochs:.2f} epochs of {plan.steps_per_epoch} steps), learning rate {hp['learning_rate']:g} "
+         f"({hp['lr_scheduler']}, {hp['warmup_steps']} warmup steps)."),
+        (f"Checkpoints: {plan.checkpoints} (every {hp['checkpoint_every']} steps and the final adapter, which you "
+         f"can deploy and try in the Playground); {plan.eval_passes} eval passes."),
+    ]
+    held = mem.trainable_bytes + mem.gradient_bytes + mem.optimizer_bytes
+    lines.append(f"Memory: about {mib(mem.total_bytes)} on {mem.device} ({mem.weights_dtype} weights "
+                 f"{mib(mem.weights_bytes)}, adapter + gradients + AdamW {mib(held)}, activations of the largest "
+                 f"micro-batch ({plan.largest_micro_batch_tokens:,} tokens) {mib(mem.activation_bytes)}, logprob "
+                 f"head {mib(mem.logprob_chunk_bytes)}).")
+    return lines

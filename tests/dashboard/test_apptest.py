@@ -17,6 +17,7 @@ from tests.integration.data import chat_rows, jsonl
 from trainyard import Client
 from trainyard.client import status_name
 from trainyard.localstack import free_port
+from trainyard.methods import METHODS
 
 pytestmark = pytest.mark.integration
 
@@ -84,6 +85,12 @@ def button(at: AppTest, label: str):
 
 def number(at: AppTest, label: str):
     return next(n for n in at.number_input if n.label == label)
+
+
+def column_of(at: AppTest, label: str):
+    """The form column holding the input with this label (its field errors go under it, in the same column)."""
+    return next(c for c in at.columns if any(w.label == label for w in (*c.number_input, *c.selectbox,
+                                                                           *c.text_input)))
 
 
 def chart_data(at: AppTest) -> pd.DataFrame:
@@ -181,11 +188,20 @@ def test_train_page_shows_field_errors_then_launches(sdk, dataset):
     assert next(s for s in at.selectbox if s.label == "Base model").value == "tiny-qwen3"
     next(s for s in at.selectbox if s.label == "Dataset").set_value(dataset.id).run()
     plan = text(at.markdown)
-    assert "Fine-tune tiny-qwen3" in plan and "LoRA adapter of rank 16" in plan
+    expected = sdk.plan_job("sft", "tiny-qwen3", dataset.id)  # the page's plan is PlanJob's answer
+    assert "Fine-tune tiny-qwen3" in plan and "LoRA adapter of rank 32 (alpha 32)" in plan
+    assert f"{expected.train_rows} rows for training and {expected.eval_rows} held out" in plan
+    assert f"{expected.trainable_parameters:,} trainable parameters" in plan and "Memory: about" in plan
     jobs_before = len(sdk.list_jobs())
 
     number(at, "Learning rate").set_value(-1.0)
     number(at, "LoRA rank").set_value(0).run()
+    assert_no_exception(at)
+    # PlanJob runs on every change: each error shows under its input, and there is no plan until they are fixed.
+    assert "must be between 1 and 1024, got 0" in text(column_of(at, "LoRA rank").error)
+    assert "must be > 0 and < 1, got -1" in text(column_of(at, "Learning rate").error)
+    assert not text(column_of(at, "Batch size").error)
+    assert "Fix the settings marked above" in text(at.warning) and "Fine-tune" not in text(at.markdown)
     button(at, "Launch training").click().run()
     assert_no_exception(at)
     assert "INVALID_ARGUMENT" in text(at.error)
@@ -196,11 +212,12 @@ def test_train_page_shows_field_errors_then_launches(sdk, dataset):
 
     number(at, "Learning rate").set_value(2e-3)
     number(at, "LoRA rank").set_value(8).run()
-    at.radio[0].set_value("Max steps").run()
     number(at, "Max steps").set_value(3)
     number(at, "Batch size").set_value(2)
     next(t for t in at.text_input if t.label == "Job name").set_value("from-the-dashboard").run()
+    assert not text(column_of(at, "LoRA rank").error)
     assert "Length: 3 steps of 2 sequences each" in text(at.markdown)
+    assert "only 3 optimizer steps" in text(at.warning)
     button(at, "Launch training").click().run()
     assert_no_exception(at)
     job_id = at.session_state["launched_job"]
@@ -320,11 +337,25 @@ def test_unreachable_rollout_is_a_message_not_a_traceback(stack, sdk, finished_j
     assert len(errors) == 2 and all("UNAVAILABLE" in e for e in errors), errors
 
 
-def test_preview_frame_and_plan_are_readable():
+def test_train_form_is_generated_from_the_declaration(dataset):
+    """One input per declared setting, with its label, its default and its help (bounds included)."""
+    at = open_app("pages_train.py")
+    widgets = {w.label: w for w in (*at.number_input, *at.selectbox, *at.text_input)}
+    method = METHODS["sft"]
+    for f in method.fields():
+        w = widgets[f.setting.label]
+        assert w.help == f.describe()
+        assert w.value == (", ".join(f.default) if f.is_list else f.default), f.name
+    main, advanced = logic.form_groups(method)
+    assert {f.name for f in advanced} >= {"seed", "lr_scheduler", "target_modules"} and main[0].name == "lora_rank"
+
+
+def test_preview_frame_and_form_helpers_are_readable():
     frame = logic.preview_frame([{"messages": [{"role": "user", "content": "hi"},
                                                {"role": "assistant", "content": "hello"}], "meta": {"a": 1}}], 3)
     assert frame.loc[3, "messages"] == "user: hi | assistant: hello" and json.loads(frame.loc[3, "meta"]) == {"a": 1}
-    plan = logic.SftPlan(batch_size=3, epochs=2, eval_fraction=0.1)
-    assert plan.split(20) == (18, 2) and plan.total_steps(20) == 12
-    assert "max_steps" not in plan.job_kwargs()
-    assert logic.SftPlan(max_steps=7).total_steps(1000) == 7
+    labels = logic.field_labels(METHODS["sft"])
+    assert labels["spec.sft.lora.rank"] == "LoRA rank" and labels["spec.sft.learning_rate"] == "Learning rate"
+    assert labels["spec.dataset_id"] == "Dataset" and len(labels) == len(METHODS["sft"].fields()) + 2
+    assert (logic.float_step(1e-4), logic.float_step(32.0), logic.float_step(0.0)) == (1e-5, 1.0, 0.01)
+    assert logic.list_value(" q_proj, v_proj ,") == ("q_proj", "v_proj") and logic.list_value("") == ()
