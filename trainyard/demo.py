@@ -83,10 +83,15 @@ def _train_and_compare(c: Client, steps: int | None, t0: float) -> int:
     console.print(f"   first row: user: {first[1]['content']!r} -> assistant: {first[2]['content']!r}")
 
     before = _answers(c, "tiny-qwen3")
-    job = c.create_sft_job("tiny-qwen3", ds.id, "demo-faq-sft", max_steps=steps or 120, learning_rate=5e-3,
-                           batch_size=8, lora_rank=16, warmup_steps=10, checkpoint_every=20, eval_fraction=0.1,
-                           seed=SEED)
-    console.print(f"5. SFT job {job.id} queued (LoRA rank 16, {steps or 120} steps)")
+    settings = dict(max_steps=steps or 120, learning_rate=5e-3, batch_size=8, warmup_steps=10, checkpoint_every=20,
+                    eval_fraction=0.1, seed=SEED)
+    plan = c.plan_job("sft", "tiny-qwen3", ds.id, **settings)
+    job = c.create_sft_job("tiny-qwen3", ds.id, "demo-faq-sft", **settings)
+    lora = job.spec.sft.lora
+    console.print(f"5. SFT job {job.id} queued: LoRA rank {lora.rank}, alpha {lora.alpha:g} (the defaults), "
+                  f"{plan.total_steps} steps over {plan.train_rows} rows ({plan.eval_rows} held out), "
+                  f"{plan.trainable_parameters:,} trainable parameters, about "
+                  f"{plan.memory.total_bytes / 2**20:.0f} MiB")
     with Progress(TextColumn("   [bold]{task.fields[status]}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TextColumn("{task.fields[loss]}"), TimeElapsedColumn(), console=console) as bar:
         task = bar.add_task("job", total=None, status="queued", loss="")
