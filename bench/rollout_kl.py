@@ -79,8 +79,8 @@ def build_model(out: Path, family: str, entropy: float, seed: int = 0) -> tuple[
     contexts is `entropy` nats; returns (directory, gain)."""
     build_tiny_model(out, seed=seed, family=family)  # the tokenizer files; the weights are replaced below
     config = {**tiny_config(len(load_tokenizer(out)), family), "tie_word_embeddings": False}
-    family_module = family_for_config(config)
-    model = family_module.CausalLM(family_module.ModelArgs.from_hf_config(config))
+    spec = family_for_config(config)
+    model = spec.CausalLM(spec.ModelArgs.from_hf_config(config))
     _init_weights(model, seed)
     tokens = torch.randint(3, config["vocab_size"], (4, 64), generator=torch.Generator().manual_seed(seed + 1))
     logits_NV = model(tokens).float().flatten(0, 1)  # linear in the final-norm gain

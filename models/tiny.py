@@ -296,8 +296,8 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, family: str = "qwen3",
         {"eos_token_id": [ids[IM_END], ids[ENDOFTEXT]], "pad_token_id": ids[ENDOFTEXT], "do_sample": True},
     )
     config = {**tiny_config(tokenizer.get_vocab_size(), family), **(overrides or {})}
-    family_module = family_for_config(config)
-    model = family_module.CausalLM(family_module.ModelArgs.from_hf_config(config))
+    spec = family_for_config(config)
+    model = spec.CausalLM(spec.ModelArgs.from_hf_config(config))
     _init_weights(model, seed)
     save_pretrained(model, out)
     return out

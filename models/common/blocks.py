@@ -87,7 +87,7 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: h + attn(norm(h)), then h + mlp(norm(h)). A family chooses the attention (GQA, MLA)
-    and the MLP (dense, MoE) of each layer; both take the arguments shown in forward."""
+    and the MLP (dense, MoE) of each layer: self_attn(x, cos, sin, cache, packing) and mlp(x, routing)."""
 
     def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float):
         super().__init__()
