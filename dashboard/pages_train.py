@@ -92,10 +92,11 @@ st.subheader("Plan")
 try:
     plan = client.plan_job(METHOD.name, model_name, dataset_id, **values)
 except TrainyardError as exc:
-    if exc.code != "INVALID_ARGUMENT":
-        raise
-    show_field_errors(exc)
-    st.warning("Fix the settings marked above to see the plan.")
+    if exc.code == "INVALID_ARGUMENT":
+        show_field_errors(exc)
+        st.warning("Fix the settings marked above to see the plan.")
+    else:  # no plan, but the job can still be launched
+        api.show_error(exc)
 else:
     st.markdown("\n".join(f"- {line}" for line in logic.plan_summary(plan, model, datasets_by_id[dataset_id])))
     for warning in plan.warnings:

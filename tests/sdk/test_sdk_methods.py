@@ -164,3 +164,29 @@ def test_cli_errors_name_the_flag(monkeypatch):
     assert "--lr (spec.sft.learning_rate): must be > 0 and < 1, got -1" in result.output
     assert "--rank (spec.sft.lora.rank): must be between 1 and 1024" in result.output
     assert "--model (spec.base_model): unknown base model" in result.output
+
+
+def test_cli_plan_prints_the_plan_and_the_resolved_settings(monkeypatch):
+    spec = job_spec("sft", "tiny", "ds_1", lora_rank=8)
+    method_proto.write(SFT.settings, {f.name: f.default for f in declared(SFT.settings)} | {"lora_rank": 8}, spec.sft)
+    plan = pb.JobPlan(spec=spec, dataset_rows=20, train_rows=18, eval_rows=2, total_steps=27, steps_per_epoch=9,
+                      epochs=3.0, checkpoints=1, trainable_parameters=311296, base_parameters=918912,
+                      memory=pb.MemoryEstimate(device="cpu", weights_dtype="float32", total_bytes=20 * 2**20),
+                      warnings=["only 3 optimizer steps"])
+
+    class Planning(FakeClient):
+        def plan_job(self, method, base_model, dataset_id, **settings):
+            self.calls.append(("plan", method, base_model, dataset_id, settings))
+            return plan
+
+    fake = Planning()
+    result = _run(monkeypatch, fake, "plan", "--model", "tiny", "--dataset", "ds_1", "--rank", "8")
+    assert result.exit_code == 0, result.output
+    assert fake.calls == [("plan", "sft", "tiny", "ds_1", {"lora_rank": 8})]
+    out = " ".join(result.output.split())
+    assert "rows 20: 18 train, 2 eval, 0 skipped" in out and "steps 27 (9 per epoch, 3.00 epochs)" in out
+    assert "--rank 8 --alpha 32 (default)" in out and "warning only 3 optimizer steps" in out
+    assert "about 20.0 MB" in out
+    result = _run(monkeypatch, fake, "create", "--model", "tiny", "--dataset", "ds_1", "--plan")
+    out = " ".join(result.output.split())
+    assert result.exit_code == 0 and "rows 20: 18 train" in out and out.endswith("job job_1 queued")
