@@ -103,11 +103,8 @@ class MeasuredSessions(SessionManager):
         finally:
             self.durations.append(time.perf_counter() - start)
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args, **kwargs):  # unary and streamed calls alike
         return self._measured(super().forward, *args, **kwargs)
-
-    def forward_backward_stream(self, *args, **kwargs):
-        return self._measured(super().forward_backward_stream, *args, **kwargs)
 
 
 class Platform:

@@ -71,6 +71,12 @@ class Unavailable(TrainyardError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class Cancelled(TrainyardError):
+    """The client ended the call early (e.g. broke off a stream)."""
+
+    code = grpc.StatusCode.CANCELLED
+
+
 def summarize(violations: list[Violation], *, limit: int = 5, truncated: bool = False) -> str:
     shown = "; ".join(str(v) for v in violations[:limit])
     more = len(violations) - limit

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from models.checkpoint import build_on_meta
 from models.lora import DEFAULT_TARGETS, EXPERTS_TARGET, LoraConfig, check_targets
 from services.common.errors import InvalidArgument
-from services.trainer.state import SavedState
+from services.trainer.engine.checkpoint import EngineCheckpoint
 from trainyard.methods.lora import LORA_DEFAULTS
 
 LORA_RANK, LORA_ALPHA = LORA_DEFAULTS.lora_rank, LORA_DEFAULTS.lora_alpha  # the platform's one LoRA default
@@ -86,7 +86,7 @@ def resolve_lora(spec: LoraSpec, model_path: str) -> LoraConfig:
     return LoraConfig(rank=rank, alpha=alpha, target_modules=tuple(targets))
 
 
-def check_create_matches_state(spec: CreateSpec, saved: SavedState, model_path: str) -> None:
+def check_create_matches_state(spec: CreateSpec, saved: EngineCheckpoint, model_path: str) -> None:
     """CreateSession(from_state): base_model, full_parameter and lora come from the state; what the request sets
     must equal it."""
     if spec.base_model and spec.base_model != saved.base_model:
@@ -112,7 +112,7 @@ def check_create_matches_state(spec: CreateSpec, saved: SavedState, model_path: 
                                   f"selects {list(targets)}", field="lora.target_modules")
 
 
-def state_mismatch(full_parameter: bool, base_model: str, lora: LoraConfig | None, saved: SavedState) -> str:
+def state_mismatch(full_parameter: bool, base_model: str, lora: LoraConfig | None, saved: EngineCheckpoint) -> str:
     """Why a saved state cannot be loaded into a session of these settings ('' when it can)."""
     if saved.full_parameter != full_parameter:
         kinds = {True: "a full-parameter", False: "a LoRA"}

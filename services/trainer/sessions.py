@@ -25,8 +25,9 @@ half-updated. Calls on a closed session are FAILED_PRECONDITION.
 Gradients accumulate across ForwardBackward calls until OptimStep (which applies them and clears them); LoadState
 clears them too. Every session trains through the engine (services/trainer/engine/): the losses and their batch
 factor are its losses.py; micro-batching and the exactness of unary vs streamed calls, its forward_backward.py; the
-optimizer step, its optim.py. Saved states: services/trainer/state.py; LoRA defaults and request checks:
-services/trainer/session_spec.py.
+optimizer step, its optim.py; saved states, its checkpoint.py (the format managed jobs use too). LoRA defaults and
+request checks: services/trainer/session_spec.py. This module speaks no protocol: the servicer (servicer.py) converts
+requests into the plain values and DatumInputs it takes.
 """
 from __future__ import annotations
 
@@ -35,23 +36,24 @@ import math
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from models import save_pretrained
-from models.lora import LoraConfig, apply_lora, lora_state_dict, remove_adapter, save_peft_adapter, set_trainable
+from models.lora import LoraConfig, apply_lora, remove_adapter, set_trainable
 from services.common import registry
 from services.common.blobstore import BlobStore, StoredFile
 from services.common.db import Database
 from services.common.errors import FailedPrecondition, InvalidArgument, TrainyardError, not_found
 from services.common.schema import Checkpoint, TrainingSession, new_id, utcnow
-from services.trainer import state as saved_state
 from services.trainer.bases import ModelHolder, ModelPool
-from services.trainer.datums import check_datum, client_messages, stream_datums
+from services.trainer.datums import DatumInput, check_datum
 from services.trainer.engine import AdamW, TrainingEngine
+from services.trainer.engine.checkpoint import (
+    STATE_DIR, WEIGHTS_DIR, CheckpointMismatch, EngineCheckpoint, is_training_state, read_checkpoint,
+)
 from services.trainer.engine.forward_backward import LossCall, check_loss_request, run_call
 from services.trainer.session_spec import (
     CreateSpec, LoraSpec, check_create_matches_state, resolve_lora, state_mismatch,
@@ -73,18 +75,27 @@ class Session:
     base_model: str
     model_path: str
     holder: ModelHolder
-    lora: LoraConfig | None  # None: full-parameter
-    seed: int
-    engine: TrainingEngine  # the session's trainable parameters and AdamW over the holder's model
+    engine: TrainingEngine  # the session's trainable parameters, LoRA config and AdamW over the holder's model
     created_at: object
     from_state: str = ""
     num_trainable: int = 0
     next_seq_id: int = 1
-    optim_steps: int = 0
     error: str = ""
     closed: bool = False
     weight_version_id: str = ""
     cond: threading.Condition = field(default_factory=threading.Condition)
+
+    @property
+    def lora(self) -> LoraConfig | None:  # None: full-parameter
+        return self.engine.lora
+
+    @property
+    def seed(self) -> int:
+        return self.engine.seed
+
+    @property
+    def optim_steps(self) -> int:
+        return self.engine.steps
 
     @property
     def full_parameter(self) -> bool:
@@ -193,7 +204,7 @@ class SessionManager:
         return sess
 
     def _build(self, account_id: str, name: str, path: str, lora: LoraConfig | None, seed: int,
-               saved: saved_state.SavedState | None, spec: CreateSpec) -> Session:
+               saved: EngineCheckpoint | None, spec: CreateSpec) -> Session:
         """Load (or share) the model, add the session's adapter or make every weight trainable, restore a saved
         state; on any failure nothing stays behind."""
         sess_id = new_id("sess")
@@ -215,20 +226,16 @@ class SessionManager:
                 self.pool.release(holder, sess_id)
                 raise
         # Every OptimStep sets the hyperparameters it applies; these only initialize the optimizer.
-        engine = TrainingEngine(holder.model, params, optimizer=SESSION_ADAMW, device=self.device)
-        sess = Session(id=sess_id, account_id=account_id, base_model=name, model_path=path, holder=holder, lora=lora,
-                       seed=seed, engine=engine, created_at=utcnow(), from_state=spec.from_state,
+        engine = TrainingEngine(holder.model, params, optimizer=SESSION_ADAMW, device=self.device, lora=lora,
+                                adapter=sess_id, seed=seed)
+        sess = Session(id=sess_id, account_id=account_id, base_model=name, model_path=path, holder=holder,
+                       engine=engine, created_at=utcnow(), from_state=spec.from_state,
                        num_trainable=engine.num_trainable)
         if saved is not None:
             try:
-                with sess.use() as model:
-                    if lora is not None:
-                        targets = lora_state_dict(model, sess.id)
-                        saved_state.copy_into(saved_state.lora_tensors(saved, model, sess.id), targets)
-                    if spec.with_optimizer:
-                        sess.optimizer.load_state_dict(saved_state.optimizer_state(saved, params, self.device))
-                        sess.optim_steps = saved.optim_steps
-            except saved_state.StateMismatch as exc:
+                with sess.use():  # a full-parameter model was built from the state's weights
+                    engine.restore(saved, weights=lora is not None, optimizer=spec.with_optimizer)
+            except CheckpointMismatch as exc:
                 self._free(sess)
                 raise InvalidArgument(str(exc), field="from_state") from None
             except BaseException:
@@ -314,61 +321,43 @@ class SessionManager:
                 sess.next_seq_id = seq_id + 1
                 sess.cond.notify_all()
 
-    def _loss_call(self, sess: Session, loss_fn: str, config, micro_batch_tokens: int, backward: bool,
+    def _loss_call(self, sess: Session, loss_fn: str, config: dict, micro_batch_tokens: int, backward: bool,
                    prefix: str = "") -> LossCall:
         req = check_loss_request(loss_fn, config, micro_batch_tokens, self.micro_batch_tokens, prefix)
         return sess.engine.loss_call(req, backward=backward, deterministic=self.deterministic, lock=sess.use)
 
-    def forward(self, account_id: str, session_id: str, seq_id: int, data, loss_fn: str, loss_fn_config,
-                backward: bool, micro_batch_tokens: int = 0) -> tuple[list[torch.Tensor], dict[str, float]]:
-        """Forward (backward=False) or ForwardBackward: (per-datum logprobs, metrics)."""
+    def forward(self, account_id: str, session_id: str, seq_id: int, data: Iterable[DatumInput], loss_fn: str,
+                loss_fn_config: dict[str, float], backward: bool, micro_batch_tokens: int = 0,
+                streamed: bool = False) -> tuple[list[torch.Tensor], dict[str, float]]:
+        """Forward (backward=False) or ForwardBackward: (per-datum logprobs, metrics). data is consumed in the
+        call's turn: all of it checked before any compute, or, streamed (ForwardBackwardStream, whose loss settings
+        are its header's), each datum as it arrives, its micro-batches running as soon as they are complete."""
         sess = self.get(account_id, session_id)
 
         def run():
-            call = self._loss_call(sess, loss_fn, loss_fn_config, micro_batch_tokens, backward)
-            if not data:
-                raise InvalidArgument("at least one datum is required", field="data")
+            call = self._loss_call(sess, loss_fn, loss_fn_config, micro_batch_tokens, backward,
+                                   prefix="header." if streamed else "")
             vocab_size = sess.holder.model.args.vocab_size
-            datums = [check_datum(d, i, call.req.loss_fn, vocab_size) for i, d in enumerate(data)]
-            return run_call(call, datums)
+            datums = (check_datum(d, i, call.req.loss_fn, vocab_size) for i, d in enumerate(data))
+            return run_call(call, datums if streamed else list(datums))
 
         return self._in_order(sess, seq_id, run)
 
-    def forward_backward_stream(self, account_id: str, messages: Iterator) -> tuple[list[torch.Tensor],
-                                                                                    dict[str, float]]:
-        """ForwardBackwardStream over its request messages (trainer_pb2.ForwardBackwardStreamRequest)."""
-        messages = client_messages(messages)
-        first = next(messages, None)
-        if first is None or first.WhichOneof("item") != "header":
-            raise InvalidArgument("the first message must be the header", field="header")
-        header = first.header
-        if header.data:
-            raise InvalidArgument("must be empty: datums follow in later messages", field="header.data")
-        sess = self.get(account_id, header.session_id)
-
-        def run():
-            call = self._loss_call(sess, header.loss_fn, header.loss_fn_config, header.micro_batch_tokens, True,
-                                   prefix="header.")
-            return run_call(call, stream_datums(messages, call.req.loss_fn, sess.holder.model.args.vocab_size))
-
-        return self._in_order(sess, header.seq_id, run)
-
-    def optim_step(self, account_id: str, session_id: str, seq_id: int, adam: dict) -> tuple[int, dict]:
+    def optim_step(self, account_id: str, session_id: str, seq_id: int, adam: AdamW) -> tuple[int, dict]:
         sess = self.get(account_id, session_id)
-        lr, b1, b2 = adam["learning_rate"], adam["beta1"], adam["beta2"]
-        checks = (("learning_rate", 0 < lr < 1, "> 0 and < 1"), ("beta1", 0 <= b1 < 1, "in [0, 1)"),
-                  ("beta2", 0 <= b2 < 1, "in [0, 1)"), ("eps", adam["eps"] >= 0, ">= 0"),
-                  ("weight_decay", adam["weight_decay"] >= 0, ">= 0"),
-                  ("grad_clip_norm", adam["grad_clip_norm"] >= 0, ">= 0 (0 = no clipping)"))
+        checks = (("learning_rate", 0 < adam.learning_rate < 1, "> 0 and < 1"),
+                  ("beta1", 0 <= adam.beta1 < 1, "in [0, 1)"), ("beta2", 0 <= adam.beta2 < 1, "in [0, 1)"),
+                  ("eps", adam.eps >= 0, ">= 0"), ("weight_decay", adam.weight_decay >= 0, ">= 0"),
+                  ("grad_clip_norm", adam.grad_clip_norm >= 0, ">= 0 (0 = no clipping)"))
 
         def run():
             for name, ok, rule in checks:
-                if not (ok and math.isfinite(adam[name])):
-                    raise InvalidArgument(f"must be {rule}, got {adam[name]}", field=f"adam.{name}")
+                value = getattr(adam, name)
+                if not (ok and math.isfinite(value)):
+                    raise InvalidArgument(f"must be {rule}, got {value}", field=f"adam.{name}")
             with sess.use():
-                norm = sess.engine.step(AdamW(**adam))
-            sess.optim_steps += 1
-            return sess.optim_steps, {"grad_norm": float(norm), "learning_rate": lr}  # float() syncs
+                norm = sess.engine.step(adam)
+            return sess.optim_steps, {"grad_norm": float(norm), "learning_rate": adam.learning_rate}  # float() syncs
 
         return self._in_order(sess, seq_id, run)
 
@@ -383,15 +372,12 @@ class SessionManager:
                 raise InvalidArgument("at most 256 characters", field="name")
             kind = "full" if sess.full_parameter else "lora_adapter"
             with tempfile.TemporaryDirectory(prefix="weights-") as tmp:
-                with sess.use() as model:
-                    if sess.full_parameter:
-                        save_pretrained(model, tmp)
-                        for extra in MODEL_EXTRA_FILES:
-                            if (Path(sess.model_path) / extra).is_file():
-                                shutil.copyfile(Path(sess.model_path) / extra, Path(tmp) / extra)
-                    else:
-                        save_peft_adapter(model, sess.lora, tmp, base_model_name_or_path=sess.base_model,
-                                          adapter_name=sess.id)
+                with sess.use():
+                    sess.engine.save_weights(Path(tmp), base_model=sess.base_model)
+                if sess.full_parameter:
+                    for extra in MODEL_EXTRA_FILES:
+                        if (Path(sess.model_path) / extra).is_file():
+                            shutil.copyfile(Path(sess.model_path) / extra, Path(tmp) / extra)
                 files = [f.to_json() for f in self.blobs.put_tree(tmp)]
                 # A transient publishing failure is the publisher's Unavailable: the session's state is intact and
                 # the caller can save again.
@@ -409,19 +395,18 @@ class SessionManager:
 
     def save_state(self, account_id: str, session_id: str, seq_id: int, name: str) -> tuple[str, str]:
         """(checkpoint id, path "trainyard://state/<checkpoint id>"). The checkpoint's files are the weights (an
-        adapter or a model directory, its kind), its state the optimizer and counters (services/trainer/state.py)."""
+        adapter or a model directory, its kind), its state the optimizer and counters (engine/checkpoint.py)."""
         sess = self.get(account_id, session_id)
 
         def run():
             if len(name) > 256:
                 raise InvalidArgument("at most 256 characters", field="name")
             with tempfile.TemporaryDirectory(prefix="state-") as tmp:
-                with sess.use() as model:
-                    saved_state.write_state(Path(tmp), model=model, adapter=sess.id, lora=sess.lora,
-                                            base_model=sess.base_model, seed=sess.seed, optimizer=sess.optimizer,
-                                            optim_steps=sess.optim_steps, next_seq_id=sess.next_seq_id + 1)
-                files = [f.to_json() for f in self.blobs.put_tree(Path(tmp) / "weights")]
-                state = [f.to_json() for f in self.blobs.put_tree(Path(tmp) / "state")]
+                with sess.use():
+                    sess.engine.save(Path(tmp), base_model=sess.base_model,
+                                     progress={"next_seq_id": sess.next_seq_id + 1})
+                files = [f.to_json() for f in self.blobs.put_tree(Path(tmp) / WEIGHTS_DIR)]
+                state = [f.to_json() for f in self.blobs.put_tree(Path(tmp) / STATE_DIR)]
             ckpt = Checkpoint(id=new_id("ckpt"), account_id=account_id, session_id=sess.id,
                               name=name or f"{sess.id}-state-step{sess.optim_steps}", step=sess.optim_steps,
                               kind="full" if sess.full_parameter else "lora_adapter", base_model=sess.base_model,
@@ -446,46 +431,33 @@ class SessionManager:
                     raise InvalidArgument(problem, field="path")
                 if with_optimizer and not saved.has_optimizer:
                     raise InvalidArgument("the state holds no optimizer state", field="with_optimizer")
-                with sess.use() as model:
-                    try:  # every check before the first copy
-                        if sess.full_parameter:
-                            targets = model.state_dict()
-                            tensors = saved_state.full_tensors(saved, model)
-                        else:
-                            targets = lora_state_dict(model, sess.id)
-                            tensors = saved_state.lora_tensors(saved, model, sess.id)
-                        optim = saved_state.optimizer_state(saved, sess.params, self.device) if with_optimizer \
-                            else None
-                    except saved_state.StateMismatch as exc:
+                with sess.use():
+                    try:  # the engine checks everything before the first copy
+                        sess.engine.restore(saved, weights=True, optimizer=with_optimizer)
+                    except CheckpointMismatch as exc:
                         raise InvalidArgument(str(exc), field="path") from None
-                    saved_state.copy_into(tensors, targets)
-                    for p in sess.params:
-                        p.grad = None
-                    if optim is not None:
-                        sess.optimizer.load_state_dict(optim)
-                        sess.optim_steps = saved.optim_steps
             return sess
 
         return self._in_order(sess, seq_id, run)
 
     @contextlib.contextmanager
-    def _saved_state(self, account_id: str, path: str, field_name: str) -> Iterator[saved_state.SavedState]:
+    def _saved_state(self, account_id: str, path: str, field_name: str) -> Iterator[EngineCheckpoint]:
         """A SaveState checkpoint of this account laid out in a temporary directory (NOT_FOUND for another
         account's)."""
         ckpt_id = _state_checkpoint_id(path, field_name)
         with self.db.session() as s:
             ckpt = registry.get_checkpoint(s, account_id, ckpt_id)
             files, state = list(ckpt.files), list(ckpt.state or [])
-        if not any(f["path"] == saved_state.STATE_FILE for f in state):
+        if not is_training_state(f["path"] for f in state):
             raise InvalidArgument(f"checkpoint '{ckpt_id}' holds weights only, not a training state (save one with "
                                   "SaveState)", field=field_name)
         with tempfile.TemporaryDirectory(prefix="state-") as tmp:
             root = Path(tmp)
-            self.blobs.materialize([StoredFile.from_json(f) for f in files], root / "weights")
-            self.blobs.materialize([StoredFile.from_json(f) for f in state], root / "state")
+            self.blobs.materialize([StoredFile.from_json(f) for f in files], root / WEIGHTS_DIR)
+            self.blobs.materialize([StoredFile.from_json(f) for f in state], root / STATE_DIR)
             try:
-                saved = saved_state.read_state(root)
-            except saved_state.StateMismatch as exc:
+                saved = read_checkpoint(root)
+            except CheckpointMismatch as exc:
                 raise InvalidArgument(str(exc), field=field_name) from None
             yield saved
 

@@ -10,41 +10,43 @@ Order of one optimizer step s (0-based; `step` counts completed steps, so it bec
   (summed target-token NLL / target tokens of the whole step) -> grad norm (+ clip) -> lr(s) -> AdamW step ->
   eval if due -> hooks.on_metrics(s + 1) -> checkpoint if due (hooks.on_checkpoint, then our copy is deleted).
 
-A checkpoint at step k holds the adapter and everything step k depends on: the AdamW state, the global torch RNG
-(LoRA dropout draws from it) and k itself, which fixes both the learning rate (schedule.py) and the data position
-(data.py). Evaluation draws no random numbers. So resuming at k and running to N gives the same adapter, bit for
+A checkpoint at step k is the engine's (engine/checkpoint.py: the adapter under weights/, the rest under state/) and
+holds everything step k depends on: the AdamW state, the global torch RNG (LoRA dropout draws from it) and k itself,
+which fixes both the learning rate (schedule.py) and the data position (data.py). Evaluation draws no random numbers. So resuming at k and running to N gives the same adapter, bit for
 bit, as running 0..N straight, as long as the kernels are deterministic (CPU with a fixed thread count, or
 torch.use_deterministic_algorithms).
 """
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import torch
-from safetensors.torch import load_file
 
 from models import CausalLM
-from models.lora import ADAPTER_WEIGHTS, LoraConfig, lora_state_dict, save_peft_adapter
+from models.lora import LoraConfig
 from models.tokenizer import load_tokenizer
+from services.common.methods.sft import SftHyperparams
 from services.trainer.data import MicroBatch, SftData, StepSampler, batches, load_sft_data
 from services.trainer.engine import AdamW, TrainingEngine
+from services.trainer.engine.checkpoint import STATE_DIR, WEIGHTS_DIR, CheckpointMismatch, read_checkpoint
 from services.trainer.schedule import learning_rate
-from services.common.methods.sft import SftHyperparams
-
-STATE_FILE = "trainer_state.json"
-OPTIMIZER_FILE = "optimizer.pt"
-RNG_FILE = "rng_state.pt"
 
 
 @dataclass
 class SftCheckpoint:
     step: int  # optimizer steps completed
-    adapter_dir: Path  # PEFT adapter files (adapter_config.json, adapter_model.safetensors)
-    state_dir: Path | None  # what resuming needs: trainer_state.json, optimizer.pt, rng_state.pt
+    root: Path  # the engine's checkpoint layout (engine/checkpoint.py)
+
+    @property
+    def weights_dir(self) -> Path:  # the PEFT adapter (adapter_config.json, adapter_model.safetensors)
+        return self.root / WEIGHTS_DIR
+
+    @property
+    def state_dir(self) -> Path:  # what resuming needs: engine_state.json, optimizer.pt, rng.pt
+        return self.root / STATE_DIR
 
 
 class SftHooks(Protocol):
@@ -115,7 +117,11 @@ class _SftRun:
             data.train, batch_size=hp.batch_size, grad_accum=hp.gradient_accumulation_steps, seed=hp.seed
         )
         self.total_steps = hp.max_steps or self.sampler.steps_per_epoch * hp.epochs
-        self.step = 0
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed (the engine counts them; a restored checkpoint sets them)."""
+        return self.engine.steps
 
     def train(self) -> SftOutcome:
         hp, start = self.hp, self.step
@@ -125,7 +131,6 @@ class _SftRun:
             step_metrics = self._train_step(self.step)
             if step_metrics is None:
                 return SftOutcome(step=self.step, stopped=True, metrics=metrics)
-            self.step += 1
             metrics = step_metrics
             final = self.step == self.total_steps
             checkpoint_due = final or self.step % hp.checkpoint_every == 0
@@ -190,13 +195,7 @@ class _SftRun:
 
     def _checkpoint(self, final: bool, metrics: dict[str, float]) -> None:
         root = self.work_dir / "checkpoints" / f"step-{self.step:07d}"
-        adapter_dir, state_dir = root / "adapter", root / "state"
-        save_peft_adapter(self.model, self.lora_cfg, adapter_dir, base_model_name_or_path=self.base_name)
-        state_dir.mkdir(parents=True, exist_ok=True)
-        state = self.engine.training_state()
-        torch.save(state["optimizer"], state_dir / OPTIMIZER_FILE)
-        torch.save(state["rng"], state_dir / RNG_FILE)
-        state = {
+        progress = {
             "step": self.step,
             "total_steps": self.total_steps,
             "epoch": self.step / self.sampler.steps_per_epoch,
@@ -205,39 +204,27 @@ class _SftRun:
             "hyperparams": self.hp.to_json(),
             "metrics": metrics,
         }
-        (state_dir / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
-        self.hooks.on_checkpoint(SftCheckpoint(step=self.step, adapter_dir=adapter_dir, state_dir=state_dir),
-                                 final, metrics)
+        self.engine.save(root, base_model=self.base_name, progress=progress)
+        self.hooks.on_checkpoint(SftCheckpoint(step=self.step, root=root), final, metrics)
         shutil.rmtree(root)  # the hook has persisted it; a long run must not fill the worker's disk
 
     def restore(self, ckpt: SftCheckpoint) -> None:
-        """Load the adapter, optimizer, RNG state and step of a checkpoint this function wrote."""
-        state_dir = Path(ckpt.state_dir) if ckpt.state_dir is not None else None
-        if state_dir is None or not (state_dir / STATE_FILE).is_file():
+        """Load the adapter, optimizer, RNG state and step of a checkpoint: everything checked first."""
+        try:
+            saved = read_checkpoint(Path(ckpt.root))
+        except CheckpointMismatch as exc:
+            raise ValueError(f"The checkpoint at step {ckpt.step} cannot be resumed: {exc}") from None
+        trained_on = saved.progress.get("train_examples")
+        if trained_on != len(self.data.train):
             raise ValueError(
-                f"The checkpoint at step {ckpt.step} has no training state ({STATE_FILE}); it holds an adapter "
-                "only and cannot be resumed"
-            )
-        state = json.loads((state_dir / STATE_FILE).read_text())
-        if state["train_examples"] != len(self.data.train):
-            raise ValueError(
-                f"The checkpoint at step {ckpt.step} was trained on {state['train_examples']} examples but this run "
+                f"The checkpoint at step {ckpt.step} was trained on {trained_on} examples but this run "
                 f"has {len(self.data.train)}; resume with the same dataset, max_seq_len, eval_fraction and seed"
             )
-        _load_adapter_weights(self.model, Path(ckpt.adapter_dir))
-        self.engine.load_optimizer_state(torch.load(state_dir / OPTIMIZER_FILE, map_location="cpu",
-                                                    weights_only=True))
-        self.engine.load_rng_state(torch.load(state_dir / RNG_FILE, weights_only=True))
-        self.step = state["step"]
-
-
-def _load_adapter_weights(model: CausalLM, adapter_dir: Path) -> None:
-    """Copy a saved adapter into the run's own (already created) LoRA parameters, which the optimizer holds."""
-    path = adapter_dir / ADAPTER_WEIGHTS
-    tensors = load_file(str(path))
-    targets = lora_state_dict(model)
-    if tensors.keys() != targets.keys() or any(tensors[k].shape != v.shape for k, v in targets.items()):
-        raise ValueError(f"{path} does not match this run's LoRA layout (lora rank, target_modules or base model)")
-    with torch.no_grad():
-        for key, param in targets.items():
-            param.copy_(tensors[key])
+        if saved.lora is None or (saved.lora.rank, saved.lora.target_modules) != (self.lora_cfg.rank,
+                                                                                  self.lora_cfg.target_modules):
+            raise ValueError(f"The checkpoint at step {ckpt.step} does not match this run's LoRA layout (lora rank, "
+                             "target_modules or base model)")
+        try:
+            self.engine.restore(saved, weights=True, optimizer=True, rng=True)
+        except CheckpointMismatch as exc:
+            raise ValueError(f"The checkpoint at step {ckpt.step} does not fit this run: {exc}") from None

@@ -6,8 +6,10 @@
     engine.loss_call(req, ...)                      a micro-batched forward / backward of datums under a built-in
                                                     loss (forward_backward.py)
     engine.step(AdamW(...))                         clip / measure the gradient norm, AdamW step, clear gradients
-    engine.training_state()                         the optimizer and RNG state a bit-exact resume needs, restored
-                                                    by load_optimizer_state / load_rng_state
+    engine.save(root, base_model=..., progress=...) the checkpoint (checkpoint.py: weights/ + state/, one format for
+                                                    every caller): weights, optimizer, RNG, step count
+    engine.restore(read_checkpoint(root), ...)      check all of it against this engine, then load it: training
+                                                    continues bit for bit
 
 Managed SFT (services/trainer/sft.py), Training API sessions (services/trainer/sessions.py) and `trainyard validate`
 (services/trainer/validate.py) all train through it; none keeps a loop of its own. A LoRA session on a shared base
@@ -27,7 +29,9 @@ from torch import nn
 
 from kernels import Packing
 from models import load_pretrained
-from models.lora import LoraConfig, apply_lora, set_trainable
+from models.lora import LoraConfig, apply_lora, lora_state_dict, set_trainable
+from services.trainer.engine import checkpoint as ckpt_format
+from services.trainer.engine.checkpoint import EngineCheckpoint
 from services.trainer.engine.forward_backward import LossCall, LossRequest
 from services.trainer.engine.logprobs import target_nll_sum
 from services.trainer.engine.optim import AdamW, make_optimizer, optimizer_step
@@ -45,9 +49,15 @@ def training_dtype(device: torch.device, *, full_parameter: bool) -> torch.dtype
 
 
 class TrainingEngine:
-    def __init__(self, model: nn.Module, params: list[nn.Parameter], *, optimizer: AdamW, device: torch.device):
+    """model: the model in training; params: what this engine trains (a LoRA adapter's parameters, named `adapter`
+    in the model, or every weight when lora is None); seed: the adapter's init seed, kept with its checkpoints."""
+
+    def __init__(self, model: nn.Module, params: list[nn.Parameter], *, optimizer: AdamW, device: torch.device,
+                 lora: LoraConfig | None, adapter: str = "default", seed: int = 0):
         self.model, self.params, self.device = model, params, device
+        self.lora, self.adapter, self.seed = lora, adapter, seed
         self.optimizer = make_optimizer(params, optimizer)
+        self.steps = 0  # optimizer steps taken (restored with a checkpoint's optimizer state)
 
     @classmethod
     def load(cls, model_dir: str | Path, *, lora: LoraConfig | None, seed: int, optimizer: AdamW,
@@ -56,7 +66,7 @@ class TrainingEngine:
         device = training_device(device)
         model = load_pretrained(model_dir, dtype=training_dtype(device, full_parameter=lora is None), device=device)
         params = apply_lora(model, lora, seed=seed) if lora is not None else set_trainable(model, "full")
-        return cls(model.train(), params, optimizer=optimizer, device=device)
+        return cls(model.train(), params, optimizer=optimizer, device=device, lora=lora, seed=seed)
 
     @property
     def num_trainable(self) -> int:
@@ -69,7 +79,9 @@ class TrainingEngine:
 
     def step(self, settings: AdamW) -> torch.Tensor:
         """One optimizer step over the accumulated gradients (optim.optimizer_step); the gradient norm."""
-        return optimizer_step(self.params, self.optimizer, settings)
+        norm = optimizer_step(self.params, self.optimizer, settings)
+        self.steps += 1
+        return norm
 
     def loss_call(self, req: LossRequest, *, backward: bool, deterministic: bool, lock) -> LossCall:
         """A Training API Forward / ForwardBackward over this engine's model and parameters (forward_backward.py);
@@ -77,21 +89,53 @@ class TrainingEngine:
         return LossCall(self.model, self.params, req, backward=backward, deterministic=deterministic,
                         device=self.device, lock=lock)
 
-    # -- the state a resume needs ----------------------------------------------------------------------------------
-    def training_state(self) -> dict:
-        """The optimizer's state_dict and the RNG state (LoRA dropout draws from the global generator)."""
+    # -- checkpoints (checkpoint.py) -------------------------------------------------------------------------------
+    def rng_state(self) -> dict:
+        """The global RNG state (LoRA dropout draws from the global generator)."""
         rng = {"cpu": torch.get_rng_state()}
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
-        return {"optimizer": self.optimizer.state_dict(), "rng": rng}
+        return rng
 
-    def load_optimizer_state(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
+    def save_weights(self, out: Path, *, base_model: str) -> None:
+        """The trained weights alone: the PEFT adapter, or the Hugging Face model directory."""
+        ckpt_format.write_weights(self.model, self.lora, out, base_model=base_model, adapter=self.adapter)
 
-    def load_rng_state(self, rng: dict) -> None:
-        torch.set_rng_state(rng["cpu"])
-        if self.device.type == "cuda" and "cuda" in rng:
-            torch.cuda.set_rng_state(rng["cuda"], self.device)
+    def save(self, root: Path, *, base_model: str, progress: dict) -> None:
+        """A checkpoint under root: weights/ and state/ (the optimizer, the RNG, the step count and the caller's
+        progress)."""
+        self.save_weights(root / ckpt_format.WEIGHTS_DIR, base_model=base_model)
+        ckpt_format.write_state(root / ckpt_format.STATE_DIR, base_model=base_model, lora=self.lora, seed=self.seed,
+                                optim_steps=self.steps, optimizer=self.optimizer, rng=self.rng_state(),
+                                progress=progress)
+
+    def restore(self, ckpt: EngineCheckpoint, *, weights: bool = True, optimizer: bool = True,
+                rng: bool = False) -> None:
+        """Load a checkpoint's weights, optimizer state and step count, and (rng) its RNG state. Everything is
+        checked before the first copy (CheckpointMismatch), so a checkpoint that does not fit changes nothing.
+        Pending gradients are dropped. rng is for a process that trains one engine: the generator is global."""
+        targets = tensors = optim = rng_state = None
+        if weights:
+            if self.lora is None:
+                targets, tensors = self.model.state_dict(), ckpt_format.full_tensors(ckpt, self.model)
+            else:
+                targets = lora_state_dict(self.model, self.adapter)
+                tensors = ckpt_format.lora_tensors(ckpt, self.model, self.adapter)
+        if optimizer:
+            optim = ckpt_format.optimizer_state(ckpt, self.params, self.device)
+        if rng:
+            rng_state = ckpt_format.rng_state(ckpt)
+        if tensors is not None:
+            ckpt_format.copy_into(tensors, targets)
+        for p in self.params:
+            p.grad = None
+        if optim is not None:
+            self.optimizer.load_state_dict(optim)
+            self.steps = ckpt.optim_steps
+        if rng_state is not None:
+            torch.set_rng_state(rng_state["cpu"])
+            if self.device.type == "cuda" and "cuda" in rng_state:
+                torch.cuda.set_rng_state(rng_state["cuda"], self.device)
 
     def release(self) -> None:
         """Drop the gradients and the optimizer state (the parameters stay with the model, which the caller frees)."""

@@ -35,8 +35,8 @@ class JobHooks:
 
     def on_checkpoint(self, ckpt: SftCheckpoint, final: bool, metrics: dict[str, float]) -> None:
         blobs = self.ctx.blobs
-        files = [f.to_json() for f in blobs.put_tree(ckpt.adapter_dir)]
-        state = [f.to_json() for f in blobs.put_tree(ckpt.state_dir)] if ckpt.state_dir else []
+        files = [f.to_json() for f in blobs.put_tree(ckpt.weights_dir)]
+        state = [f.to_json() for f in blobs.put_tree(ckpt.state_dir)]
         row = self.ctx.ledger.add_checkpoint(self.ctx.job.id, self.ctx.worker_id, step=ckpt.step, files=files,
                                              state=state, final=final, metrics=metrics)
         if final:
@@ -51,12 +51,9 @@ def run(ctx: JobContext) -> RecipeOutcome:
     resume = None
     latest = ctx.latest_checkpoint
     if latest is not None:
-        resume = SftCheckpoint(
-            step=latest.step,
-            adapter_dir=blobs.materialize([StoredFile.from_json(f) for f in latest.files],
-                                          ctx.work / "resume-adapter"),
-            state_dir=blobs.materialize([StoredFile.from_json(f) for f in latest.state], ctx.work / "resume-state"),
-        )
+        resume = SftCheckpoint(step=latest.step, root=ctx.work / "resume")
+        blobs.materialize([StoredFile.from_json(f) for f in latest.files], resume.weights_dir)
+        blobs.materialize([StoredFile.from_json(f) for f in latest.state], resume.state_dir)
         ctx.ledger.log(job.id, f"resuming from the checkpoint at step {latest.step} ({latest.id})")
     outcome = run_sft(Path(job.model_path), blobs.path(dataset.sha256), SftHyperparams.from_json(job.config), hooks,
                       resume=resume, base_model_name=job.base_model, work_dir=ctx.work)

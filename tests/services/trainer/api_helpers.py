@@ -1,5 +1,6 @@
 """Helpers for the Training API tests: an in-process platform (SQLite, a real blob store, the tiny model registered,
-two accounts), wire tensors and datums, and snapshots of a session's weights and gradients."""
+two accounts), datums (the core's DatumInput, and on the wire), and snapshots of a session's weights and
+gradients."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,12 +14,15 @@ from services.common.auth import create_account
 from services.common.blobstore import BlobStore
 from services.common.db import Database, migrate
 from services.common.schema import SHARED_SCOPE
+from services.trainer.datums import DatumInput
+from services.trainer.engine import AdamW
+from services.trainer.servicer import from_torch, stream_request
 from services.trainer.session_spec import CreateSpec, LoraSpec
 from services.trainer.sessions import SessionManager
 from trainyard.v1 import trainer_pb2 as pb
 
 VOCAB = 1024  # the tiny model's
-ADAM = {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0, "grad_clip_norm": 0.0}
+ADAM = AdamW(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=0.0, grad_clip_norm=0.0)
 
 
 class ApiEnv:
@@ -63,28 +67,43 @@ def random_tokens(gen: torch.Generator, n: int) -> list[int]:
     return torch.randint(3, VOCAB, (n,), generator=gen).tolist()
 
 
-def sft_datum(tokens: list[int], weights=None, k_targets=None) -> pb.Datum:
+def sft_datum(tokens: list[int], weights=None, k_targets=None) -> DatumInput:
     """Next-token targets (or the [T, K] targets given), weights optional."""
-    inputs = {"target_tokens": tensor(tokens[1:] if k_targets is None else k_targets, "int64")}
+    inputs = {"target_tokens": torch.tensor(tokens[1:] if k_targets is None else k_targets, dtype=torch.int64)}
     if weights is not None:
-        inputs["weights"] = tensor(weights)
-    return pb.Datum(tokens=tokens[:-1], loss_fn_inputs=inputs)
+        inputs["weights"] = torch.tensor(weights, dtype=torch.float32)
+    return DatumInput(torch.tensor(tokens[:-1], dtype=torch.int64), inputs)
 
 
-def rl_datum(gen: torch.Generator, n: int, mask: bool = False) -> pb.Datum:
+def rl_datum(gen: torch.Generator, n: int, mask: bool = False) -> DatumInput:
     """A sampled sequence of n + 1 tokens with sampling logprobs near the tiny model's and random advantages."""
     tokens = random_tokens(gen, n + 1)
-    inputs = {"target_tokens": tensor(tokens[1:], "int64"),
-              "logprobs": tensor((-7.0 + 0.3 * torch.randn(n, generator=gen)).tolist()),
-              "advantages": tensor(torch.randn(n, generator=gen).tolist())}
+    inputs = {"target_tokens": torch.tensor(tokens[1:], dtype=torch.int64),
+              "logprobs": -7.0 + 0.3 * torch.randn(n, generator=gen),
+              "advantages": torch.randn(n, generator=gen)}
     if mask:
-        inputs["mask"] = tensor((torch.arange(n) >= n // 3).float().tolist())
-    return pb.Datum(tokens=tokens[:-1], loss_fn_inputs=inputs)
+        inputs["mask"] = (torch.arange(n) >= n // 3).float()
+    return DatumInput(torch.tensor(tokens[:-1], dtype=torch.int64), inputs)
 
 
-def stream(header: pb.ForwardBackwardRequest, batches: list[list[pb.Datum]]) -> list[pb.ForwardBackwardStreamRequest]:
+def wire(d: DatumInput | pb.Datum) -> pb.Datum:
+    """A datum as a client sends it (pb.Datum passes through)."""
+    if isinstance(d, pb.Datum):
+        return d
+    return pb.Datum(tokens=d.tokens.tolist(), loss_fn_inputs={k: from_torch(v) for k, v in d.loss_fn_inputs.items()})
+
+
+def stream(header: pb.ForwardBackwardRequest, batches: list[list]) -> list[pb.ForwardBackwardStreamRequest]:
     return [pb.ForwardBackwardStreamRequest(header=header),
-            *(pb.ForwardBackwardStreamRequest(datums=pb.DatumBatch(data=b)) for b in batches)]
+            *(pb.ForwardBackwardStreamRequest(datums=pb.DatumBatch(data=[wire(d) for d in b])) for b in batches)]
+
+
+def forward_stream(manager: SessionManager, account_id: str, messages) -> tuple[list[torch.Tensor], dict]:
+    """A ForwardBackwardStream's messages into the core, as the servicer hands them over."""
+    header, datums = stream_request(messages)
+    return manager.forward(account_id, header.session_id, header.seq_id, datums, header.loss_fn,
+                           dict(header.loss_fn_config), backward=True, micro_batch_tokens=header.micro_batch_tokens,
+                           streamed=True)
 
 
 def weights(sess) -> dict[str, torch.Tensor]:

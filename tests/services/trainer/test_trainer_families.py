@@ -35,7 +35,7 @@ def test_lora_sft_trains_attention_and_experts(family_model, tmp_path, make_hook
     assert losses[-1] < 0.5 * losses[0], (family, losses[0], losses[-1])
     _, final, _ = hooks.checkpoints[-1]
     assert final
-    adapter = hooks.save_dir / "step-30-final" / "adapter"
+    adapter = hooks.save_dir / "step-30-final" / "weights"
     keys = load_file(str(adapter / "adapter_model.safetensors"))
     assert any(".mlp.experts." in k for k in keys), "no expert LoRA in the adapter"
     assert any(".self_attn." in k for k in keys)
@@ -61,6 +61,6 @@ def test_resume_is_bitwise_on_moe(family_model, tmp_path, make_hooks, determinis
     run_sft(model_dir, data, hp, first, work_dir=tmp_path / "b")
     resumed = make_hooks()
     run_sft(model_dir, data, hp, resumed, resume=first.checkpoints[0][0], work_dir=tmp_path / "c")
-    a = load_file(str(straight.save_dir / "step-6-final" / "adapter" / "adapter_model.safetensors"))
-    b = load_file(str(resumed.save_dir / "step-6-final" / "adapter" / "adapter_model.safetensors"))
+    a = load_file(str(straight.save_dir / "step-6-final" / "weights" / "adapter_model.safetensors"))
+    b = load_file(str(resumed.save_dir / "step-6-final" / "weights" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), family

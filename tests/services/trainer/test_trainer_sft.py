@@ -2,6 +2,7 @@
 
 import json
 import math
+import shutil
 
 import peft
 import pytest
@@ -49,14 +50,16 @@ def test_eval_and_checkpoint_cadence(tiny_model_dir, chat_dataset, tmp_path, mak
 
     assert [(c.step, final) for c, final, _ in hooks.checkpoints] == [(2, False), (4, False), (5, True)]
     for ckpt, _, metrics in hooks.checkpoints:
-        assert sorted(p.name for p in ckpt.adapter_dir.iterdir()) == ["adapter_config.json",
+        assert sorted(p.name for p in ckpt.weights_dir.iterdir()) == ["adapter_config.json",
                                                                     "adapter_model.safetensors"]
-        assert sorted(p.name for p in ckpt.state_dir.iterdir()) == ["optimizer.pt", "rng_state.pt",
-                                                                  "trainer_state.json"]
-        state = json.loads((ckpt.state_dir / "trainer_state.json").read_text())
-        assert (state["step"], state["total_steps"], state["train_examples"]) == (ckpt.step, 5, 8)
-        assert metrics == hooks.metrics[ckpt.step]
-        config = json.loads((ckpt.adapter_dir / "adapter_config.json").read_text())
+        assert sorted(p.name for p in ckpt.state_dir.iterdir()) == ["engine_state.json", "optimizer.pt", "rng.pt"]
+        state = json.loads((ckpt.state_dir / "engine_state.json").read_text())
+        assert state["optim_steps"] == ckpt.step and state["base_model"] == "tiny-base"
+        assert state["lora"] == {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": list(hp.target_modules)}
+        progress = state["progress"]
+        assert (progress["step"], progress["total_steps"], progress["train_examples"]) == (ckpt.step, 5, 8)
+        assert metrics == hooks.metrics[ckpt.step] == progress["metrics"]
+        config = json.loads((ckpt.weights_dir / "adapter_config.json").read_text())
         assert (config["r"], config["base_model_name_or_path"]) == (4, "tiny-base")
     assert not any((work / "checkpoints").iterdir())  # handed to the hook, then removed
 
@@ -152,8 +155,9 @@ def test_a_checkpoint_without_state_cannot_be_resumed(tiny_model_dir, chat_datas
     hp = SftHyperparams(**SMALL, max_steps=1, batch_size=4)
     first = make_hooks()
     run_sft(tiny_model_dir, chat_dataset, hp, first, work_dir=tmp_path / "a")
-    adapter_only = SftCheckpoint(step=1, adapter_dir=first.checkpoints[0][0].adapter_dir, state_dir=None)
-    with pytest.raises(ValueError, match="no training state .* cannot be resumed"):
+    adapter_only = SftCheckpoint(step=1, root=tmp_path / "adapter-only")
+    shutil.copytree(first.checkpoints[0][0].weights_dir, adapter_only.weights_dir)
+    with pytest.raises(ValueError, match="cannot be resumed: not a training state"):
         run_sft(tiny_model_dir, chat_dataset, hp, make_hooks(), resume=adapter_only, work_dir=tmp_path / "b")
 
 
@@ -175,7 +179,7 @@ def test_final_adapter_loads_with_peft(tiny_model_dir, chat_dataset, make_hooks,
     hp = SftHyperparams(**SMALL, max_steps=2, batch_size=4, target_modules=("q_proj", "v_proj"))
     hooks = make_hooks()
     run_sft(tiny_model_dir, chat_dataset, hp, hooks, base_model_name="tiny-base", work_dir=tmp_path / "work")
-    adapter_dir = hooks.checkpoints[-1][0].adapter_dir
+    adapter_dir = hooks.checkpoints[-1][0].weights_dir
     base = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     model = peft.PeftModel.from_pretrained(base, adapter_dir)
     config = model.peft_config["default"]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from api_helpers import (
-    ADAM, VOCAB, grads, lora, random_tokens, rl_datum, same, sft_datum, stream, to_numpy, weights,
+    ADAM, VOCAB, forward_stream, grads, lora, random_tokens, rl_datum, same, sft_datum, stream, weights,
 )
 from models import load_pretrained, save_pretrained
 from services.common import registry
@@ -59,7 +59,7 @@ def test_stream_equals_unary_call_bitwise(api_env, loss_fn):
     want = manager.forward(api_env.alice, unary.id, 0, data, loss_fn, cfg, backward=True, micro_batch_tokens=40)
     header = pb.ForwardBackwardRequest(session_id=streamed.id, loss_fn=loss_fn, loss_fn_config=cfg,
                                        micro_batch_tokens=40)
-    got = manager.forward_backward_stream(api_env.alice, iter(stream(header, [data[:1], data[1:3], [], data[3:]])))
+    got = forward_stream(manager, api_env.alice, iter(stream(header, [data[:1], data[1:3], [], data[3:]])))
     assert same(got[0], want[0]) and got[1] == want[1]
     assert same(grads(streamed), grads(unary))
     for sess in (unary, streamed):
@@ -158,8 +158,7 @@ def test_deterministic_logprobs_are_target_logprobs_bitwise(api_env):
     outputs, _ = manager.forward(api_env.alice, sess.id, 0, data, "", {}, backward=False)
     with sess.use() as model, torch.no_grad():
         for d, got in zip(data, outputs):
-            tokens, targets = torch.tensor(list(d.tokens))[None], torch.from_numpy(
-                to_numpy(d.loss_fn_inputs["target_tokens"]).copy())[None]
+            tokens, targets = d.tokens[None], d.loss_fn_inputs["target_tokens"][None]
             assert torch.equal(got, target_logprobs(model, tokens, targets, deterministic=True)[0])
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from api_helpers import ApiEnv, random_tokens, rl_datum, sft_datum, stream, tensor, to_numpy
+from api_helpers import ApiEnv, random_tokens, rl_datum, sft_datum, stream, tensor, to_numpy, wire
 from models import load_pretrained
 from services.common.auth import issue_key
 from services.common.channels import auth_metadata
@@ -59,7 +59,7 @@ def services(tmp_path_factory, tiny_model_dir):
 
 def _data(seed: int):
     gen = torch.Generator().manual_seed(seed)
-    return [sft_datum(random_tokens(gen, n)) for n in (30, 12, 41, 7)]
+    return [wire(sft_datum(random_tokens(gen, n))) for n in (30, 12, 41, 7)]
 
 
 def test_training_over_grpc(services):
@@ -96,8 +96,8 @@ def test_training_over_grpc(services):
     assert state.path == f"trainyard://state/{state.checkpoint_id}"
     with services.env.db.session() as s:
         row = s.get(Checkpoint, state.checkpoint_id)
-        assert row.kind == "lora_adapter" and {f["path"] for f in row.state} == {"session_state.json",
-                                                                                  "optimizer.pt"}
+        assert row.kind == "lora_adapter" and {f["path"] for f in row.state} == {"engine_state.json",
+                                                                                  "optimizer.pt", "rng.pt"}
     resumed = stub.CreateSession(pb.CreateSessionRequest(from_state=state.path, with_optimizer=True), metadata=md)
     assert (resumed.lora_rank, resumed.optim_steps) == (4, 1)
     loaded = stub.LoadState(pb.LoadStateRequest(session_id=streamed.id, seq_id=4, path=state.path,
@@ -126,7 +126,7 @@ def test_errors_name_the_field_over_grpc(services):
     stub, md = services.trainer, services.md
     sess = stub.CreateSession(pb.CreateSessionRequest(base_model="tiny", lora=pb.SessionLora(rank=2)), metadata=md)
     gen = torch.Generator().manual_seed(2)
-    good = rl_datum(gen, 8)
+    good = wire(rl_datum(gen, 8))
     bad = pb.Datum()
     bad.CopyFrom(good)
     bad.loss_fn_inputs["advantages"].CopyFrom(tensor([float("nan")] * 8))

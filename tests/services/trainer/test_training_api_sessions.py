@@ -3,6 +3,8 @@ own optimizer; they interleave call by call (or run in parallel threads) and eac
 Lora defaults, account scoping, closing, full-parameter sessions. float32, CPU, one torch thread."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import threading
 
 import pytest
@@ -31,7 +33,7 @@ def _scripts():
         return ("fb", dict(data=data, loss_fn=loss, loss_fn_config=cfg or {}, micro_batch_tokens=mbt))
 
     def step(**kw):
-        return ("step", {**ADAM, **kw})
+        return ("step", replace(ADAM, **kw))
 
     fwd = ("fwd", dict(data=sft[:2], loss_fn="cross_entropy", loss_fn_config={}))
     return [
@@ -195,7 +197,7 @@ def test_full_parameter_session_trains_its_own_copy(api_env):
     losses = []
     for _ in range(3):
         losses.append(manager.forward(api_env.alice, full.id, 0, data, "", {}, backward=True)[1]["loss:mean"])
-        manager.optim_step(api_env.alice, full.id, 0, {**ADAM, "learning_rate": 1e-3})
+        manager.optim_step(api_env.alice, full.id, 0, replace(ADAM, learning_rate=1e-3))
     assert losses[-1] < losses[0]
     assert same(manager.forward(api_env.alice, shared.id, 0, data, "", {}, backward=False)[0], base_before[0])
     assert list(manager.pool.loaded_bases().values()) == [{shared.id}]

@@ -1,15 +1,22 @@
-"""SaveState / LoadState / CreateSession(from_state) (services/trainer/state.py): a saved state restores weights and
-optimizer bit for bit, so training continues exactly as if it never stopped (LoRA and full-parameter sessions); a
-state that does not fit is INVALID_ARGUMENT naming the field and changes nothing; another account's is NOT_FOUND."""
+"""SaveState / LoadState / CreateSession(from_state) (services/trainer/engine/checkpoint.py): a saved state restores
+weights and optimizer bit for bit, so training continues exactly as if it never stopped (LoRA and full-parameter
+sessions, and a managed job's checkpoint opened as a session); a state that does not fit is INVALID_ARGUMENT naming
+the field and changes nothing; another account's is NOT_FOUND."""
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from api_helpers import ADAM, grads, lora, random_tokens, same, sft_datum, weights
+from models.lora import lora_state_dict
+from services.common.methods.sft import SftHyperparams
 from services.common.errors import InvalidArgument, NotFound
 from services.common.schema import Checkpoint, new_id, utcnow
 from services.trainer.session_spec import CreateSpec, LoraSpec
+from services.trainer.sft import run_sft
 
 
 def _data(seed: int):
@@ -20,7 +27,7 @@ def _data(seed: int):
 def _steps(manager, account, sess, seeds, lr=1e-2):
     for seed in seeds:
         manager.forward(account, sess.id, 0, _data(seed), "", {}, backward=True)
-        manager.optim_step(account, sess.id, 0, {**ADAM, "learning_rate": lr})
+        manager.optim_step(account, sess.id, 0, replace(ADAM, learning_rate=lr))
 
 
 @pytest.mark.parametrize("kind", ["lora", "full"])
@@ -118,3 +125,31 @@ def test_states_that_do_not_fit_are_refused_by_field(api_env):
         manager.load_state(api_env.bob, bobs.id, 0, path, True)
     with pytest.raises(NotFound):
         manager.create(api_env.bob, CreateSpec(from_state=path))
+
+
+def test_a_managed_job_checkpoint_continues_in_a_session(api_env, chat_dataset, make_hooks, tmp_path):
+    """Managed SFT and sessions share the engine's checkpoint format: a job's checkpoint, stored as the worker stores
+    it, opens as a session (CreateSession(from_state)) with the job's adapter and AdamW state, bit for bit."""
+    hp = SftHyperparams(lora_rank=4, lora_alpha=8.0, max_seq_len=64, learning_rate=2e-3, max_steps=3, batch_size=4,
+                        checkpoint_every=100)
+    hooks = make_hooks()
+    run_sft(api_env.model_dir, chat_dataset, hp, hooks, base_model_name="tiny", work_dir=tmp_path / "work")
+    job_ckpt, final, _ = hooks.checkpoints[-1]
+    assert final
+    with api_env.db.session() as s:
+        row = Checkpoint(id=new_id("ckpt"), account_id=api_env.alice, kind="lora_adapter", base_model="tiny",
+                         step=job_ckpt.step, files=[f.to_json() for f in api_env.blobs.put_tree(job_ckpt.weights_dir)],
+                         state=[f.to_json() for f in api_env.blobs.put_tree(job_ckpt.state_dir)], created_at=utcnow())
+        s.add(row)
+        ckpt_id = row.id
+    manager = api_env.manager()
+    sess = manager.create(api_env.alice, CreateSpec(from_state=f"trainyard://state/{ckpt_id}", with_optimizer=True))
+    assert (sess.lora.rank, sess.lora.alpha, sess.optim_steps) == (4, 8.0, 3)
+    saved = load_file(str(job_ckpt.weights_dir / "adapter_model.safetensors"))
+    with sess.use() as model:
+        assert same(lora_state_dict(model, sess.id), saved)
+    optimizer = torch.load(job_ckpt.state_dir / "optimizer.pt", weights_only=True)
+    assert same([sess.optimizer.state[p]["exp_avg"] for p in sess.params],
+                [optimizer["state"][i]["exp_avg"] for i in range(len(sess.params))])
+    _steps(manager, api_env.alice, sess, [1])  # and it trains on
+    assert sess.optim_steps == 4

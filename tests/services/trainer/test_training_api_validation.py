@@ -3,12 +3,17 @@ FAILED_PRECONDITION), its seq_id is used up, the weights, held gradients and opt
 and the session goes on. A stream that fails after some micro-batches ran restores the gradients held before it."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import grpc
 import pytest
 import torch
 
-from api_helpers import ADAM, grads, lora, random_tokens, rl_datum, same, sft_datum, stream, tensor, weights
+from api_helpers import (
+    ADAM, forward_stream, grads, lora, random_tokens, rl_datum, same, sft_datum, stream, tensor, weights, wire,
+)
 from services.common.errors import InvalidArgument, TrainyardError
+from services.trainer.servicer import datum_inputs
 from trainyard.v1 import trainer_pb2 as pb
 
 
@@ -29,8 +34,10 @@ def _trained(api_env, manager):
 
 
 def _bad_requests(good):
+    """Bad calls as clients send them (on the wire), each with the field its error must name."""
+    good = [wire(d) for d in good]
     gen = torch.Generator().manual_seed(1)
-    rl = [rl_datum(gen, 6) for _ in range(3)]
+    rl = [wire(rl_datum(gen, 6)) for _ in range(3)]
     no_adv = pb.Datum()
     no_adv.CopyFrom(rl[2])
     del no_adv.loss_fn_inputs["advantages"]
@@ -45,7 +52,7 @@ def _bad_requests(good):
     extra = pb.Datum()
     extra.CopyFrom(good[0])
     extra.loss_fn_inputs["foo"].CopyFrom(tensor([1.0] * len(good[0].tokens)))
-    wrong_weights = sft_datum([5, 6, 7], weights=[1.0])
+    wrong_weights = wire(sft_datum([5, 6, 7], weights=[1.0]))
     return [  # (data, loss_fn, config, micro_batch_tokens, the field named)
         ([good[0], short], "", {}, 0, "data[1].loss_fn_inputs['target_tokens']"),
         ([floats], "", {}, 0, "data[0].loss_fn_inputs['target_tokens']"),
@@ -74,14 +81,14 @@ def test_bad_input_is_refused_by_field_and_changes_nothing(api_env):
     for data, loss_fn, config, mbt, field in _bad_requests(good):
         for backward in (True, False):
             with pytest.raises(InvalidArgument) as exc:
-                manager.forward(api_env.alice, sess.id, 0, data, loss_fn, config, backward=backward,
+                manager.forward(api_env.alice, sess.id, 0, datum_inputs(data), loss_fn, config, backward=backward,
                                 micro_batch_tokens=mbt)
             assert [v.field for v in exc.value.violations] == [field], exc.value
             seq += 1
     with pytest.raises(InvalidArgument, match="adam.learning_rate"):
-        manager.optim_step(api_env.alice, sess.id, 0, {**ADAM, "learning_rate": -1.0})
+        manager.optim_step(api_env.alice, sess.id, 0, replace(ADAM, learning_rate=-1.0))
     with pytest.raises(InvalidArgument, match="adam.beta2"):
-        manager.optim_step(api_env.alice, sess.id, 0, {**ADAM, "beta2": float("nan")})
+        manager.optim_step(api_env.alice, sess.id, 0, replace(ADAM, beta2=float("nan")))
     with pytest.raises(InvalidArgument, match="seq_id"):
         manager.forward(api_env.alice, sess.id, 1, good, "", {}, backward=True)
     with pytest.raises(InvalidArgument, match="name"):
@@ -124,8 +131,8 @@ def test_a_failed_stream_restores_the_gradients_held_before_it(api_env, failure)
     header = pb.ForwardBackwardRequest(session_id=sess.id, micro_batch_tokens=19)  # each datum its own micro-batch
     messages, seen = stream(header, [data[:2], data[2:], [bad]]), []
     with pytest.raises(TrainyardError) as exc:
-        manager.forward_backward_stream(
-            api_env.alice, _watched(messages, sess, seen, cancel_at=3 if failure == "client_cancel" else None))
+        forward_stream(
+            manager, api_env.alice, _watched(messages, sess, seen, cancel_at=3 if failure == "client_cancel" else None))
     assert seen[0]  # the stream's own gradients existed when the failure came
     if failure == "bad_datum":
         assert [v.field for v in exc.value.violations] == ["data[3].loss_fn_inputs['weights']"]
@@ -147,8 +154,8 @@ def test_malformed_streams_are_refused(api_env):
     d = sft_datum([5, 6, 7, 8])
     header = pb.ForwardBackwardRequest(session_id=sess.id)
     cases = [
-        ([pb.ForwardBackwardStreamRequest(datums=pb.DatumBatch(data=[d]))], "header"),
-        ([pb.ForwardBackwardStreamRequest(header=pb.ForwardBackwardRequest(session_id=sess.id, data=[d]))],
+        ([pb.ForwardBackwardStreamRequest(datums=pb.DatumBatch(data=[wire(d)]))], "header"),
+        ([pb.ForwardBackwardStreamRequest(header=pb.ForwardBackwardRequest(session_id=sess.id, data=[wire(d)]))],
          "header.data"),
         (stream(pb.ForwardBackwardRequest(session_id=sess.id, loss_fn="nope"), [[d]]), "header.loss_fn"),
         (stream(pb.ForwardBackwardRequest(session_id=sess.id, micro_batch_tokens=-5), [[d]]),
@@ -158,8 +165,8 @@ def test_malformed_streams_are_refused(api_env):
     ]
     for messages, field in cases:
         with pytest.raises(InvalidArgument) as exc:
-            manager.forward_backward_stream(api_env.alice, iter(messages))
+            forward_stream(manager, api_env.alice, iter(messages))
         assert [v.field for v in exc.value.violations] == [field], exc.value
     assert grads(sess) == [None] * len(sess.params) and sess.error == ""
-    outputs, _ = manager.forward_backward_stream(api_env.alice, iter(stream(header, [[d]])))
+    outputs, _ = forward_stream(manager, api_env.alice, iter(stream(header, [[d]])))
     assert len(outputs) == 1

@@ -57,9 +57,8 @@ class RecordingHooks:
 
     def on_checkpoint(self, ckpt: SftCheckpoint, final: bool, metrics: dict[str, float]) -> None:
         dest = self.save_dir / f"step-{ckpt.step}{'-final' if final else ''}"
-        shutil.copytree(ckpt.adapter_dir, dest / "adapter")
-        shutil.copytree(ckpt.state_dir, dest / "state")
-        self.checkpoints.append((SftCheckpoint(ckpt.step, dest / "adapter", dest / "state"), final, dict(metrics)))
+        shutil.copytree(ckpt.root, dest)
+        self.checkpoints.append((SftCheckpoint(ckpt.step, dest), final, dict(metrics)))
 
     def losses(self, key: str = "train/loss") -> dict[int, float]:
         return {step: m[key] for step, m in self.metrics.items() if key in m}
@@ -67,4 +66,4 @@ class RecordingHooks:
     def final_adapter(self) -> dict[str, torch.Tensor]:
         ckpt, final, _ = self.checkpoints[-1]
         assert final
-        return load_file(str(ckpt.adapter_dir / "adapter_model.safetensors"))
+        return load_file(str(ckpt.weights_dir / "adapter_model.safetensors"))
