@@ -14,7 +14,9 @@ Backends (kernels/backends.py picks one: the `backend=` argument, else TRAINYARD
 - "sdpa": torch.nn.functional.scaled_dot_product_attention (its math kernel for float32 on CPU, see
   _sdpa_kernel; V zero-padded to D when Dv < D, so the fused kernels apply). Packed rows run per group of
   whole documents (at most SDPA_PACKED_CHUNK_TOKENS tokens, or one longer document alone with is_causal), so no
-  [T, T] mask is ever built.
+  [T, T] mask is ever built. float32 on CPU, causal over whole rows or packed documents (what training runs), takes
+  the math kernel's formula in query blocks instead (kernels/blocked_attention.py: no work between documents, no
+  [L, L] probabilities kept for backward).
 - "flash": flash_attn_func / flash_attn_varlen_func, only for CUDA float16/bfloat16 tensors when flash_attn imports.
   flash-attn needs Dv == D, so V is zero-padded to D and the output sliced back to Dv (padding columns of V only
   add zero columns to the output). Its causal mask is aligned to the bottom-right corner, which is ours exactly when
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 
 from kernels import batch_invariant
 from kernels.backends import AUTO, env_var, optional_module, requested_backend
+from kernels.blocked_attention import blocked_causal_attention, packed_causal_attention
 
 ATTENTION_BACKENDS = ("reference", "sdpa", "flash")
 # A group of short packed documents is one SDPA call with a [n, n] boolean mask, n <= this; a longer document runs
@@ -161,6 +164,12 @@ def sdpa_attention(
     """SDPA with the mask rules of _sdpa; float32 on CPU runs SDPA's math kernel (see _sdpa_kernel)."""
     D, Dv = q_BHTD.shape[-1], v_BKSD.shape[-1]
     sdpa = _sdpa_kernel(q_BHTD)
+    if sdpa is _sdpa_math and causal and (packing is not None or (q_offset == 0 and q_BHTD.shape[2] == k_BKSD.shape[2])):
+        # Training-shaped calls: the math kernel's formula in query blocks (kernels/blocked_attention.py).
+        scale = 1.0 / math.sqrt(D) if scale is None else scale
+        if packing is not None:
+            return packed_causal_attention(q_BHTD, k_BKSD, v_BKSD, lengths=packing.lengths, scale=scale)
+        return blocked_causal_attention(q_BHTD, k_BKSD, v_BKSD, scale=scale)
     if Dv < D and sdpa is F.scaled_dot_product_attention:
         # The fused kernels need Dv == D; zero columns of V give zero columns of the output.
         v_BKSD = F.pad(v_BKSD, (0, D - Dv))

@@ -149,15 +149,35 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _rotate_half_transposed(y: torch.Tensor) -> torch.Tensor:
+    """The adjoint of _rotate_half: (y1, y2) -> (y2, -y1)."""
+    half = y.shape[-1] // 2
+    return torch.cat((y[..., half:], -y[..., :half]), dim=-1)
+
+
+class _HalfRotary(torch.autograd.Function):
+    """x * cos + rotate_half(x) * sin, with its backward written out: g * cos + rotate_half^T(g * sin). Autograd's
+    own would route the gradient through the halves' slices (zero-filled full-size buffers and copies per slice);
+    this computes the same sums, so the gradients are the same bits."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return x * cos + _rotate_half(x) * sin
+
+    @staticmethod
+    def backward(ctx, g):
+        cos, sin = ctx.saved_tensors
+        return g * cos + _rotate_half_transposed(g * sin), None, None
+
+
 def apply_rotary(
     q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [B,H,T,D] and k [B,K,T,D] with the half-split (GPT-NeoX / HF) layout."""
     cos_B1TD = cos_BTD.unsqueeze(1)
     sin_B1TD = sin_BTD.unsqueeze(1)
-    q_out = (q_BHTD * cos_B1TD) + (_rotate_half(q_BHTD) * sin_B1TD)
-    k_out = (k_BKTD * cos_B1TD) + (_rotate_half(k_BKTD) * sin_B1TD)
-    return q_out, k_out
+    return _HalfRotary.apply(q_BHTD, cos_B1TD, sin_B1TD), _HalfRotary.apply(k_BKTD, cos_B1TD, sin_B1TD)
 
 
 def apply_rotary_interleaved(

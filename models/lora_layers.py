@@ -167,11 +167,13 @@ class LoRALinear(nn.Module):
         name = self.active_adapter
         if name is None or name == self.merged_adapter or name not in self.lora_A:
             return result
-        result_dtype = result.dtype
         lora_A = self.lora_A[name]
-        x = x.to(lora_A.weight.dtype)
-        result = result + self.lora_B[name](lora_A(self.lora_dropout[name](x))) * self.scaling[name]
-        return result.to(result_dtype)
+        h = lora_A(self.lora_dropout[name](x.to(lora_A.weight.dtype)))
+        # result + scaling * (h @ B^T) as one GEMM that accumulates into the base output: no [N, out] product to
+        # scale and add, forward or backward (the same math as peft's result + lora_B(h) * scaling).
+        out_NF = torch.addmm(result.reshape(-1, self.out_features).to(h.dtype), h.reshape(-1, h.shape[-1]),
+                             self.lora_B[name].weight.t(), alpha=self.scaling[name])
+        return out_NF.view(result.shape).to(result.dtype)
 
     def _add_per_row(self, x: torch.Tensor, result: torch.Tensor, rows: RowAdapters) -> torch.Tensor:
         """result (the base output) plus, on each adapter's rows, that adapter's update; in place on result."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels import Packing
+from kernels import Packing, blocked_attention
 from kernels.attention import attention
 from kernels.attention import document_groups, reference_attention
 from kernels.backends import optional_module
@@ -134,19 +134,43 @@ def test_document_groups():
     assert document_groups((5,), 8) == [(0, 5, 1)]
 
 
-def test_sdpa_packed_never_builds_a_token_by_token_tensor():
-    """Many short documents: the largest allocation is one group's float32 scores (H x n x n, n <= 512, SDPA's math
-    kernel on CPU), far below the [T, T] mask the old path built and the [H, T, T] scores of the reference."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sdpa_packed_never_builds_a_token_by_token_tensor(dtype):
+    """Many short documents: the largest allocation is one bucket's block of float32 scores (float32 on CPU: the
+    blocked path, at most SCORE_ELEMENTS floats) or one group's (16-bit: SDPA, H x n x n, n <= 512), far below the
+    [T, T] mask the old path built and the [H, T, T] scores of the reference."""
     lengths = [37, 1, 64, 5, 90, 3, 128, 44, 17, 60, 11, 29] * 8  # T = 3912
     T, H = sum(lengths), 2
-    q, k, v = torch.randn(1, H, T, 16), torch.randn(1, 1, T, 16), torch.randn(1, 1, T, 16)
+    q, k, v = (torch.randn(1, h, T, 16).to(dtype) for h in (H, 1, 1))
     packing = Packing.from_lengths(lengths)
     with TensorMemoryTracker() as mem:
         out = attention(q, k, v, causal=True, q_offset=0, packing=packing, backend="sdpa")
     group = attention_module.SDPA_PACKED_CHUNK_TOKENS
-    assert mem.largest_bytes <= H * group * group * 4 < T * T, (mem.largest_bytes, T)
-    ref = reference_attention(q, k, v, causal=True, q_offset=0, packing=packing)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    bound = 4 * blocked_attention.SCORE_ELEMENTS if dtype == torch.float32 else H * group * group * 4
+    assert mem.largest_bytes <= bound < T * T * 4, (mem.largest_bytes, T)
+    ref = reference_attention(q.float(), k.float(), v.float(), causal=True, q_offset=0, packing=packing)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+def test_blocked_attention_buckets_and_blocks():
+    """The float32 CPU training path (kernels/blocked_attention.py): buckets bound padding and scores; a long row runs
+    in several query blocks and its backward's recomputed probabilities give the math kernel's gradients."""
+    lengths = (300, 17, 290, 1, 16, 15, 64)
+    buckets = blocked_attention.length_buckets(lengths, heads=4)
+    assert sorted(i for b in buckets for i in b) == list(range(len(lengths)))
+    for b in buckets:
+        longest = lengths[b[0]]
+        assert len(b) == 1 or longest * len(b) <= 1.25 * sum(lengths[i] for i in b)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, g = (torch.randn(2, h, 70, 16, generator=gen) for h in (4, 2, 2, 4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    got = blocked_attention.blocked_causal_attention(q, k, v, scale=0.25, block=16)  # 5 blocks, the last short
+    want = torch.ops.aten._scaled_dot_product_attention_math(q, k, v, is_causal=True, scale=0.25,
+                                                             enable_gqa=True)[0]
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_auto_and_forced_backends(monkeypatch):
