@@ -29,6 +29,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -72,7 +73,7 @@ def make_data(model_dir: Path, out: Path, rows: int, seq_len: int, varied: bool,
 
 def run_trainyard(args) -> dict:
     from services.common.methods.sft import SftHyperparams
-    from services.trainer.sft import run_sft
+    from services.trainer.sft import Metrics, Started, run_sft
 
     hp = SftHyperparams.from_request({
         "max_steps": args.steps, "batch_size": args.batch, "learning_rate": 1e-4, "lora_rank": args.rank,
@@ -81,26 +82,13 @@ def run_trainyard(args) -> dict:
         "max_grad_norm": 1.0, "weight_decay": 0.0, "seed": 0})
     stamps: dict[int, float] = {}
     before: list[float] = []
-
-    class Hooks:
-        def should_stop(self) -> bool:
-            return False
-
-        def on_start(self, total_steps, info) -> None:
-            before.append(rss_mb())
-            stamps[0] = time.perf_counter()
-
-        def on_log(self, message, level="info") -> None:
-            pass
-
-        def on_metrics(self, step, metrics) -> None:
-            stamps.setdefault(step, time.perf_counter())
-
-        def on_checkpoint(self, ckpt, final, metrics) -> None:
-            pass
-
     with tempfile.TemporaryDirectory() as work:
-        run_sft(Path(args.model_dir), Path(args.data), hp, Hooks(), work_dir=Path(work))
+        for event in run_sft(Path(args.model_dir), Path(args.data), hp, stop=threading.Event(), work_dir=Path(work)):
+            if isinstance(event, Started):
+                before.append(rss_mb())
+                stamps[0] = time.perf_counter()
+            elif isinstance(event, Metrics):
+                stamps.setdefault(event.step, time.perf_counter())
     return {"seconds": stamps[args.steps] - stamps[args.warmup], "rss_before_mb": before[0], "peak_mb": peak_mb()}
 
 

@@ -1,24 +1,31 @@
-"""Managed LoRA SFT: the training loop a worker runs for one job, with checkpoints it resumes from bit-exactly.
+"""Managed LoRA SFT: the training run a worker drives for one job, as a stream of events, with checkpoints it resumes
+from bit-exactly.
 
 Shapes: B rows in a micro-batch, T tokens per row, V vocab, D hidden, N = B * T, C tokens per chunk.
+
+`run_sft(...)` yields what happens, in order -- Log, Started, Metrics, Checkpoint, ..., Finished -- and the caller (the
+worker's recipe) records each one; nothing here calls back into the caller, and a Checkpoint's files stay on disk
+until the caller asks for the next event. `stop` (a threading.Event, or anything with is_set()) is checked before
+every micro-batch; once set, the run ends promptly with Finished(stopped=True).
 
 The run trains through the engine (services/trainer/engine/): the loss is its summed target NLL (the chunked logprob
 head: never [B, T, V] logits), the step its AdamW step (torch's defaults, the job's weight decay and clipping).
 
 Order of one optimizer step s (0-based; `step` counts completed steps, so it becomes s + 1):
-  for each of the step's gradient_accumulation_steps micro-batches: hooks.should_stop() -> forward -> backward of
+  for each of the step's gradient_accumulation_steps micro-batches: stop.is_set()? -> forward -> backward of
   (summed target-token NLL / target tokens of the whole step) -> grad norm (+ clip) -> lr(s) -> AdamW step ->
-  eval if due -> hooks.on_metrics(s + 1) -> checkpoint if due (hooks.on_checkpoint, then our copy is deleted).
+  eval if due -> Metrics(s + 1) -> checkpoint if due (Checkpoint, then our copy is deleted).
 
 A checkpoint at step k is the engine's (engine/checkpoint.py: the adapter under weights/, the rest under state/) and
 holds everything step k depends on: the AdamW state, the global torch RNG (LoRA dropout draws from it) and k itself,
-which fixes both the learning rate (schedule.py) and the data position (data.py). Evaluation draws no random numbers. So resuming at k and running to N gives the same adapter, bit for
-bit, as running 0..N straight, as long as the kernels are deterministic (CPU with a fixed thread count, or
-torch.use_deterministic_algorithms).
+which fixes both the learning rate (schedule.py) and the data position (data.py). Evaluation draws no random numbers.
+So resuming at k and running to N gives the same adapter, bit for bit, as running 0..N straight, as long as the
+kernels are deterministic (CPU with a fixed thread count, or torch.use_deterministic_algorithms).
 """
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -49,63 +56,71 @@ class SftCheckpoint:
         return self.root / STATE_DIR
 
 
-class SftHooks(Protocol):
-    def should_stop(self) -> bool: ...  # checked before every micro-batch; True -> return promptly
+class StopFlag(Protocol):
+    def is_set(self) -> bool: ...
 
-    def on_start(self, total_steps: int, info: dict) -> None: ...
 
-    def on_log(self, message: str, level: str = "info") -> None: ...
-
-    def on_metrics(self, step: int, metrics: dict[str, float]) -> None: ...
-
-    def on_checkpoint(self, ckpt: SftCheckpoint, final: bool, metrics: dict[str, float]) -> None: ...
+# -- events ------------------------------------------------------------------------------------------------------
+@dataclass
+class Log:
+    message: str
+    level: str = "info"
 
 
 @dataclass
-class SftOutcome:
+class Started:
+    total_steps: int
+    info: dict
+
+
+@dataclass
+class Metrics:
     step: int
-    stopped: bool  # True when should_stop() ended the run early
     metrics: dict[str, float]
 
 
-def run_sft(
-    model_dir: Path,
-    dataset_path: Path,
-    hp: SftHyperparams,
-    hooks: SftHooks,
-    *,
-    resume: SftCheckpoint | None = None,
-    base_model_name: str = "",
-    work_dir: Path,
-) -> SftOutcome:
-    """Train a LoRA adapter on the JSONL dataset; see the module docstring for the order of events."""
+@dataclass
+class Checkpoint:
+    checkpoint: SftCheckpoint  # its files are removed when the next event is asked for
+    final: bool
+    metrics: dict[str, float]
+
+
+@dataclass
+class Finished:
+    step: int
+    stopped: bool  # True when the stop flag ended the run early
+    metrics: dict[str, float]
+
+
+SftEvent = Log | Started | Metrics | Checkpoint | Finished
+
+
+def run_sft(model_dir: Path, dataset_path: Path, hp: SftHyperparams, *, stop: StopFlag,
+            resume: SftCheckpoint | None = None, base_model_name: str = "", work_dir: Path) -> Iterator[SftEvent]:
+    """Train a LoRA adapter on the JSONL dataset; see the module docstring for the events and their order."""
     tokenizer = load_tokenizer(model_dir)
     data = load_sft_data(
         Path(dataset_path), tokenizer, max_seq_len=hp.max_seq_len, eval_fraction=hp.eval_fraction, seed=hp.seed
     )
     if data.skipped:
-        hooks.on_log(
-            f"skipped {data.skipped} of {data.num_rows} rows with no assistant/completion token within "
-            f"max_seq_len={hp.max_seq_len}",
-            "warning",
-        )
-    run = _SftRun(model_dir, data, hp, hooks, base_model_name or str(model_dir), Path(work_dir))
+        yield Log(f"skipped {data.skipped} of {data.num_rows} rows with no assistant/completion token within "
+                  f"max_seq_len={hp.max_seq_len}", "warning")
+    run = _SftRun(model_dir, data, hp, stop, base_model_name or str(model_dir), Path(work_dir))
     if resume is not None:
         run.restore(resume)
-        hooks.on_log(f"resumed at step {run.step} of {run.total_steps}")
+        yield Log(f"resumed at step {run.step} of {run.total_steps}")
     else:
         torch.manual_seed(hp.seed)
-    hooks.on_start(
-        run.total_steps,
-        {"train examples": len(data.train), "eval examples": len(data.eval), "trainable params": run.num_trainable},
-    )
-    return run.train()
+    yield Started(run.total_steps, {"train examples": len(data.train), "eval examples": len(data.eval),
+                                    "trainable params": run.num_trainable})
+    yield from run.train()
 
 
 class _SftRun:
-    def __init__(self, model_dir: Path, data: SftData, hp: SftHyperparams, hooks: SftHooks, base_name: str,
+    def __init__(self, model_dir: Path, data: SftData, hp: SftHyperparams, stop: StopFlag, base_name: str,
                  work_dir: Path):
-        self.hp, self.hooks, self.data, self.base_name, self.work_dir = hp, hooks, data, base_name, work_dir
+        self.hp, self.stop, self.data, self.base_name, self.work_dir = hp, stop, data, base_name, work_dir
         self.lora_cfg = LoraConfig(
             rank=hp.lora_rank, alpha=hp.lora_alpha, dropout=hp.lora_dropout, target_modules=hp.target_modules
         )
@@ -123,28 +138,29 @@ class _SftRun:
         """Optimizer steps completed (the engine counts them; a restored checkpoint sets them)."""
         return self.engine.steps
 
-    def train(self) -> SftOutcome:
+    def train(self) -> Iterator[SftEvent]:
         hp, start = self.hp, self.step
         metrics: dict[str, float] = {}
         self.model.train()
         while self.step < self.total_steps:
             step_metrics = self._train_step(self.step)
             if step_metrics is None:
-                return SftOutcome(step=self.step, stopped=True, metrics=metrics)
+                yield Finished(step=self.step, stopped=True, metrics=metrics)
+                return
             metrics = step_metrics
             final = self.step == self.total_steps
             checkpoint_due = final or self.step % hp.checkpoint_every == 0
             if final or (self.step % hp.eval_every == 0 if hp.eval_every else checkpoint_due):
                 metrics |= self._evaluate()
-            self.hooks.on_metrics(self.step, metrics)
+            yield Metrics(self.step, metrics)
             if checkpoint_due:
-                self._checkpoint(final, metrics)
+                yield from self._checkpoint(final, metrics)
         if self.step == start:  # resumed from a checkpoint at (or past) the end: report and finish again
             metrics = self._evaluate()
             if metrics:
-                self.hooks.on_metrics(self.step, metrics)
-            self._checkpoint(True, metrics)
-        return SftOutcome(step=self.step, stopped=False, metrics=metrics)
+                yield Metrics(self.step, metrics)
+            yield from self._checkpoint(True, metrics)
+        yield Finished(step=self.step, stopped=False, metrics=metrics)
 
     def _adamw(self, lr: float) -> AdamW:
         """torch's AdamW defaults (betas 0.9 / 0.999, eps 1e-8) with the job's weight decay and clipping."""
@@ -154,13 +170,13 @@ class _SftRun:
         return self.engine.nll_sum(mb.input_ids_BT, mb.targets_BT, packing=mb.packing)
 
     def _train_step(self, step: int) -> dict[str, float] | None:
-        """One optimizer step over its micro-batches; None when should_stop() fired before one of them."""
+        """One optimizer step over its micro-batches; None when the stop flag was set before one of them."""
         hp = self.hp
         micro_batches = self.sampler.step_batches(step)
         num_targets = sum(mb.num_targets for mb in micro_batches)
         nll = torch.zeros((), device=self.engine.device)
         for mb in micro_batches:
-            if self.hooks.should_stop():
+            if self.stop.is_set():
                 return None
             # Dividing every micro-batch by the whole step's target count makes accumulation equal one big batch.
             mb_nll = self._nll_sum(mb)
@@ -193,7 +209,7 @@ class _SftRun:
         self.model.train()
         return {"eval/loss": (nll / num_targets).item()}  # .item() syncs
 
-    def _checkpoint(self, final: bool, metrics: dict[str, float]) -> None:
+    def _checkpoint(self, final: bool, metrics: dict[str, float]) -> Iterator[SftEvent]:
         root = self.work_dir / "checkpoints" / f"step-{self.step:07d}"
         progress = {
             "step": self.step,
@@ -205,8 +221,8 @@ class _SftRun:
             "metrics": metrics,
         }
         self.engine.save(root, base_model=self.base_name, progress=progress)
-        self.hooks.on_checkpoint(SftCheckpoint(step=self.step, root=root), final, metrics)
-        shutil.rmtree(root)  # the hook has persisted it; a long run must not fill the worker's disk
+        yield Checkpoint(SftCheckpoint(step=self.step, root=root), final, metrics)
+        shutil.rmtree(root)  # the caller has persisted it; a long run must not fill the worker's disk
 
     def restore(self, ckpt: SftCheckpoint) -> None:
         """Load the adapter, optimizer, RNG state and step of a checkpoint: everything checked first."""

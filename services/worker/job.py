@@ -33,6 +33,7 @@ class Heartbeat(threading.Thread):
         self.ledger, self.job_id, self.worker_id, self.interval_s = ledger, job_id, worker_id, interval_s
         self.cancel = threading.Event()
         self.lost = threading.Event()
+        self.stop = threading.Event()  # set with either: what a recipe's training run checks
         self.done = threading.Event()
 
     def run(self) -> None:
@@ -40,14 +41,13 @@ class Heartbeat(threading.Thread):
             try:
                 if self.ledger.heartbeat(self.job_id, self.worker_id):
                     self.cancel.set()
+                    self.stop.set()
             except LeaseLost:
                 self.lost.set()
+                self.stop.set()
                 return
             except Exception:  # noqa: BLE001 - a database blip must not kill the job; the next beat retries
                 log.exception("heartbeat for %s failed", self.job_id)
-
-    def should_stop(self) -> bool:
-        return self.cancel.is_set() or self.lost.is_set()
 
 
 @dataclass

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_helpers import PAIRS, RecordingHooks, chat_row, write_jsonl
+from trainer_helpers import PAIRS, RecordingRun, chat_row, write_jsonl
 
 
 @pytest.fixture
@@ -17,11 +17,11 @@ def chat_dataset(tmp_path) -> Path:
 
 
 @pytest.fixture
-def make_hooks(tmp_path):
+def make_run(tmp_path):
     counter = iter(range(1000))
 
-    def make(**kwargs) -> RecordingHooks:
-        return RecordingHooks(tmp_path / f"saved-{next(counter)}", **kwargs)
+    def make(**kwargs) -> RecordingRun:
+        return RecordingRun(tmp_path / f"saved-{next(counter)}", **kwargs)
 
     return make
 

@@ -12,7 +12,6 @@ from models.tiny import build_tiny_model
 from models.tokenizer import load_tokenizer
 from services.trainer.data import batches, load_sft_data
 from services.trainer.engine.logprobs import target_nll_sum
-from services.trainer.sft import run_sft
 from services.common.methods.sft import SftHyperparams
 
 FAMILIES = ("qwen3_moe", "deepseek_v3")
@@ -23,13 +22,13 @@ def family_model(request, tmp_path_factory):
     return request.param, build_tiny_model(tmp_path_factory.mktemp(request.param), family=request.param)
 
 
-def test_lora_sft_trains_attention_and_experts(family_model, tmp_path, make_hooks):
+def test_lora_sft_trains_attention_and_experts(family_model, tmp_path, make_run):
     family, model_dir = family_model
     data = write_jsonl(tmp_path / "d.jsonl", [chat_row(a, b) for a, b in PAIRS])
     hp = SftHyperparams.from_request({"max_steps": 30, "learning_rate": 5e-3, "batch_size": 10, "lora_rank": 8,
                                       "checkpoint_every": 30, "eval_fraction": 0.2})
-    hooks = make_hooks()
-    outcome = run_sft(model_dir, data, hp, hooks, work_dir=tmp_path / "work")
+    hooks = make_run()
+    outcome = hooks.run(model_dir, data, hp, work_dir=tmp_path / "work")
     assert not outcome.stopped
     losses = [hooks.metrics[s]["train/loss"] for s in sorted(hooks.metrics)]
     assert losses[-1] < 0.5 * losses[0], (family, losses[0], losses[-1])
@@ -50,17 +49,17 @@ def test_lora_sft_trains_attention_and_experts(family_model, tmp_path, make_hook
     assert abs(nll.item() / tokens - hooks.metrics[30]["eval/loss"]) < 1e-5
 
 
-def test_resume_is_bitwise_on_moe(family_model, tmp_path, make_hooks, deterministic):
+def test_resume_is_bitwise_on_moe(family_model, tmp_path, make_run, deterministic):
     family, model_dir = family_model
     data = write_jsonl(tmp_path / "d.jsonl", [chat_row(a, b) for a, b in PAIRS])
     hp = SftHyperparams.from_request({"max_steps": 6, "learning_rate": 5e-3, "batch_size": 4, "lora_rank": 4,
                                       "checkpoint_every": 3, "eval_fraction": 0.0})
-    straight = make_hooks()
-    run_sft(model_dir, data, hp, straight, work_dir=tmp_path / "a")
-    first = make_hooks(stop_after_step=3)
-    run_sft(model_dir, data, hp, first, work_dir=tmp_path / "b")
-    resumed = make_hooks()
-    run_sft(model_dir, data, hp, resumed, resume=first.checkpoints[0][0], work_dir=tmp_path / "c")
+    straight = make_run()
+    straight.run(model_dir, data, hp, work_dir=tmp_path / "a")
+    first = make_run(stop_after_step=3)
+    first.run(model_dir, data, hp, work_dir=tmp_path / "b")
+    resumed = make_run()
+    resumed.run(model_dir, data, hp, resume=first.checkpoints[0][0], work_dir=tmp_path / "c")
     a = load_file(str(straight.save_dir / "step-6-final" / "weights" / "adapter_model.safetensors"))
     b = load_file(str(resumed.save_dir / "step-6-final" / "weights" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), family

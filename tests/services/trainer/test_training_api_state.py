@@ -16,7 +16,6 @@ from services.common.methods.sft import SftHyperparams
 from services.common.errors import InvalidArgument, NotFound
 from services.common.schema import Checkpoint, new_id, utcnow
 from services.trainer.session_spec import CreateSpec, LoraSpec
-from services.trainer.sft import run_sft
 
 
 def _data(seed: int):
@@ -127,13 +126,13 @@ def test_states_that_do_not_fit_are_refused_by_field(api_env):
         manager.create(api_env.bob, CreateSpec(from_state=path))
 
 
-def test_a_managed_job_checkpoint_continues_in_a_session(api_env, chat_dataset, make_hooks, tmp_path):
+def test_a_managed_job_checkpoint_continues_in_a_session(api_env, chat_dataset, make_run, tmp_path):
     """Managed SFT and sessions share the engine's checkpoint format: a job's checkpoint, stored as the worker stores
     it, opens as a session (CreateSession(from_state)) with the job's adapter and AdamW state, bit for bit."""
     hp = SftHyperparams(lora_rank=4, lora_alpha=8.0, max_seq_len=64, learning_rate=2e-3, max_steps=3, batch_size=4,
                         checkpoint_every=100)
-    hooks = make_hooks()
-    run_sft(api_env.model_dir, chat_dataset, hp, hooks, base_model_name="tiny", work_dir=tmp_path / "work")
+    hooks = make_run()
+    hooks.run(api_env.model_dir, chat_dataset, hp, base_model_name="tiny", work_dir=tmp_path / "work")
     job_ckpt, final, _ = hooks.checkpoints[-1]
     assert final
     with api_env.db.session() as s:

@@ -1,4 +1,4 @@
-"""Helpers shared by the trainer tests: small chat datasets and SftHooks that record every call."""
+"""Helpers shared by the trainer tests: small chat datasets and a recorder of a managed SFT run's events."""
 
 import json
 import shutil
@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from services.trainer.sft import SftCheckpoint
+from services.trainer.sft import Checkpoint, Finished, Log, Metrics, SftCheckpoint, Started, run_sft
 
 
 PAIRS = [(1, 2), (3, 4), (5, 6), (7, 8), (2, 9), (4, 4), (6, 1), (8, 3), (9, 9), (5, 2)]
@@ -27,8 +27,9 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-class RecordingHooks:
-    """SftHooks that keep every call; checkpoints are copied (the trainer deletes its own after the hook)."""
+class RecordingRun:
+    """Runs run_sft and keeps every event; checkpoints are copied (the run deletes its own after the event). Its stop
+    flag counts the checks and turns true after a given step's metrics or at a given check."""
 
     def __init__(self, save_dir: Path, *, stop_after_step: int | None = None, stop_at_call: int | None = None):
         self.save_dir = save_dir
@@ -40,25 +41,29 @@ class RecordingHooks:
         self.metrics: dict[int, dict[str, float]] = {}
         self.checkpoints: list[tuple[SftCheckpoint, bool, dict]] = []
 
-    def should_stop(self) -> bool:
+    def is_set(self) -> bool:
         self.stop_calls += 1
         after_step = self.stop_after_step is not None and max(self.metrics, default=0) >= self.stop_after_step
         return after_step or self.stop_calls == self.stop_at_call
 
-    def on_start(self, total_steps: int, info: dict) -> None:
-        self.total_steps, self.info = total_steps, info
-
-    def on_log(self, message: str, level: str = "info") -> None:
-        self.logs.append((level, message))
-
-    def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        assert step not in self.metrics, f"metrics reported twice for step {step}"
-        self.metrics[step] = dict(metrics)
-
-    def on_checkpoint(self, ckpt: SftCheckpoint, final: bool, metrics: dict[str, float]) -> None:
-        dest = self.save_dir / f"step-{ckpt.step}{'-final' if final else ''}"
-        shutil.copytree(ckpt.root, dest)
-        self.checkpoints.append((SftCheckpoint(ckpt.step, dest), final, dict(metrics)))
+    def run(self, model_dir, dataset, hp, **kwargs) -> Finished:
+        """run_sft(model_dir, dataset, hp, stop=self, **kwargs), every event recorded; its Finished event."""
+        for event in run_sft(model_dir, dataset, hp, stop=self, **kwargs):
+            match event:
+                case Started(total_steps, info):
+                    self.total_steps, self.info = total_steps, info
+                case Log(message, level):
+                    self.logs.append((level, message))
+                case Metrics(step, metrics):
+                    assert step not in self.metrics, f"metrics reported twice for step {step}"
+                    self.metrics[step] = dict(metrics)
+                case Checkpoint(ckpt, final, metrics):
+                    dest = self.save_dir / f"step-{ckpt.step}{'-final' if final else ''}"
+                    shutil.copytree(ckpt.root, dest)
+                    self.checkpoints.append((SftCheckpoint(ckpt.step, dest), final, dict(metrics)))
+                case Finished():
+                    return event
+        raise AssertionError("run_sft ended without Finished")
 
     def losses(self, key: str = "train/loss") -> dict[int, float]:
         return {step: m[key] for step, m in self.metrics.items() if key in m}
