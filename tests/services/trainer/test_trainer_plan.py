@@ -1,19 +1,18 @@
 """PlanJob's numbers against a real run: the scheduler's planner (its child process, services/trainer/plan.py) plans a
-job, then services/trainer/sft.run_sft trains it on the tiny model with hooks and a forward that record what it does."""
+job, then services/trainer/sft.run_sft trains it on the tiny model, its events and a forward recording what it does."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 import torch
-from trainer_helpers import RecordingHooks
+from trainer_helpers import RecordingRun
 
 from kernels.memory import TensorMemoryTracker
 from services.common.blobstore import BlobStore
 from services.common.methods.sft import SftHyperparams
 from services.scheduler.planner import Planner
 from services.trainer.engine import TrainingEngine
-from services.trainer.sft import run_sft
 
 ROOT = Path(__file__).resolve().parents[3]
 SAMPLE = ROOT / "examples" / "data" / "sft_demo.jsonl"  # 20 chat rows
@@ -52,9 +51,9 @@ def test_the_plan_is_what_the_trainer_does(plan, tiny_model_dir, tmp_path, monke
         return nll_sum(self, input_ids_BT, targets_BT, packing=packing)
 
     monkeypatch.setattr(TrainingEngine, "nll_sum", recording_nll_sum)
-    hooks = RecordingHooks(tmp_path / "saved")
+    hooks = RecordingRun(tmp_path / "saved")
     with TensorMemoryTracker() as mem:
-        outcome = run_sft(tiny_model_dir, SAMPLE, HP, hooks, work_dir=tmp_path / "work")
+        outcome = hooks.run(tiny_model_dir, SAMPLE, HP, work_dir=tmp_path / "work")
 
     rows = (planned["dataset_rows"], planned["skipped_rows"], planned["train_rows"], planned["eval_rows"])
     assert rows == (20, 6, 11, 3)
