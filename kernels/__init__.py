@@ -14,7 +14,7 @@ _EXPORTS = {
     "logprobs_reference": "kernels.logprobs", "PermState": "kernels.moe", "grouped_mm": "kernels.moe",
     "grouped_mm_supported": "kernels.moe", "permute": "kernels.moe", "unpermute": "kernels.moe",
     "rms_norm": "kernels.norm", "SUPPORTED_ROPE_TYPES": "kernels.rope_config", "apply_rotary": "kernels.rope",
-    "rope_cos_sin": "kernels.rope", "rope_inv_freq": "kernels.rope",
+    "rope_cos_sin": "kernels.rope", "rope_inv_freq": "kernels.rope", "swiglu": "kernels.activations",
 }
 
 

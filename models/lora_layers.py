@@ -14,6 +14,7 @@ import contextvars
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +22,9 @@ from torch import nn
 
 from kernels.moe import PermState, grouped_mm
 from models.lora_targets import DEFAULT_TARGETS
-from models.moe import Experts
+
+if TYPE_CHECKING:  # models.moe imports the common blocks, which project through this module
+    from models.moe import Experts
 
 INITS = ("kaiming", "gaussian")
 
@@ -169,9 +172,13 @@ class LoRALinear(nn.Module):
             return result
         lora_A = self.lora_A[name]
         h = lora_A(self.lora_dropout[name](x.to(lora_A.weight.dtype)))
-        # result + scaling * (h @ B^T) as one GEMM that accumulates into the base output: no [N, out] product to
-        # scale and add, forward or backward (the same math as peft's result + lora_B(h) * scaling).
-        out_NF = torch.addmm(result.reshape(-1, self.out_features).to(h.dtype), h.reshape(-1, h.shape[-1]),
+        return self.add_update(result, h.reshape(-1, h.shape[-1]), name)
+
+    def add_update(self, result: torch.Tensor, h_Nr: torch.Tensor, name: str) -> torch.Tensor:
+        """result + scaling * (h @ B^T) as one GEMM that accumulates into the base output: no [N, out] product to
+        scale and add, forward or backward (the same math as peft's result + lora_B(h) * scaling). h_Nr: the
+        adapter's A output, [N, r] (a column slice of a wider one is fine)."""
+        out_NF = torch.addmm(result.reshape(-1, self.out_features).to(h_Nr.dtype), h_Nr,
                              self.lora_B[name].weight.t(), alpha=self.scaling[name])
         return out_NF.view(result.shape).to(result.dtype)
 
@@ -195,6 +202,28 @@ class LoRALinear(nn.Module):
         )
 
 
+def project(x: torch.Tensor, linears: Sequence[nn.Module]) -> list[torch.Tensor]:
+    """[m(x) for m in linears], for the projections of one input (q / k / v, gate / up). When they are LoRALinear
+    layers training one active, unmerged adapter without dropout, their A matrices run as one GEMM: x is read once
+    for all of them, and in backward dA and A's share of dx are one GEMM each instead of one per projection (rank-r
+    GEMMs are bound by reading x, not by arithmetic). Each output is the same sum as the layer's own forward; anything
+    else (per-row adapters, merged or inactive adapters, dropout) runs the layers one by one."""
+    name = getattr(linears[0], "active_adapter", None)
+    fusable = name is not None and _ROW_ADAPTERS.get() is None and all(
+        isinstance(m, LoRALinear) and m.active_adapter == name and m.merged_adapter != name and name in m.lora_A
+        and isinstance(m.lora_dropout[name], nn.Identity) for m in linears)
+    if not fusable or len(linears) < 2:
+        return [m(x) for m in linears]
+    A_RD = torch.cat([m.lora_A[name].weight for m in linears])
+    h_NR = F.linear(x.to(A_RD.dtype), A_RD).reshape(-1, A_RD.shape[0])
+    outs, start = [], 0
+    for m in linears:
+        rank = m.rank(name)
+        outs.append(m.add_update(F.linear(x, m.weight, m.bias), h_NR[:, start:start + rank], name))
+        start += rank
+    return outs
+
+
 class ExpertsLoRA(nn.Module):
     """Named adapters on the fused expert tensors of one models.moe.Experts (installed as its `lora` hook).
 
@@ -205,10 +234,10 @@ class ExpertsLoRA(nn.Module):
     themselves: lora_A [E*r, D] (rows e*r .. e*r+r-1 are A_e) and lora_B [F, r*E] (column j*E + e is column j of
     B_e)."""
 
-    def __init__(self, experts: Experts):
+    def __init__(self, experts: "Experts"):
         super().__init__()
         self.num_experts = experts.num_experts
-        self.shapes = {name: tuple(getattr(experts, name).shape) for name in Experts.WEIGHT_NAMES}
+        self.shapes = {name: tuple(getattr(experts, name).shape) for name in type(experts).WEIGHT_NAMES}
         self.lora_A = nn.ModuleDict()  # adapter -> ParameterDict(weight name -> [E*r, D])
         self.lora_B = nn.ModuleDict()  # adapter -> ParameterDict(weight name -> [F, r*E])
         self.lora_dropout = nn.ModuleDict()
@@ -260,13 +289,13 @@ class ExpertsLoRA(nn.Module):
         return out
 
     @torch.no_grad()
-    def merge(self, name: str, experts: Experts) -> None:
+    def merge(self, name: str, experts: "Experts") -> None:
         for weight in self.lora_A[name]:
             self._add_delta(name, weight, getattr(experts, weight), sign=1.0)
         self.merged_adapter = name
 
     @torch.no_grad()
-    def unmerge(self, experts: Experts) -> None:
+    def unmerge(self, experts: "Experts") -> None:
         for weight in self.lora_A[self.merged_adapter]:
             self._add_delta(self.merged_adapter, weight, getattr(experts, weight), sign=-1.0)
         self.merged_adapter = None

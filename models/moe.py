@@ -32,6 +32,7 @@ from torch import nn
 
 from kernels.moe import PermState, grouped_mm, permute, unpermute
 from kernels.quant4 import Packed4Weight, quant4_grouped_mm
+from kernels.activations import swiglu
 from models.common.blocks import MLP
 from models.moe_args import MoEArgs  # noqa: F401 - re-exported
 
@@ -206,7 +207,7 @@ class Experts(nn.Module):
         x_MD, state = permute(x_ND, ids_NK, self.num_experts)
         gate_up_M2I = self._project("gate_up_proj", x_MD, state)
         gate_MI, up_MI = gate_up_M2I.chunk(2, dim=-1)
-        h_MI = F.silu(gate_MI) * up_MI
+        h_MI = swiglu(gate_MI, up_MI)
         out_MD = self._project("down_proj", h_MI, state)
         return unpermute(out_MD, weights_NK, state)
 

@@ -11,12 +11,12 @@ need none (trailing pads never influence earlier tokens), and with a KVCache eve
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kernels import Packing, apply_rotary, rms_norm
+from kernels import Packing, apply_rotary, rms_norm, swiglu
 from kernels.attention import attention
 from models.kv_cache import KVCache
+from models.lora_layers import project
 
 
 class RMSNorm(nn.Module):
@@ -55,9 +55,10 @@ class Attention(nn.Module):
         packing: Packing | None = None,
     ) -> torch.Tensor:
         B, T, _ = x_BTD.shape
-        q_BTHD = self.q_proj(x_BTD).view(B, T, -1, self.head_dim)
-        k_BTKD = self.k_proj(x_BTD).view(B, T, -1, self.head_dim)
-        v_BTKD = self.v_proj(x_BTD).view(B, T, -1, self.head_dim)
+        q_BTX, k_BTX, v_BTX = project(x_BTD, (self.q_proj, self.k_proj, self.v_proj))
+        q_BTHD = q_BTX.view(B, T, -1, self.head_dim)
+        k_BTKD = k_BTX.view(B, T, -1, self.head_dim)
+        v_BTKD = v_BTX.view(B, T, -1, self.head_dim)
         if self.q_norm is not None:
             q_BTHD, k_BTKD = self.q_norm(q_BTHD), self.k_norm(k_BTKD)
         q_BHTD, k_BKTD = apply_rotary(q_BTHD.transpose(1, 2), k_BTKD.transpose(1, 2), cos_BTR, sin_BTR)
@@ -82,7 +83,8 @@ class MLP(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, routing=None) -> torch.Tensor:
         del routing  # a layer passes its router replay to whichever MLP it holds; a dense one has no router
-        return self.down_proj(F.silu(self.gate_proj(x_BTD)) * self.up_proj(x_BTD))
+        gate_BTF, up_BTF = project(x_BTD, (self.gate_proj, self.up_proj))
+        return self.down_proj(swiglu(gate_BTF, up_BTF))
 
 
 class DecoderLayer(nn.Module):

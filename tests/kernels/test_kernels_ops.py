@@ -103,3 +103,18 @@ def test_apply_rotary_preserves_norm_and_is_relative():
 def test_unsupported_rope_type_is_a_clear_error():
     with pytest.raises(ValueError, match="Unsupported rope_scaling type 'yarn'.*default, llama3"):
         rope_inv_freq(64, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+
+
+def test_swiglu_matches_autograd_bitwise():
+    """kernels.activations.swiglu keeps only gate and up for backward and recomputes silu(gate): the same ops, so the
+    same bits as autograd through F.silu(gate) * up, forward and backward (float32, CPU)."""
+    from kernels.activations import swiglu
+
+    gen = torch.Generator().manual_seed(0)
+    gate, up, g = (torch.randn(5, 33, generator=gen) for _ in range(3))
+    a = [t.clone().requires_grad_() for t in (gate, up)]
+    b = [t.clone().requires_grad_() for t in (gate, up)]
+    out_a, out_b = swiglu(*a), torch.nn.functional.silu(b[0]) * b[1]
+    assert torch.equal(out_a, out_b)
+    for x, y in zip(torch.autograd.grad(out_a, a, g), torch.autograd.grad(out_b, b, g)):
+        assert torch.equal(x, y)
