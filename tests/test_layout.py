@@ -37,6 +37,7 @@ def test_no_import_cycles_between_service_folders():
     cycles = [folder for folder in graph if reaches(folder, folder, {folder})]
     assert cycles == [], f"import cycles through {cycles}: {graph}"
     assert graph["scheduler"] <= {"common"}, graph["scheduler"]  # it sends task names; it never imports training
+    assert graph["worker"] <= {"common", "trainer"}, graph["worker"]  # control flows down: worker -> trainer
     assert "scheduler" not in graph["trainer"] and "worker" not in graph["trainer"]
 
 

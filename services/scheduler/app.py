@@ -14,11 +14,11 @@ from services.common.grpcserver import Server, ServiceSpec, run_service, service
 from services.common.schema import SHARED_SCOPE
 from services.common import registry
 from services.scheduler.accounts import AccountCore
-from services.scheduler.celery_app import Dispatcher
+from services.common.jobqueue import Dispatcher
 from services.scheduler.datasets import DatasetStore
 from services.scheduler.deployments import DeploymentCore
 from services.scheduler.jobs import JobCore
-from services.scheduler.ledger import Ledger
+from services.common.ledger import Ledger
 from services.scheduler.planner import Planner
 from services.scheduler.servicer import (
     AccountServicer,

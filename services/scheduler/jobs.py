@@ -13,7 +13,7 @@ from services.common.errors import FailedPrecondition, InvalidArgument, Unavaila
 from services.common.methods import HYPERPARAMS
 from services.common.methods.resolved import Resolved, model_violations
 from services.common.schema import Dataset, Job, JobLog, JobMetric, Model, new_id, utcnow
-from services.scheduler.ledger import TERMINAL, Ledger
+from services.common.ledger import TERMINAL, Ledger
 from services.scheduler.planner import Planner
 from trainyard.methods import METHODS, Method
 

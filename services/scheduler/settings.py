@@ -1,19 +1,17 @@
-"""Scheduler and worker settings (env TRAINYARD_*, see services/common/config.py)."""
+"""Scheduler settings (env TRAINYARD_*, see services/common/config.py); the job queue's, which workers share, are
+services/common/jobqueue.py's JobQueueSettings."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from pydantic import Field
 
-from services.common.config import TrainyardSettings
+from services.common.jobqueue import JobQueueSettings
 
 
-class SchedulerSettings(TrainyardSettings):
-    broker_url: str = Field(default="", description="Celery broker; default: filesystem broker under data_dir")
-    celery_queue: str = "trainyard"
+class SchedulerSettings(JobQueueSettings):
     max_dataset_mb: int = Field(default=2048, ge=1)
-    # Job leases: a worker heartbeats every heartbeat_s; a running job silent for worker_lost_after_s is retried.
-    heartbeat_s: float = Field(default=2.0, gt=0)
+    # A running job whose worker has not heartbeaten for worker_lost_after_s is retried.
     worker_lost_after_s: float = Field(default=30.0, gt=0)
     reaper_interval_s: float = Field(default=5.0, gt=0)
     max_job_attempts: int = Field(default=3, ge=1)
@@ -26,8 +24,3 @@ class SchedulerSettings(TrainyardSettings):
     # Build (once) and share the tiny model of each family: tiny-qwen3, tiny-qwen3-moe, tiny-deepseek-v3.
     builtin_tiny_models: bool = True
 
-    def broker(self) -> str:
-        return self.broker_url or "filesystem://"
-
-    def broker_dir(self):
-        return self.data_dir / "broker"

@@ -7,11 +7,10 @@ from __future__ import annotations
 import os
 
 from services.common.grpcserver import configure_logging
-from services.scheduler.celery_app import RUN_JOB, make_celery
-from services.scheduler.settings import SchedulerSettings
+from services.common.jobqueue import RUN_JOB, JobQueueSettings, make_celery
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-settings = SchedulerSettings()
+settings = JobQueueSettings()
 settings.ensure_dirs()
 settings.apply_torch_threads()
 configure_logging(settings.log_level)

@@ -21,8 +21,8 @@ from pathlib import Path
 from services.common.blobstore import BlobStore
 from services.common.db import Database
 from services.common.schema import Checkpoint, Job
-from services.scheduler.ledger import Ledger, LeaseLost
-from services.scheduler.settings import SchedulerSettings
+from services.common.ledger import Ledger, LeaseLost
+from services.common.jobqueue import JobQueueSettings
 
 log = logging.getLogger("trainyard.worker")
 
@@ -71,7 +71,7 @@ class RecipeOutcome:
     output_checkpoint_id: str = ""
 
 
-def run_managed_job(job_id: str, settings: SchedulerSettings) -> None:
+def run_managed_job(job_id: str, settings: JobQueueSettings) -> None:
     db = Database(settings.database_url)
     blobs = BlobStore(settings.blob_dir)
     ledger = Ledger(db)

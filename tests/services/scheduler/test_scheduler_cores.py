@@ -15,7 +15,7 @@ from services.common.schema import SHARED_SCOPE, Job, utcnow
 from services.common import registry
 from services.scheduler.datasets import DatasetStore, UploadHeader
 from services.scheduler.jobs import JobCore, NewJob
-from services.scheduler.ledger import LeaseLost, Ledger
+from services.common.ledger import LeaseLost, Ledger
 
 ROW = b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
 

@@ -16,7 +16,7 @@ from services.common.schema import SHARED_SCOPE, Job
 from services.scheduler import convert
 from services.scheduler.datasets import DatasetStore, UploadHeader
 from services.scheduler.jobs import JobCore, NewJob
-from services.scheduler.ledger import Ledger
+from services.common.ledger import Ledger
 from services.scheduler.planner import Planner
 from services.scheduler.servicer import _new_job
 from trainyard.client import job_spec

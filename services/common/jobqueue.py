@@ -1,20 +1,37 @@
-"""Celery wiring. The scheduler only sends task names (it never imports training code); workers run them.
+"""The job queue the scheduler and the workers share: its settings and the Celery wiring. The scheduler only sends
+task names (it never imports training code); workers run them.
 
 Broker: Redis (or any Celery broker URL) in compose and tests; the filesystem transport under data_dir for the
 embedded quickstart, so a machine with no servers still runs separate worker processes. acks_late +
 reject_on_worker_lost + prefetch 1: a message is acknowledged only when its job finished. Duplicate deliveries are
-harmless because a worker must first claim the job in the database (services/scheduler/ledger.py).
+harmless because a worker must first claim the job in the database (services/common/ledger.py).
 """
 from __future__ import annotations
 
 from celery import Celery
+from pydantic import Field
 
-from services.scheduler.settings import SchedulerSettings
+from services.common.config import TrainyardSettings
 
 RUN_JOB = "trainyard.run_job"
 
 
-def make_celery(settings: SchedulerSettings) -> Celery:
+class JobQueueSettings(TrainyardSettings):
+    """What the scheduler and the workers both read (env TRAINYARD_*): the broker, the queue, the lease heartbeat."""
+
+    broker_url: str = Field(default="", description="Celery broker; default: filesystem broker under data_dir")
+    celery_queue: str = "trainyard"
+    # Job leases: a worker heartbeats every heartbeat_s (the scheduler retries a job silent for worker_lost_after_s).
+    heartbeat_s: float = Field(default=2.0, gt=0)
+
+    def broker(self) -> str:
+        return self.broker_url or "filesystem://"
+
+    def broker_dir(self):
+        return self.data_dir / "broker"
+
+
+def make_celery(settings: JobQueueSettings) -> Celery:
     app = Celery("trainyard")
     broker = settings.broker()
     conf = dict(
@@ -41,7 +58,7 @@ def make_celery(settings: SchedulerSettings) -> Celery:
 
 
 class Dispatcher:
-    def __init__(self, settings: SchedulerSettings):
+    def __init__(self, settings: JobQueueSettings):
         self.app = make_celery(settings)
         self.queue = settings.celery_queue
 
