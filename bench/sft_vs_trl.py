@@ -16,6 +16,10 @@ and its growth from just before training starts. TRL runs twice: its SFTConfig d
 with gradient checkpointing off.
 
     .venv/bin/python bench/sft_vs_trl.py [--steps 12] [--warmup 2] [--batch 8] [--seq-len 256] [--threads 2]
+                                         [--rank 16] [--rounds 3]
+
+With --rounds R every side runs R times, the sides alternating, and the table shows each side's median tokens/s and
+its largest peak (on a machine whose speed drifts, alternating keeps the ratios fair).
 
 Needs TRL (`.venv/bin/pip install 'trl==1.16.0'`: it brings datasets; torch stays the installed 2.13.0).
 """
@@ -25,6 +29,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import resource
 import subprocess
 import sys
@@ -153,6 +158,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--sides", default="trainyard,trl-gc,trl")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of every side, alternating; medians reported")
     parser.add_argument("--data-lengths", default="fixed,varied", help="fixed: every row seq-len tokens; varied: "
                         "seq-len / 8 .. seq-len")
     parser.add_argument("--side", help=argparse.SUPPRESS)
@@ -165,8 +171,8 @@ def main() -> None:
     from models.tiny import QWEN3_H512_L8, build_tiny_model
 
     print(f"cpu, {args.threads} threads, float32; LoRA r={args.rank} alpha={2 * args.rank} on {', '.join(TARGETS)}; "
-          f"batch {args.batch}, max {args.seq_len} tokens, {args.steps} steps ({args.warmup} untimed); load average "
-          f"{os.getloadavg()[0]:.2f}")
+          f"batch {args.batch}, max {args.seq_len} tokens, {args.steps} steps ({args.warmup} untimed), median of "
+          f"{args.rounds} alternating round(s); load average {os.getloadavg()[0]:.2f}")
     labels = {"trainyard": "trainyard (managed SFT, engine)", "trl-gc": "TRL SFTTrainer (default: grad ckpt)",
               "trl": "TRL SFTTrainer (grad ckpt off)"}
     with tempfile.TemporaryDirectory() as tmp:
@@ -175,17 +181,23 @@ def main() -> None:
             data, mean_len = make_data(model_dir, Path(tmp) / f"{kind}.jsonl", rows=args.batch * args.steps,
                                        seq_len=args.seq_len, varied=kind == "varied")
             tokens = mean_len * args.batch * (args.steps - args.warmup)  # one epoch: each row once
-            results = {}
-            for side in args.sides.split(","):
-                cmd = [sys.executable, __file__, "--side", side, "--model-dir", str(model_dir), "--data", str(data),
-                       "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
-                       "--seq-len", str(args.seq_len), "--rank", str(args.rank), "--threads", str(args.threads)]
-                out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                                     env={**os.environ, "PYTHONPATH": str(ROOT)})
-                line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-                if out.returncode != 0 or line is None:
-                    raise SystemExit(f"{side} failed:\n{out.stderr[-3000:]}")
-                results[side] = json.loads(line[len("RESULT "):])
+            runs: dict[str, list[dict]] = {}
+            for _ in range(args.rounds):  # sides alternate, so a slow spell of the machine hits each alike
+                for side in args.sides.split(","):
+                    cmd = [sys.executable, __file__, "--side", side, "--model-dir", str(model_dir), "--data",
+                           str(data), "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch",
+                           str(args.batch), "--seq-len", str(args.seq_len), "--rank", str(args.rank), "--threads",
+                           str(args.threads)]
+                    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+                    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+                    if out.returncode != 0 or line is None:
+                        raise SystemExit(f"{side} failed:\n{out.stderr[-3000:]}")
+                    runs.setdefault(side, []).append(json.loads(line[len("RESULT "):]))
+            # Per side: the median time of its rounds, and its largest peak.
+            results = {side: {"seconds": statistics.median(r["seconds"] for r in rs),
+                              "peak_mb": max(r["peak_mb"] for r in rs),
+                              "rss_before_mb": min(r["rss_before_mb"] for r in rs)} for side, rs in runs.items()}
             base = results.get("trainyard")
             print(f"\n{kind} lengths (mean {mean_len:.0f} tokens)")
             print(f"{'trainer':36s} {'tokens/s':>9s} {'peak RSS MB':>12s} {'growth MB':>10s} {'trainyard speedup':>18s}")

@@ -12,8 +12,8 @@ The run trains through the engine (services/trainer/engine/): the loss is its su
 head: never [B, T, V] logits), the step its AdamW step (torch's defaults, the job's weight decay and clipping).
 
 Order of one optimizer step s (0-based; `step` counts completed steps, so it becomes s + 1):
-  for each of the step's gradient_accumulation_steps micro-batches: stop.is_set()? -> forward -> backward of
-  (summed target-token NLL / target tokens of the whole step) -> grad norm (+ clip) -> lr(s) -> AdamW step ->
+  lr(s) -> for each of the step's gradient_accumulation_steps micro-batches: stop.is_set()? -> forward -> backward
+  of (summed target-token NLL / target tokens of the whole step) -> grad norm (+ clip) -> AdamW step ->
   eval if due -> Metrics(s + 1) -> checkpoint if due (Checkpoint, then our copy is deleted).
 
 A checkpoint at step k is the engine's (engine/checkpoint.py: the adapter under weights/, the rest under state/) and
@@ -172,6 +172,10 @@ class _SftRun:
     def _train_step(self, step: int) -> dict[str, float] | None:
         """One optimizer step over its micro-batches; None when the stop flag was set before one of them."""
         hp = self.hp
+        lr = learning_rate(
+            step, peak_lr=hp.learning_rate, kind=hp.lr_scheduler, warmup_steps=hp.warmup_steps,
+            total_steps=self.total_steps,
+        )
         micro_batches = self.sampler.step_batches(step)
         num_targets = sum(mb.num_targets for mb in micro_batches)
         nll = torch.zeros((), device=self.engine.device)
@@ -182,10 +186,6 @@ class _SftRun:
             mb_nll = self._nll_sum(mb)
             (mb_nll / num_targets).backward()
             nll += mb_nll.detach()
-        lr = learning_rate(
-            step, peak_lr=hp.learning_rate, kind=hp.lr_scheduler, warmup_steps=hp.warmup_steps,
-            total_steps=self.total_steps,
-        )
         grad_norm = self.engine.step(self._adamw(lr))
         return {
             "train/loss": (nll / num_targets).item(),  # .item() syncs, once per step
