@@ -4,8 +4,10 @@ FROM python:3.11-slim
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 HF_HUB_OFFLINE=1
 WORKDIR /app
 
-# A C compiler for deterministic mode's kernels (kernels/csrc/invariant.c, built per CPU on first use).
-RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
+# A C compiler for deterministic mode's kernels (kernels/csrc/invariant.c, built per CPU on first use); jemalloc for
+# the processes that hold models (docker-compose.yml's training environment).
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev libjemalloc2 \
+    && rm -rf /var/lib/apt/lists/*
 
 # CPU build of torch first so nothing else pulls a CUDA build; GPU images swap this index URL.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu

@@ -12,8 +12,10 @@ norm clipped at 1; batch --batch, no accumulation; --steps optimizer steps, the 
 
 Each trainer runs in a child process of its own (so each peak is its own): tokens/s over the timed steps (tokens = every
 input token of the steps' examples, counted as the data's mean length x batch x timed steps), peak RSS of the process
-and its growth from just before training starts. TRL runs twice: its SFTConfig default (gradient checkpointing on) and
-with gradient checkpointing off.
+and its growth from just before training starts. Trainyard's process gets the allocator its worker runs with
+(docker-compose.yml's training environment: jemalloc keeping the pages it frees); TRL runs as its users run it, with
+its SFTConfig default (gradient checkpointing on) and with gradient checkpointing off, and once more with its default
+on Trainyard's allocator ("trl-gc-jemalloc").
 
     .venv/bin/python bench/sft_vs_trl.py [--steps 12] [--warmup 2] [--batch 8] [--seq-len 256] [--threads 2]
                                          [--rank 16] [--rounds 3]
@@ -40,6 +42,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def training_allocator() -> dict[str, str]:
+    """The allocator settings of the worker in docker-compose.yml (where its library is installed)."""
+    from trainyard.localstack import compose_services, preloadable
+
+    env = compose_services()["worker"].get("environment") or {}
+    if not preloadable(str(env.get("LD_PRELOAD", ""))):
+        return {}
+    return {k: str(env[k]) for k in ("LD_PRELOAD", "MALLOC_CONF") if k in env}
 
 
 def rss_mb() -> float:
@@ -145,7 +157,7 @@ def child(args) -> None:
     if args.side == "trainyard":
         result = run_trainyard(args)
     else:
-        result = run_trl(args, gradient_checkpointing=args.side == "trl-gc")
+        result = run_trl(args, gradient_checkpointing=args.side in ("trl-gc", "trl-gc-jemalloc"))
     print("RESULT " + json.dumps(result))
 
 
@@ -157,7 +169,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--sides", default="trainyard,trl-gc,trl")
+    parser.add_argument("--sides", default="trainyard,trl-gc,trl,trl-gc-jemalloc")
     parser.add_argument("--rounds", type=int, default=1, help="runs of every side, alternating; medians reported")
     parser.add_argument("--data-lengths", default="fixed,varied", help="fixed: every row seq-len tokens; varied: "
                         "seq-len / 8 .. seq-len")
@@ -174,7 +186,9 @@ def main() -> None:
           f"batch {args.batch}, max {args.seq_len} tokens, {args.steps} steps ({args.warmup} untimed), median of "
           f"{args.rounds} alternating round(s); load average {os.getloadavg()[0]:.2f}")
     labels = {"trainyard": "trainyard (managed SFT, engine)", "trl-gc": "TRL SFTTrainer (default: grad ckpt)",
-              "trl": "TRL SFTTrainer (grad ckpt off)"}
+              "trl": "TRL SFTTrainer (grad ckpt off)", "trl-gc-jemalloc": "TRL default, Trainyard's allocator"}
+    allocator = training_allocator()
+    print(f"Trainyard's allocator (the worker's): {allocator or 'the default (jemalloc is not installed)'}")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(Path(tmp) / "qwen3-h512-l8", overrides=QWEN3_H512_L8)
         for kind in args.data_lengths.split(","):
@@ -188,8 +202,10 @@ def main() -> None:
                            str(data), "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch",
                            str(args.batch), "--seq-len", str(args.seq_len), "--rank", str(args.rank), "--threads",
                            str(args.threads)]
-                    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+                    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+                    if side in ("trainyard", "trl-gc-jemalloc"):
+                        env |= allocator
+                    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
                     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
                     if out.returncode != 0 or line is None:
                         raise SystemExit(f"{side} failed:\n{out.stderr[-3000:]}")

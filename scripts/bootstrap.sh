@@ -28,5 +28,15 @@ if ! command -v cc >/dev/null 2>&1 && ! command -v gcc >/dev/null 2>&1; then
     || { $SUDO apt-get update -q >/dev/null 2>&1 && $SUDO apt-get install -y -q gcc libc6-dev >/dev/null 2>&1; }; } \
     || echo "could not install gcc: deterministic mode will refuse to start" >&2
 fi
+# jemalloc for the services that hold models (docker-compose.yml's training environment; without it they run on the
+# default allocator, with more memory).
+if ! .venv/bin/python -c "import ctypes.util, sys; sys.exit(ctypes.util.find_library('jemalloc') is None)"; then
+  echo "installing Debian's libjemalloc2 for the training services ..."
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && SUDO="sudo"
+  { $SUDO apt-get install -y -q libjemalloc2 >/dev/null 2>&1 \
+    || { $SUDO apt-get update -q >/dev/null 2>&1 && $SUDO apt-get install -y -q libjemalloc2 >/dev/null 2>&1; }; } \
+    || echo "could not install libjemalloc2: the training services use the default allocator" >&2
+fi
 .venv/bin/python -c "from kernels import native; native.build()" \
   || echo "building deterministic mode's kernels failed: deterministic mode will refuse to start" >&2

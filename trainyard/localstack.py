@@ -8,6 +8,7 @@ directory. Entry points, flags and variables all come from the file, so it canno
 """
 from __future__ import annotations
 
+import ctypes.util
 import os
 import re
 import signal
@@ -25,6 +26,17 @@ ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
 GRPC_SERVICES = ("scheduler", "trainer", "rollout", "weightsync")
 INFRA = ("postgres", "redis")
+
+
+def preloadable(libraries: str) -> bool:
+    """Whether every library of an LD_PRELOAD value is installed (a bare name is looked up as the loader would)."""
+    names = [n for n in re.split(r"[:\s]+", libraries) if n]
+    return all(Path(n).is_file() if "/" in n else ctypes.util.find_library(_stem(n)) is not None for n in names)
+
+
+def _stem(name: str) -> str:
+    """'libjemalloc.so.2' -> 'jemalloc', as ctypes.util.find_library takes it."""
+    return name.removeprefix("lib").split(".so")[0]
 
 
 def free_port() -> int:
@@ -115,6 +127,8 @@ class Stack:
             if k.endswith("_PORT") and f"{name}:{v}" in self.ports:
                 env[k] = str(self.ports[f"{name}:{v}"])
         env.update(self.extra_env)
+        if "LD_PRELOAD" in env and not preloadable(env["LD_PRELOAD"]):
+            del env["LD_PRELOAD"]  # e.g. jemalloc where it is not installed: the default allocator serves
         return env
 
     def _container_port(self, name: str) -> str:
