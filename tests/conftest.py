@@ -20,6 +20,20 @@ REDIS_URL = os.environ.get("TRAINYARD_TEST_REDIS", "redis://127.0.0.1:6379/0")
 
 
 # -- models ------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test (the process's count back afterwards, also when the test fails): the tiny
+    models' ops are far too small to gain from intra-op threads, on a shared 2-core machine threads only contend, and
+    a fixed count keeps bitwise comparisons reproducible. A test folder or module opts in with
+    `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The tiny dense Qwen3 model and tokenizer the project builds locally (models/tiny.py)."""

@@ -21,6 +21,8 @@ from kernels.attention import document_groups, reference_attention
 from kernels.backends import optional_module
 from kernels.memory import TensorMemoryTracker
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 attention_module = importlib.import_module("kernels.attention")  # `kernels.attention` the attribute is the function
 
 
@@ -97,14 +99,6 @@ def _check(rows, label):
     print(label, "  ".join(f"{n} {e:.2e}/{b:.2e}" for n, (e, b) in rows.items()))
     for name, (err, bound) in rows.items():
         assert err <= bound, f"{label} {name}: max error {err:.3g} > bound {bound:.3g}"
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # The reference backend in fp32 is the "same dtype" baseline itself, so that pairing would check nothing.

@@ -31,18 +31,11 @@ from models import KVCache, load_pretrained
 from models.lora import LoraConfig, apply_lora
 from models.tiny import build_tiny_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3")
 PAD = 0
 SEQ_LEN = 150  # several of the attention kernel's key blocks (16) and query tiles (16 positions)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Each test starts on one thread; the probes that set 2 get the process's count back even when they fail."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

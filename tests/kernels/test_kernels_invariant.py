@@ -19,13 +19,7 @@ from kernels.batch_invariant import DeterminismError, batch_invariant_mode, refe
 from kernels.invariant_checks import CHECKS, Check, run_checks
 
 THREADS = (1, 2)
-
-
-@pytest.fixture(autouse=True)
-def restore_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # the process's thread count back after the tests that set 2
 
 
 def _gen(seed: int) -> torch.Generator:

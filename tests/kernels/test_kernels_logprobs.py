@@ -16,16 +16,10 @@ from models.llama import CausalLM, ModelArgs
 from models.lora import LoraConfig, apply_lora
 from services.trainer.engine.logprobs import target_nll_sum
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 VALUE_ATOL = 1e-5
 GRAD_RTOL = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _inputs(lead_shape, D=48, V=1000, seed=0, with_norm=True):

@@ -18,19 +18,13 @@ from kernels.logprobs import IGNORE_INDEX
 from models import load_pretrained
 from services.trainer.engine.logprobs import target_nll_sum
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 NLL_RTOL = 1e-5
 GRAD_RTOL = 1e-5
 LENGTHS = [11, 1, 6, 17]  # uneven, with a one-token sequence (no target of its own, but it must not leak)
 
 attention_module = importlib.import_module("kernels.attention")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -7,21 +7,17 @@ CPU only, float32, offline. The numerical reference and the engine-driving helpe
 from pathlib import Path
 
 import pytest
-import torch
 from rollout_reference import SMALL_POOL_MB, write_adapter
 
 from services.rollout.engine import Engine
 
+
 PROMPT = "The quick brown fox"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model's matmuls are far too small for intra-op threads; on a shared 2-core box they only contend."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+@pytest.fixture(autouse=True)
+def _on_one_thread(one_thread):
+    """Every test of the rollout's folder runs on one torch thread (tests/conftest.py's one_thread)."""
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Fixtures for the trainer tests: small JSONL datasets, recording hooks, the in-process Training API platform.
+"""Fixtures for the trainer tests: small JSONL datasets, recorded SFT runs, the in-process Training API platform.
 
 CPU only, float32, offline.
 """
@@ -8,6 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 from trainer_helpers import PAIRS, RecordingRun, chat_row, write_jsonl
+
+
+@pytest.fixture(autouse=True)
+def _on_one_thread(one_thread):
+    """Every test of the trainer's folder runs on one torch thread (tests/conftest.py's one_thread)."""
 
 
 @pytest.fixture
@@ -24,16 +29,6 @@ def make_run(tmp_path):
         return RecordingRun(tmp_path / f"saved-{next(counter)}", **kwargs)
 
     return make
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The tiny model's ops are too small to gain from threads; on a busy machine they lose a lot to contention,
-    and a fixed count keeps results reproducible."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture
