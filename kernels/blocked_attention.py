@@ -31,19 +31,19 @@ MAX_PADDING = 0.25
 SCORE_ELEMENTS = 1 << 22
 
 
-@functools.lru_cache(maxsize=64)
-def _causal_block_mask(start: int, stop: int, groups: int, device: torch.device) -> torch.Tensor:
-    """[G * b, e] True where query start + i (of each of the G heads) may not see key j."""
-    rows = torch.arange(start, stop, device=device)[:, None]
-    return (torch.arange(stop, device=device)[None, :] > rows).repeat(groups, 1)
+@functools.lru_cache(maxsize=16)
+def _diagonal_mask(b: int, groups: int, device: torch.device) -> torch.Tensor:
+    """[G * b, b] True where query i of a block (of each of the G heads) may not see the block's key j > i. Keys
+    before the block are visible to all of its queries, so only the block's own b keys need a mask."""
+    i = torch.arange(b, device=device)
+    return (i[None, :] > i[:, None]).repeat(groups, 1)
 
 
 def _block_probs(qs_nKGbD: torch.Tensor, k_nKeD: torch.Tensor, start: int) -> torch.Tensor:
     """Softmax of one block's scores (qs: queries already multiplied by the scale), causal keys masked."""
     n, K, G, b, D = qs_nKGbD.shape
-    stop = start + b
     s_nKMe = torch.matmul(qs_nKGbD.reshape(n, K, G * b, D), k_nKeD.transpose(-1, -2))
-    s_nKMe.masked_fill_(_causal_block_mask(start, stop, G, s_nKMe.device), -math.inf)
+    s_nKMe[..., start:].masked_fill_(_diagonal_mask(b, G, s_nKMe.device), -math.inf)
     return torch.softmax(s_nKMe, dim=-1)
 
 
