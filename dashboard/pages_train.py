@@ -61,7 +61,8 @@ def setting_input(container, f: Field):
         text = container.text_input(label, value=format_value(default), help=helptext, placeholder="default")
         return logic.list_value(text)
     if f.type is int:
-        return int(container.number_input(label, value=default, step=1, help=helptext))
+        value = container.number_input(label, value=default, step=1, help=helptext, placeholder="unset")
+        return None if value is None else int(value)  # None: left unset (max_steps), the method derives it
     return float(container.number_input(label, value=float(default), step=logic.float_step(default), format="%g",
                                         help=helptext))
 

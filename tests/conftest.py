@@ -53,6 +53,30 @@ def family_dirs(tmp_path_factory, tiny_model_dir) -> dict[str, Path]:
     return dirs
 
 
+# -- TLS ---------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory) -> dict[str, Path]:
+    """A throwaway CA with a certificate for 127.0.0.1 / localhost (server and client use: the services present it
+    to each other under mutual TLS), a client certificate, and a second CA with a client certificate of its own
+    that the first does not trust. Made with the openssl command for this test session; nothing is committed."""
+    d = tmp_path_factory.mktemp("pki")
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+    key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    for ca in ("ca", "rogue-ca"):
+        run("req", "-x509", *key, "-keyout", f"{ca}.key", "-out", f"{ca}.pem", "-days", "2", "-subj", f"/CN={ca}",
+            "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign")
+    (d / "leaf.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n"
+                                "extendedKeyUsage=serverAuth,clientAuth\n")
+    for name, ca in (("server", "ca"), ("client", "ca"), ("rogue-client", "rogue-ca")):
+        run("req", *key, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
+            "-out", f"{name}.pem", "-days", "2", "-extfile", "leaf.ext")
+    return {p.stem if p.suffix == ".pem" else p.name: p for p in d.iterdir() if p.suffix in (".pem", ".key")}
+
+
 # -- services ----------------------------------------------------------------------------------------------------
 def _admin(sql: str) -> None:
     import psycopg

@@ -27,6 +27,7 @@ from google.protobuf import json_format
 from trainyard.config import ClientConfig
 from trainyard.errors import TrainyardError, translate, translate_iter
 from trainyard.methods import method as find_method, proto as method_proto
+from trainyard.tls import channel_credentials
 from trainyard.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, scheduler_pb2 as pb, scheduler_pb2_grpc as rpc
 
 UPLOAD_CHUNK = 1 << 20  # 1 MiB: far below the default 4 MiB message limit
@@ -66,26 +67,30 @@ def deployment_status_name(status: int) -> str:
     return pb.DeploymentStatus.Name(status).removeprefix("DEPLOYMENT_STATUS_").lower()
 
 
-def _channel(target: str) -> grpc.Channel:
+def _channel(target: str, config: ClientConfig) -> grpc.Channel:
     """Each client gets its own connections (a local subchannel pool: a new Client never inherits another channel's
     failed connection and its reconnect backoff), and reconnect backoff is capped at 2 s so a restarted server is
-    reached again within seconds."""
+    reached again within seconds. TLS when the config names a CA or a client certificate (trainyard/tls.py)."""
     size = 64 * 1024 * 1024
-    return grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", size),
-                                                  ("grpc.max_send_message_length", size),
-                                                  ("grpc.enable_http_proxy", 0),
-                                                  ("grpc.use_local_subchannel_pool", 1),
-                                                  ("grpc.initial_reconnect_backoff_ms", 200),
-                                                  ("grpc.max_reconnect_backoff_ms", 2000)])
+    options = [("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),
+               ("grpc.enable_http_proxy", 0), ("grpc.use_local_subchannel_pool", 1),
+               ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]
+    credentials = channel_credentials(config.tls_ca_file, config.tls_client_cert_file, config.tls_client_key_file)
+    if credentials is not None:
+        return grpc.secure_channel(target, credentials, options=options)
+    return grpc.insecure_channel(target, options=options)
 
 
 class Client:
     def __init__(self, url: str | None = None, api_key: str | None = None, rollout_url: str | None = None,
-                 timeout_s: float = 60.0):
-        self.config = ClientConfig.resolve(url, rollout_url, api_key)
+                 timeout_s: float = 60.0, *, tls_ca_file: str | None = None, tls_client_cert_file: str | None = None,
+                 tls_client_key_file: str | None = None):
+        self.config = ClientConfig.resolve(url, rollout_url, api_key, tls_ca_file=tls_ca_file,
+                                           tls_client_cert_file=tls_client_cert_file,
+                                           tls_client_key_file=tls_client_key_file)
         self.timeout_s = timeout_s
-        self._channel = _channel(self.config.url)
-        self._rollout_channel = _channel(self.config.rollout_url)
+        self._channel = _channel(self.config.url, self.config)
+        self._rollout_channel = _channel(self.config.rollout_url, self.config)
         self.accounts = rpc.AccountServiceStub(self._channel)
         self.models = rpc.ModelServiceStub(self._channel)
         self.datasets = rpc.DatasetServiceStub(self._channel)

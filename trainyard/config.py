@@ -1,8 +1,9 @@
 """Where the SDK and CLI connect, and with which key.
 
 Precedence: explicit arguments > environment (TRAINYARD_URL, TRAINYARD_ROLLOUT_URL, TRAINYARD_TRAINER_URL,
-TRAINYARD_API_KEY) > the file
-written by `trainyard login` (TRAINYARD_CLIENT_CONFIG or ~/.config/trainyard/client.json) > local defaults.
+TRAINYARD_API_KEY, and for TLS TRAINYARD_TLS_CA_FILE, TRAINYARD_TLS_CLIENT_CERT_FILE, TRAINYARD_TLS_CLIENT_KEY_FILE:
+the services' own names for them) > the file written by `trainyard login` (TRAINYARD_CLIENT_CONFIG or
+~/.config/trainyard/client.json) > local defaults (plain TCP to 127.0.0.1).
 """
 from __future__ import annotations
 
@@ -31,14 +32,20 @@ class ClientConfig:
     rollout_url: str = DEFAULT_ROLLOUT_URL
     api_key: str = ""
     trainer_url: str = DEFAULT_TRAINER_URL
+    # TLS (trainyard/tls.py): the CA that signed the servers' certificates; a certificate and key for mutual TLS.
+    tls_ca_file: str = ""
+    tls_client_cert_file: str = ""
+    tls_client_key_file: str = ""
 
     @classmethod
     def resolve(cls, url: str | None = None, rollout_url: str | None = None, api_key: str | None = None,
-                trainer_url: str | None = None) -> "ClientConfig":
+                trainer_url: str | None = None, **tls: str | None) -> "ClientConfig":
         saved: dict = {}
         path = config_path()
         if path.is_file():
             saved = json.loads(path.read_text())
+        files = {name: tls.get(name) or os.environ.get(f"TRAINYARD_{name.upper()}") or saved.get(name) or ""
+                 for name in ("tls_ca_file", "tls_client_cert_file", "tls_client_key_file")}
         return cls(
             url=url or os.environ.get("TRAINYARD_URL") or saved.get("url") or DEFAULT_URL,
             rollout_url=rollout_url or os.environ.get("TRAINYARD_ROLLOUT_URL") or saved.get("rollout_url")
@@ -46,6 +53,7 @@ class ClientConfig:
             api_key=api_key or os.environ.get("TRAINYARD_API_KEY") or saved.get("api_key") or "",
             trainer_url=trainer_url or os.environ.get("TRAINYARD_TRAINER_URL") or saved.get("trainer_url")
             or DEFAULT_TRAINER_URL,
+            **files,
         )
 
     def save(self) -> Path:

@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -166,16 +167,25 @@ class Stack:
         self.procs[name] = proc
         return proc
 
+    def credentials(self, name: str):
+        """The gRPC channel credentials a client of this service uses: its environment's TLS files (the settings'
+        tls_ca_file, tls_client_cert_file, tls_client_key_file), None for plain TCP."""
+        from trainyard.tls import channel_credentials
+
+        env = self.env_for(name)
+        return channel_credentials(*(env.get(f"TRAINYARD_TLS_{k}_FILE") for k in ("CA", "CLIENT_CERT", "CLIENT_KEY")))
+
     def wait_ready(self, name: str, timeout_s: float = 90) -> None:
         from services.common.channels import wait_healthy
 
         proc = self.procs[name]
         deadline = time.monotonic() + timeout_s
         if name in GRPC_SERVICES:
+            credentials = self.credentials(name)
             while time.monotonic() < deadline:
                 self._check_alive(proc)
                 try:
-                    wait_healthy(self.url(name), timeout_s=2)
+                    wait_healthy(self.url(name), timeout_s=2, credentials=credentials)
                     return
                 except TimeoutError:
                     continue
@@ -186,10 +196,15 @@ class Stack:
                     return
                 time.sleep(0.2)
         elif name == "dashboard":
+            env = self.env_for(name)
+            # Streamlit serves HTTPS when its certificate is set (STREAMLIT_SERVER_SSL_CERT_FILE / _KEY_FILE).
+            https = bool(env.get("STREAMLIT_SERVER_SSL_CERT_FILE"))
+            context = ssl.create_default_context(cafile=env.get("TRAINYARD_TLS_CA_FILE")) if https else None
             while time.monotonic() < deadline:
                 self._check_alive(proc)
                 try:
-                    with urllib.request.urlopen(f"http://{self.url(name)}/_stcore/health", timeout=2) as r:
+                    with urllib.request.urlopen(f"{'https' if https else 'http'}://{self.url(name)}/_stcore/health",
+                                                timeout=2, context=context) as r:
                         if r.status == 200:
                             return
                 except OSError:

@@ -69,10 +69,14 @@ class ServiceClient:
     trainyard.Client's: the environment (TRAINYARD_TRAINER_URL, TRAINYARD_ROLLOUT_URL, TRAINYARD_API_KEY), then the
     file `trainyard login` writes, then the local defaults."""
 
-    def __init__(self, base_url: str | None = None, api_key: str | None = None, rollout_url: str | None = None):
-        self.config = ClientConfig.resolve(rollout_url=rollout_url, api_key=api_key, trainer_url=base_url)
-        self._trainer_channel = _channel(self.config.trainer_url)
-        self._rollout_channel = _channel(self.config.rollout_url)
+    def __init__(self, base_url: str | None = None, api_key: str | None = None, rollout_url: str | None = None, *,
+                 tls_ca_file: str | None = None, tls_client_cert_file: str | None = None,
+                 tls_client_key_file: str | None = None):
+        self.config = ClientConfig.resolve(rollout_url=rollout_url, api_key=api_key, trainer_url=base_url,
+                                           tls_ca_file=tls_ca_file, tls_client_cert_file=tls_client_cert_file,
+                                           tls_client_key_file=tls_client_key_file)
+        self._trainer_channel = _channel(self.config.trainer_url, self.config)
+        self._rollout_channel = _channel(self.config.rollout_url, self.config)
         self.trainer = trainer_pb2_grpc.TrainerServiceStub(self._trainer_channel)
         self.rollout = rollout_pb2_grpc.RolloutServiceStub(self._rollout_channel)
         self.metadata = (("authorization", f"Bearer {self.config.api_key}"),) if self.config.api_key else ()

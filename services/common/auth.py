@@ -19,7 +19,7 @@ from services.common.errors import AlreadyExists, InvalidArgument, Unauthenticat
 from services.common.schema import Account, ApiKey, new_id, utcnow
 
 KEY_PREFIX = "ty_"
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,127}$")
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,127}")  # whole names only (fullmatch: no trailing newline)
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class KeyAuthenticator:
 
 def create_account(db: Database, name: str, key_name: str = "default") -> tuple[Account, ApiKey, str]:
     """Operator bootstrap (``trainyard admin create-account``): a new account and its first API key."""
-    if not NAME_RE.match(name):
+    if not NAME_RE.fullmatch(name):
         raise InvalidArgument("use 1-128 letters, digits, '_', '.', '@' or '-', starting with a letter or digit",
                               field="name")
     with db.session() as s:

@@ -5,16 +5,18 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
-def open_channel(target: str, max_message_mb: int = 64) -> grpc.Channel:
-    """A channel between services. Reconnect backoff is capped at 2 s (gRPC's default grows to 2 minutes), so a
-    restarted peer is reached again within seconds."""
+def open_channel(target: str, max_message_mb: int = 64,
+                 credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+    """A channel between services: TLS with credentials (TrainyardSettings.channel_credentials()), else plain TCP.
+    Reconnect backoff is capped at 2 s (gRPC's default grows to 2 minutes), so a restarted peer is reached again
+    within seconds."""
     size = max_message_mb * 1024 * 1024
-    return grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", size),
-                                                  ("grpc.max_send_message_length", size),
-                                                  ("grpc.enable_http_proxy", 0),
-                                                  ("grpc.use_local_subchannel_pool", 1),
-                                                  ("grpc.initial_reconnect_backoff_ms", 200),
-                                                  ("grpc.max_reconnect_backoff_ms", 2000)])
+    options = [("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),
+               ("grpc.enable_http_proxy", 0), ("grpc.use_local_subchannel_pool", 1),
+               ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]
+    if credentials is not None:
+        return grpc.secure_channel(target, credentials, options=options)
+    return grpc.insecure_channel(target, options=options)
 
 
 def ready(channel: grpc.Channel, timeout_s: float) -> bool:
@@ -30,13 +32,14 @@ def auth_metadata(api_key: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {api_key}"),)
 
 
-def wait_healthy(target: str, timeout_s: float = 30.0, service: str = "") -> None:
+def wait_healthy(target: str, timeout_s: float = 30.0, service: str = "",
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
     """Block until the server at target reports SERVING (raises TimeoutError)."""
     import time
 
     deadline = time.monotonic() + timeout_s
     last: Exception | None = None
-    with open_channel(target) as ch:
+    with open_channel(target, credentials=credentials) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             try:

@@ -61,6 +61,48 @@ class TrainyardSettings(BaseSettings):
     # CPU threads for torch in this process (0 = torch's default). Several processes sharing few cores run far
     # faster with 1 each than with every process spinning up a full thread pool.
     torch_threads: int = Field(default=0, ge=0)
+    # How often a server stream (WatchJob, WatchLineage, downloads) re-checks its caller's API key: a revoked key's
+    # open streams end with UNAUTHENTICATED within about this long.
+    auth_recheck_s: float = Field(default=2.0, gt=0)
+
+    # TLS (docs/security.md). All unset: plain TCP, the default for a local single-user install.
+    # This service's certificate chain and private key (PEM): with both, its gRPC port (and the rollout's OpenAI HTTP
+    # endpoint) speaks TLS only.
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    # Mutual TLS: a client must present a certificate signed by this CA (PEM), or the handshake fails.
+    tls_client_ca_file: Path | None = None
+    # This process as a client of the other services (the SDK, the CLI and the dashboard read the same
+    # TRAINYARD_TLS_* variables, trainyard/config.py): the CA their certificates are signed by and, for mutual TLS,
+    # this process's own certificate and key.
+    tls_ca_file: Path | None = None
+    tls_client_cert_file: Path | None = None
+    tls_client_key_file: Path | None = None
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> "TrainyardSettings":
+        for a, b in (("tls_cert_file", "tls_key_file"), ("tls_client_cert_file", "tls_client_key_file")):
+            if (getattr(self, a) is None) != (getattr(self, b) is None):
+                raise ValueError(f"{a} and {b} go together: set both or neither")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
+        return self
+
+    def server_credentials(self):
+        """grpc.ServerCredentials for this service's port, None for plain TCP."""
+        if self.tls_cert_file is None:
+            return None
+        import grpc
+
+        client_ca = self.tls_client_ca_file.read_bytes() if self.tls_client_ca_file else None
+        return grpc.ssl_server_credentials([(self.tls_key_file.read_bytes(), self.tls_cert_file.read_bytes())],
+                                           root_certificates=client_ca, require_client_auth=client_ca is not None)
+
+    def channel_credentials(self):
+        """grpc.ChannelCredentials for calls to the other services, None for plain TCP."""
+        from trainyard.tls import channel_credentials
+
+        return channel_credentials(self.tls_ca_file, self.tls_client_cert_file, self.tls_client_key_file)
 
     @model_validator(mode="after")
     def _fill_derived(self) -> "TrainyardSettings":

@@ -25,12 +25,14 @@ def normalize_url(url: str) -> str:
 
 
 def make_engine(url: str) -> Engine:
+    """hide_parameters: a database error's text keeps its SQL but not the bound values (API key hashes, users'
+    names and paths), so logging it leaks nothing of an account's data."""
     url = normalize_url(url)
     if url.startswith("sqlite"):
         path = make_url(url).database
         if path and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False}, hide_parameters=True)
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_conn, _record):  # noqa: ANN001
@@ -41,7 +43,7 @@ def make_engine(url: str) -> Engine:
             cur.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20, hide_parameters=True)
 
 
 class Database:

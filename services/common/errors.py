@@ -6,6 +6,8 @@ message, so a plain gRPC client still sees which field or row is wrong.
 """
 from __future__ import annotations
 
+import logging
+import secrets
 from dataclasses import dataclass
 
 import grpc
@@ -83,6 +85,14 @@ def summarize(violations: list[Violation], *, limit: int = 5, truncated: bool = 
     if more > 0 or truncated:
         shown += f" (and {max(more, 0)}{'+' if truncated else ''} more)"
     return shown or "invalid argument"
+
+
+def log_internal(logger: logging.Logger, where: str, exc: BaseException) -> str:
+    """Log exc with its traceback under a fresh error id, and return what the client may see of it: the id, never
+    the exception's text, which can hold SQL, file paths or another account's data."""
+    ref = secrets.token_hex(8)
+    logger.error("internal error %s in %s", ref, where, exc_info=exc)
+    return f"internal error in {where} (error id {ref}; the service's log has the details)"
 
 
 def not_found(kind: str, ident: str) -> NotFound:

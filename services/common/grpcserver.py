@@ -1,7 +1,13 @@
 """The one way every Trainyard service runs its gRPC server.
 
-- An interceptor authenticates each call (API key in metadata -> Caller context variable) and maps domain errors to
-  status codes in one place, so servicers stay thin adapters without try/except.
+- An interceptor authenticates each call (API key in metadata -> Caller context variable), checks the request
+  (services/common/request_checks.py: no NUL in a string, no NaN or infinity in a float, INVALID_ARGUMENT naming the
+  field) before the servicer runs, and maps domain errors to status codes in one place, so servicers stay thin
+  adapters without try/except. An unexpected error reaches the client as INTERNAL with an error id only; its detail
+  goes to the log under that id.
+- A server stream re-checks its caller's key every auth_recheck_s: once the key is revoked, the stream ends with
+  UNAUTHENTICATED (the servicer's context.is_active() turns False, so watch loops stop at their next poll).
+- TLS when the settings name a certificate (services/common/config.py), mutual TLS when they name a client CA.
 - The standard grpc.health.v1 service and server reflection are registered for every service.
 - SIGTERM/SIGINT: health flips to NOT_SERVING, new calls are refused, in-flight calls get shutdown_grace_s to finish,
   then the service's own shutdown hook runs (close engines, flush state) and the process exits.
@@ -11,6 +17,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterable
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -23,8 +30,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
-from services.common import auth
-from services.common.errors import InvalidArgument, TrainyardError
+from services.common import auth, request_checks
+from services.common.errors import InvalidArgument, TrainyardError, Unauthenticated, log_internal
 
 log = logging.getLogger("trainyard.grpc")
 
@@ -56,62 +63,107 @@ def _fail(context: grpc.ServicerContext, method: str, exc: Exception) -> None:
     if isinstance(exc, grpc.RpcError) and isinstance(exc, grpc.Call):
         # A downstream service failed: keep its status code, say which call it was.
         context.abort(exc.code(), f"{method}: {exc.details()}")
-    log.exception("unhandled error in %s", method)
-    status = status_pb2.Status(code=code_pb2.INTERNAL, message=f"internal error in {method}: {exc}")
+    status = status_pb2.Status(code=code_pb2.INTERNAL, message=log_internal(log, method, exc))
     context.abort_with_status(rpc_status.to_status(status))
 
 
-class CallInterceptor(grpc.ServerInterceptor):
-    """Authenticates (unless the method is public) and translates exceptions for all four RPC shapes."""
+class _KeyWatch:
+    """Whether a long call's API key still authenticates, asked of the database at most every recheck_s."""
 
-    def __init__(self, authenticate: Callable[[str | None], auth.Caller]):
+    def __init__(self, authenticate: Callable[[str | None], auth.Caller], key: str | None, recheck_s: float):
+        self._authenticate, self._key, self._recheck_s = authenticate, key, recheck_s
+        self._checked = time.monotonic()
+        self.revoked = False
+
+    def valid(self) -> bool:
+        if not self.revoked and time.monotonic() - self._checked >= self._recheck_s:
+            self._checked = time.monotonic()
+            try:
+                self._authenticate(self._key)
+            except Unauthenticated:
+                self.revoked = True
+        return not self.revoked
+
+    def check(self) -> None:
+        if not self.valid():
+            raise Unauthenticated("the API key of this call was revoked")
+
+
+class _StreamContext:
+    """The servicer's context of a server stream: grpc's, except that is_active() also turns False once the caller's
+    key is revoked, so loops that poll it (WatchJob, WatchLineage) end at their next turn."""
+
+    def __init__(self, context: grpc.ServicerContext, key: _KeyWatch):
+        self._context, self._key = context, key
+
+    def is_active(self) -> bool:
+        return self._context.is_active() and self._key.valid()
+
+    def __getattr__(self, name: str):
+        return getattr(self._context, name)
+
+
+class CallInterceptor(grpc.ServerInterceptor):
+    """Authenticates (unless the method is public), checks the request and translates exceptions for all four RPC
+    shapes."""
+
+    def __init__(self, authenticate: Callable[[str | None], auth.Caller], auth_recheck_s: float = 2.0):
         self._authenticate = authenticate
+        self._recheck_s = auth_recheck_s
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         method = handler_call_details.method
         if handler is None or method.startswith(PUBLIC_PREFIXES):
             return handler
-        metadata = handler_call_details.invocation_metadata
-        authenticate = self._authenticate
+        key = auth.key_from_metadata(handler_call_details.invocation_metadata)
+        authenticate, recheck_s = self._authenticate, self._recheck_s
 
         def enter(context):
             try:
-                caller = authenticate(auth.key_from_metadata(metadata))
+                caller = authenticate(key)
             except Exception as exc:  # noqa: BLE001 - e.g. the database is down while checking the key
                 _fail(context, method, exc)
             return auth.set_caller(caller)
 
-        def unary(fn):
+        def checked(request, streamed: bool):
+            return request_checks.check_stream(request) if streamed else request_checks.check(request)
+
+        def unary(fn, streamed: bool):
             def wrapped(request, context):
                 token = enter(context)
                 try:
-                    return fn(request, context)
+                    return fn(checked(request, streamed), context)
                 except Exception as exc:  # noqa: BLE001 - the one place exceptions become statuses
                     _fail(context, method, exc)
                 finally:
                     auth.reset_caller(token)
             return wrapped
 
-        def streaming(fn):
+        def streaming(fn, streamed: bool):
             def wrapped(request, context):
                 token = enter(context)
+                live = _KeyWatch(authenticate, key, recheck_s)
                 try:
-                    yield from fn(request, context)
+                    for item in fn(checked(request, streamed), _StreamContext(context, live)):
+                        live.check()
+                        yield item
+                    live.check()  # a watch that stopped because the key was revoked says so
                 except Exception as exc:  # noqa: BLE001 - the one place exceptions become statuses
                     _fail(context, method, exc)
                 finally:
                     auth.reset_caller(token)
             return wrapped
 
-        kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+        kw = dict(request_deserializer=request_checks.deserializer(handler.request_deserializer),
+                  response_serializer=handler.response_serializer)
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **kw)
+            return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary, False), **kw)
         if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), **kw)
+            return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary, True), **kw)
         if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(streaming(handler.unary_stream), **kw)
-        return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), **kw)
+            return grpc.unary_stream_rpc_method_handler(streaming(handler.unary_stream, False), **kw)
+        return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream, True), **kw)
 
 
 @dataclass
@@ -128,14 +180,17 @@ class ServiceSpec:
 
 
 class Server:
+    """credentials: TLS (grpc.ssl_server_credentials), None for plain TCP."""
+
     def __init__(self, spec: ServiceSpec, *, port: int, host: str, authenticate, workers: int,
-                 max_message_mb: int, grace_s: float):
+                 max_message_mb: int, grace_s: float, auth_recheck_s: float = 2.0,
+                 credentials: grpc.ServerCredentials | None = None):
         self.spec = spec
         self.grace_s = grace_s
         size = max_message_mb * 1024 * 1024
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=spec.name),
-            interceptors=[CallInterceptor(authenticate)],
+            interceptors=[CallInterceptor(authenticate, auth_recheck_s)],
             maximum_concurrent_rpcs=2 * workers,
             options=[("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),
                      ("grpc.so_reuseport", 0)],
@@ -146,9 +201,12 @@ class Server:
         names = [*spec.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                  reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        self.port = (self.server.add_secure_port(address, credentials) if credentials is not None
+                     else self.server.add_insecure_port(address))
         if self.port == 0:
             raise OSError(f"{spec.name}: cannot listen on {host}:{port}")
+        self.tls = credentials is not None
         self.stopping = spec.stopping
         self._threads: list[threading.Thread] = []
 
@@ -160,7 +218,7 @@ class Server:
             self._threads.append(t)
         for name in ["", *self.spec.service_names]:
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("%s listening on port %d", self.spec.name, self.port)
+        log.info("%s listening on port %d (%s)", self.spec.name, self.port, "TLS" if self.tls else "plain TCP")
 
     def stop(self) -> None:
         """Graceful: refuse new calls, let in-flight ones finish (up to grace_s), then run the shutdown hook."""
@@ -200,7 +258,8 @@ def service_server(spec: ServiceSpec, settings, port: int, db) -> Server:
 
     return Server(spec, port=port, host=settings.host, authenticate=KeyAuthenticator(db).authenticate,
                   workers=settings.grpc_workers, max_message_mb=settings.grpc_max_message_mb,
-                  grace_s=settings.shutdown_grace_s)
+                  grace_s=settings.shutdown_grace_s, auth_recheck_s=settings.auth_recheck_s,
+                  credentials=settings.server_credentials())
 
 
 def run_service(settings_cls, build: Callable[..., Server]) -> None:

@@ -1,10 +1,15 @@
 """Lookups every service shares: which base models and deployments an account can see.
 
 Resolution order for a name: the account's own model, then a shared one. Rows of other accounts are invisible.
+
+Which directories may become models (`importable_dir`): only under the configured import roots, never inside the
+platform's own data (blobs, the rollout's caches of other accounts' weights), and never a directory another account
+imported (its import is its own). Every refusal is the same message, so a caller cannot probe which paths exist.
 """
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
@@ -60,6 +65,37 @@ def register_model(s: Session, scope: str, name: str, path: str) -> Model:
     s.add(m)
     s.flush()
     return m
+
+
+def importable_dir(path: str, roots: list[Path] | None, private: list[Path]) -> Path:
+    """The resolved directory at path if a client may import it: inside one of roots (None: anywhere, for the
+    operator's own `trainyard admin import-model`; []: nowhere) and inside none of private (the data and blob
+    directories). InvalidArgument on field "path" otherwise, the same whether the path is not allowed or does not
+    exist."""
+    if not path or not Path(path).is_absolute():
+        raise InvalidArgument("required: the absolute path of a Hugging Face-format model directory on the servers",
+                              field="path")
+    if roots == []:
+        raise InvalidArgument("this platform imports no model directories (model_import_roots is empty); use a "
+                              "shared model, or ask the operator to list a models volume in model_import_roots",
+                              field="path")
+    resolved = Path(path).resolve()  # symlinks and '..' followed first, so neither leads out of a root
+    allowed = (roots is None or any(resolved.is_relative_to(r) for r in roots)) and \
+        not any(resolved.is_relative_to(p) for p in private) and resolved.is_dir()
+    if not allowed:
+        raise InvalidArgument(import_refusal(path, roots), field="path")
+    return resolved
+
+
+def import_refusal(path: str, roots: list[Path] | None) -> str:
+    where = f" under {', '.join(str(r) for r in roots)}" if roots else ""
+    return f"{path} is not a model directory this account can import (import from a directory{where} that holds one)"
+
+
+def imported_elsewhere(s: Session, account_id: str, directory: Path) -> bool:
+    """Whether another account imported this directory, one inside it or one holding it."""
+    paths = s.scalars(select(Model.path).where(Model.scope != account_id, Model.scope != SHARED_SCOPE)).all()
+    return any(directory.is_relative_to(p) or Path(p).is_relative_to(directory) for p in paths)
 
 
 def find_deployment(s: Session, account_id: str, ident: str) -> Deployment | None:

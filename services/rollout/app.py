@@ -22,7 +22,8 @@ def build(settings: RolloutSettings) -> Server:
     db = Database(settings.database_url)
     engine = Engine(settings.engine_config())
     # Deployments that follow a weight lineage hot-load its versions from the weight-sync service.
-    follower = WeightFollower(engine, settings.weightsync_url, settings.data_dir / "rollout")
+    follower = WeightFollower(engine, settings.weightsync_url, settings.data_dir / "rollout",
+                              credentials=settings.channel_credentials())
     # Weight versions sampled by path ("trainyard://weights/<id>"), fetched over the follower's channel.
     pinned = PinnedWeights(engine, follower.stub, settings.data_dir / "rollout" / "pinned",
                            settings.max_pinned_full_versions)
@@ -40,7 +41,9 @@ def build(settings: RolloutSettings) -> Server:
                        service_names=[rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name])
     if settings.openai_port:
         http = OpenAIServer(core, KeyAuthenticator(db).authenticate, host=settings.host, port=settings.openai_port,
-                            max_requests=settings.openai_max_requests, grace_s=settings.shutdown_grace_s)
+                            max_requests=settings.openai_max_requests, grace_s=settings.shutdown_grace_s,
+                            tls=dict(cert_file=settings.tls_cert_file, key_file=settings.tls_key_file,
+                                     client_ca_file=settings.tls_client_ca_file))
         spec.background.append(http.serve)
     return service_server(spec, settings, settings.rollout_port, db)
 

@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import socket
+import ssl
 import threading
 import time
 import uuid
@@ -49,6 +50,7 @@ from services.common.errors import (
     TrainyardError,
     Unauthenticated,
     Unavailable,
+    log_internal,
 )
 from services.common.schema import SHARED_SCOPE, Deployment
 from services.rollout.sampling_core import SERVABLE_STATUSES, Prompt, SamplingCore, SampleStream
@@ -63,6 +65,7 @@ from services.rollout.openai_protocol import (
     openai_param,
     parse_chat,
     parse_completion,
+    read_body,
 )
 from services.rollout.sampling import SampledSequence, SamplingParams
 
@@ -96,8 +99,9 @@ def error_response(exc: Exception, param_names: dict[str, str]) -> tuple[int, di
         message = "the database is unavailable; try again shortly"
     elif isinstance(exc, HTTPException):
         status, kind, code, message = exc.status_code, "invalid_request_error", None, exc.detail
-    else:
-        status, kind, code, message = 500, "server_error", "internal_error", f"internal error: {exc}"
+    else:  # the detail (SQL, paths, ...) goes to the log only, under the id the client gets
+        status, kind, code = 500, "server_error", "internal_error"
+        message = log_internal(log, "the OpenAI endpoint", exc)
     return status, {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
@@ -157,10 +161,7 @@ def _sse(obj: dict) -> str:
 
 
 async def _json_body(request: Request):
-    try:
-        return json.loads(await request.body())
-    except ValueError as exc:
-        raise InvalidArgument(f"the request body is not valid JSON: {exc}") from None
+    return read_body(await request.body())
 
 
 async def _disconnected(request: Request) -> None:
@@ -267,8 +268,6 @@ class OpenAIApp:
                     async for chunk in chunks:
                         yield _sse(chunk)
                 except Exception as exc:  # noqa: BLE001 - the status line is sent: the error becomes an event
-                    if not isinstance(exc, TrainyardError):
-                        log.exception("error in a streamed response")
                     yield _sse(error_response(exc, param_names)[1])
             yield "data: [DONE]\n\n"
 
@@ -445,13 +444,24 @@ class _Uvicorn(uvicorn.Server):
         return self.stopping.is_set() or await super().on_tick(counter)
 
 
+def https(cert_file=None, key_file=None, client_ca_file=None) -> dict:
+    """uvicorn's TLS arguments: HTTPS with the service's certificate and key (the settings' tls_cert_file,
+    tls_key_file), requiring a client certificate signed by client_ca_file when one is set; {} for plain HTTP."""
+    if cert_file is None:
+        return {}
+    out = {"ssl_certfile": str(cert_file), "ssl_keyfile": str(key_file)}
+    if client_ca_file is not None:
+        out |= {"ssl_ca_certs": str(client_ca_file), "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    return out
+
+
 class OpenAIServer:
     """The app on uvicorn, in a thread of the rollout process. The port is bound here, so a port in use fails the
     service's start; serve(stopping) is a gRPC Server background task: it runs until the service's shutdown begins,
     lets in-flight requests finish for grace_s (then cancels them, which aborts their engine requests) and returns."""
 
     def __init__(self, core: SamplingCore, authenticate: Callable[[str | None], auth.Caller], *, host: str, port: int,
-                 max_requests: int, grace_s: float):
+                 max_requests: int, grace_s: float, tls: dict | None = None):
         self.app = OpenAIApp(core, authenticate, max_requests=max_requests)
         try:
             self.socket = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -460,7 +470,7 @@ class OpenAIServer:
                           "TRAINYARD_OPENAI_PORT to a free port, or to 0 to turn the endpoint off") from None
         self.port = self.socket.getsockname()[1]
         self.config = uvicorn.Config(self.app.asgi, lifespan="off", log_config=None, access_log=False, ws="none",
-                                     timeout_graceful_shutdown=grace_s)
+                                     timeout_graceful_shutdown=grace_s, **https(**(tls or {})))
 
     def serve(self, stopping: threading.Event) -> None:
         self.app.stopping = stopping

@@ -10,10 +10,12 @@ file does not know are ignored, as vLLM does.
 from __future__ import annotations
 
 import codecs
+import json
+import math
 import re
 from dataclasses import dataclass, field
 
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, Violation
 from services.rollout import sampling
 from services.rollout.sampling_core import Prompt
 from services.rollout.sampling import SamplingParams
@@ -66,6 +68,47 @@ def openai_param(core_field: str, param_names: dict[str, str]) -> str | None:
 
 
 # ---- reading request bodies ----------------------------------------------------------------------------------
+
+def read_body(raw: bytes):
+    """The body as JSON with what every gRPC request is held to (services/common/request_checks.py): numbers finite
+    (Python's parser would take NaN, Infinity and 1e999) and strings without NUL (a model name reaches the database,
+    which cannot store one). Violations name the JSON path, e.g. messages[1].content."""
+    try:
+        body = json.loads(raw, parse_constant=_not_finite, parse_float=_finite)
+    except ValueError as exc:
+        raise InvalidArgument(f"the request body is not valid JSON: {exc}") from None
+    found: list[Violation] = []
+    _find_nul(body, "", found)
+    if found:
+        raise InvalidArgument(violations=found)
+    return body
+
+
+def _not_finite(text: str) -> float:
+    raise ValueError(f"{text} is not a number JSON allows")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} overflows a double")
+    return value
+
+
+def _find_nul(value, path: str, found: list[Violation]) -> None:
+    if isinstance(value, str):
+        if "\x00" in value:
+            found.append(Violation(field=path, reason="must not contain a NUL character"))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _find_nul(item, f"{path}[{i}]", found)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else key
+            if "\x00" in key:
+                found.append(Violation(field=where, reason="the key must not contain a NUL character"))
+            _find_nul(item, where, found)
+
 
 _KINDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
           dict: "an object"}

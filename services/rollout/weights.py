@@ -77,11 +77,11 @@ class _Follow:
 class WeightFollower:
     def __init__(self, engine, weightsync_target: str, root: Path, *,
                  stub_factory: Callable[[grpc.Channel], object] = weightsync_pb2_grpc.WeightSyncServiceStub,
-                 retry_s: tuple[float, ...] = RETRY_S):
+                 retry_s: tuple[float, ...] = RETRY_S, credentials: grpc.ChannelCredentials | None = None):
         self.engine = engine
         self.root = Path(root)
         self.retry_s = retry_s
-        self._channel = open_channel(weightsync_target)
+        self._channel = open_channel(weightsync_target, credentials=credentials)
         self.stub = stub_factory(self._channel)
         self._follows: dict[str, _Follow] = {}
         self._lock = threading.Lock()

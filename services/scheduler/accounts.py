@@ -14,10 +14,14 @@ from services.common.schema import Account, ApiKey, Checkpoint, Job, Model, utcn
 
 
 class AccountCore:
-    def __init__(self, db: Database, blobs: BlobStore, model_import_roots: list[Path]):
+    """model_import_roots: where ImportModel may read model directories (empty: nowhere); private_dirs: the
+    platform's data and blob directories, never importable even inside a root."""
+
+    def __init__(self, db: Database, blobs: BlobStore, model_import_roots: list[Path], private_dirs: list[Path]):
         self.db = db
         self.blobs = blobs
         self.model_import_roots = [Path(r).resolve() for r in model_import_roots]
+        self.private_dirs = [Path(p).resolve() for p in private_dirs]
 
     # -- accounts and keys ---------------------------------------------------------------------------------------
     def account(self, account_id: str) -> Account:
@@ -47,14 +51,11 @@ class AccountCore:
 
     # -- models --------------------------------------------------------------------------------------------------
     def import_model(self, account_id: str, name: str, path: str) -> Model:
-        if not path or not Path(path).is_absolute():
-            raise InvalidArgument("required: the absolute path of a Hugging Face-format model directory on the "
-                                  "servers", field="path")
-        resolved = Path(path).resolve()
-        if self.model_import_roots and not any(resolved.is_relative_to(r) for r in self.model_import_roots):
-            allowed = ", ".join(str(r) for r in self.model_import_roots)
-            raise InvalidArgument(f"models can be imported only from {allowed} on this platform", field="path")
+        """The account's own model (registry.importable_dir says which directories qualify)."""
+        resolved = registry.importable_dir(path, self.model_import_roots, self.private_dirs)
         with self.db.session() as s:
+            if registry.imported_elsewhere(s, account_id, resolved):
+                raise InvalidArgument(registry.import_refusal(path, self.model_import_roots), field="path")
             return registry.register_model(s, account_id, name, str(resolved))
 
     def list_models(self, account_id: str) -> list[Model]:

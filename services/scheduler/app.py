@@ -39,8 +39,8 @@ TINY_MODELS = {"tiny-qwen3": "qwen3", "tiny-qwen3-moe": "qwen3_moe", "tiny-deeps
 class RolloutGateway:
     """Calls the rollout service on the caller's behalf (their API key travels with the call)."""
 
-    def __init__(self, target: str, max_mb: int):
-        self.channel = channels.open_channel(target, max_mb)
+    def __init__(self, target: str, max_mb: int, credentials=None):
+        self.channel = channels.open_channel(target, max_mb, credentials)
         self.stub = rollout_pb2_grpc.RolloutServiceStub(self.channel)
 
     def load(self, api_key: str, deployment_id: str) -> None:
@@ -101,11 +101,11 @@ def build(settings: SchedulerSettings) -> Server:
     register_shared_models(settings, db)
     ledger = Ledger(db)
     dispatch = Dispatcher(settings)
-    rollout = RolloutGateway(settings.rollout_url, settings.grpc_max_message_mb)
+    rollout = RolloutGateway(settings.rollout_url, settings.grpc_max_message_mb, settings.channel_credentials())
     # Set at shutdown: the reaper stops, and WatchJob streams end with UNAVAILABLE (clients resume) instead of
     # holding the process for the whole grace period.
     stopping = threading.Event()
-    accounts = AccountCore(db, blobs, settings.model_import_roots)
+    accounts = AccountCore(db, blobs, settings.model_import_roots, [settings.data_dir, settings.blob_dir])
     planner = Planner(blobs)
     jobs = JobCore(db, ledger, dispatch, settings.watch_poll_s, stopping, planner)
     deployments = DeploymentCore(db, rollout.load, rollout.unload)

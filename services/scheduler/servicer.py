@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 
 from services.common.auth import current_caller
 from services.common.errors import InvalidArgument
@@ -15,17 +16,18 @@ from trainyard.methods import BY_PROTO, proto as method_proto
 from trainyard.v1 import common_pb2, scheduler_pb2 as pb, scheduler_pb2_grpc as rpc
 
 
+# A page token is the offset of the page's first row: ASCII digits, at most 18 of them so it fits the database's
+# 64-bit OFFSET (int() would also take "+5", " 5", "5_0", other scripts' digits and numbers past 2**63).
+PAGE_TOKEN = re.compile(r"[0-9]{1,18}")
+
+
 def page(req: common_pb2.PageRequest) -> tuple[int, int]:
     size = req.page_size or 50
     if not 0 < size <= 500:
         raise InvalidArgument(f"must be between 1 and 500, got {req.page_size}", field="page.page_size")
-    try:
-        offset = int(req.page_token or 0)
-    except ValueError:
-        offset = -1
-    if offset < 0:
+    if req.page_token and not PAGE_TOKEN.fullmatch(req.page_token):
         raise InvalidArgument("not a token returned by a previous call", field="page.page_token")
-    return offset, size
+    return int(req.page_token or 0), size
 
 
 def token(next_offset: int | None) -> str:

@@ -18,8 +18,9 @@ class SchedulerSettings(JobQueueSettings):
     watch_poll_s: float = Field(default=0.5, gt=0)
     # Models every account can use, registered at scheduler start: {"name": "/path/to/hf/dir"}.
     shared_models: dict[str, str] = Field(default_factory=dict)
-    # Where `trainyard models import` may read model directories from (after resolving symlinks). Empty: any absolute
-    # path the services can read, which suits a single team; a shared installation lists its model volumes here.
+    # Where `trainyard models import` (ImportModel) may read model directories from, after resolving symlinks; the
+    # data and blob directories are never importable, even inside a root. Empty (the default): no imports at all;
+    # docker-compose.yml lists its /models volume. An imported model belongs to the importing account alone.
     model_import_roots: list[Path] = Field(default_factory=list)
     # Build (once) and share the tiny model of each family: tiny-qwen3, tiny-qwen3-moe, tiny-deepseek-v3.
     builtin_tiny_models: bool = True

@@ -50,7 +50,8 @@ def build(settings: TrainerSettings) -> Server:
     settings.ensure_dirs()
     settings.apply_torch_threads()
     db = Database(settings.database_url)
-    channel = channels.open_channel(settings.weightsync_url, settings.grpc_max_message_mb)
+    channel = channels.open_channel(settings.weightsync_url, settings.grpc_max_message_mb,
+                                    settings.channel_credentials())
     weightsync = weightsync_pb2_grpc.WeightSyncServiceStub(channel)
 
     sessions = SessionManager(db, BlobStore(settings.blob_dir), make_publisher(weightsync), settings.order_timeout_s,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from collections.abc import Iterable, Iterator
 
 import grpc
@@ -25,6 +26,8 @@ from services.trainer.sessions import SESSION_ADAMW, SessionInfo, SessionManager
 from trainyard.v1 import common_pb2, trainer_pb2 as pb, trainer_pb2_grpc as rpc
 
 DTYPES = {pb.TensorData.DTYPE_FLOAT32: (np.float32, torch.float32), pb.TensorData.DTYPE_INT64: (np.int64, torch.int64)}
+# Loss inputs are [T] or [T, K]; a few more dimensions cost nothing, numpy stops at 64.
+MAX_DIMS = 8
 
 
 # -- tensors ----------------------------------------------------------------------------------------------------
@@ -33,9 +36,11 @@ def to_torch(t: pb.TensorData, field: str) -> torch.Tensor:
         raise InvalidArgument("dtype must be DTYPE_FLOAT32 or DTYPE_INT64", field=f"{field}.dtype")
     np_dtype, _ = DTYPES[t.dtype]
     shape = tuple(int(s) for s in t.shape)
+    if len(shape) > MAX_DIMS:
+        raise InvalidArgument(f"at most {MAX_DIMS} dimensions, got {len(shape)}", field=f"{field}.shape")
     if any(s < 0 for s in shape):
         raise InvalidArgument(f"negative dimension in shape {list(shape)}", field=f"{field}.shape")
-    count = int(np.prod(shape)) if shape else 1
+    count = math.prod(shape)  # exact: numpy's product of int64 wraps around ([2**32, 2**32] -> 0)
     itemsize = np.dtype(np_dtype).itemsize
     if len(t.data) != count * itemsize:
         raise InvalidArgument(f"{len(t.data)} bytes do not hold shape {list(shape)} of "

@@ -18,9 +18,11 @@ in its turn, uses up its seq_id and changes nothing: every datum of a unary call
 stream checks each datum as it arrives, and a bad datum (or a stream the client cancels, CANCELLED) fails the call
 after some of its micro-batches may have run: their gradients are dropped and the gradients held before the call are
 restored exactly (services/trainer/engine/forward_backward.py), so the session goes on as if the call never
-happened. A transient failure to publish weights is UNAVAILABLE and also leaves the session usable. Any other
-failure marks the session failed; later calls get FAILED_PRECONDITION rather than run on state that may be
-half-updated. Calls on a closed session are FAILED_PRECONDITION.
+happened. An OptimStep whose gradient norm is NaN or infinite applies nothing and drops the gradients
+(INVALID_ARGUMENT, engine/optim.py). A transient failure to publish weights is UNAVAILABLE and also leaves the
+session usable, as does a database failure (a save whose checkpoint row cannot be written publishes nothing: the
+row comes first). Any other failure marks the session failed; later calls get FAILED_PRECONDITION rather than run
+on state that may be half-updated. Calls on a closed session are FAILED_PRECONDITION.
 
 Gradients accumulate across ForwardBackward calls until OptimStep (which applies them and clears them); LoadState
 clears them too. Every session trains through the engine (services/trainer/engine/): the losses and their batch
@@ -40,6 +42,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import sqlalchemy.exc
 import torch
 
 from models.lora import LoraConfig, apply_lora, remove_adapter, set_trainable
@@ -51,6 +54,7 @@ from services.common.schema import Checkpoint, TrainingSession, new_id, utcnow
 from services.trainer.bases import ModelHolder, ModelPool
 from services.trainer.datums import DatumInput, check_datum
 from services.trainer.engine import AdamW, TrainingEngine
+from services.trainer.engine.optim import NonFiniteGradient
 from services.trainer.engine.checkpoint import (
     STATE_DIR, WEIGHTS_DIR, CheckpointMismatch, EngineCheckpoint, is_training_state, read_checkpoint,
 )
@@ -139,6 +143,13 @@ class SessionInfo:
 
 # A Training API session's AdamW defaults (Tinker's): what OptimStep applies for the fields a request leaves unset.
 SESSION_ADAMW = AdamW(learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=0.0, grad_clip_norm=0.0)
+
+
+def _check_name(name: str) -> None:
+    """A checkpoint name (Checkpoint.name, 256 characters), checked before a save does anything; NUL and other
+    unstorable strings never get here (services/common/request_checks.py)."""
+    if len(name) > 256:
+        raise InvalidArgument(f"at most 256 characters, got {len(name)}", field="name")
 
 
 def _state_checkpoint_id(path: str, field_name: str) -> str:
@@ -312,8 +323,8 @@ class SessionManager:
                 if sess.error:
                     raise FailedPrecondition(f"session '{sess.id}' failed earlier ({sess.error}); create a new one")
                 return fn()
-            except TrainyardError:
-                raise
+            except (TrainyardError, sqlalchemy.exc.SQLAlchemyError):
+                raise  # bad input, or the database failed (the model is only read or written before it): goes on
             except Exception as exc:
                 sess.error = f"seq_id {seq_id}: {type(exc).__name__}: {exc}"
                 raise
@@ -337,8 +348,9 @@ class SessionManager:
         def run():
             call = self._loss_call(sess, loss_fn, loss_fn_config, micro_batch_tokens, backward,
                                    prefix="header." if streamed else "")
-            vocab_size = sess.holder.model.args.vocab_size
-            datums = (check_datum(d, i, call.req.loss_fn, vocab_size) for i, d in enumerate(data))
+            args = sess.holder.model.args
+            datums = (check_datum(d, i, call.req.loss_fn, args.vocab_size, args.max_position_embeddings)
+                      for i, d in enumerate(data))
             return run_call(call, datums if streamed else list(datums))
 
         return self._in_order(sess, seq_id, run)
@@ -356,7 +368,11 @@ class SessionManager:
                 if not (ok and math.isfinite(value)):
                     raise InvalidArgument(f"must be {rule}, got {value}", field=f"adam.{name}")
             with sess.use():
-                norm = sess.engine.step(adam)
+                try:
+                    norm = sess.engine.step(adam)
+                except NonFiniteGradient as exc:
+                    raise InvalidArgument(f"{exc}; the ForwardBackward calls since the last step overflowed (e.g. "
+                                          "weights or advantages too large); the session goes on") from None
             return sess.optim_steps, {"grad_norm": float(norm), "learning_rate": adam.learning_rate}  # float() syncs
 
         return self._in_order(sess, seq_id, run)
@@ -368,8 +384,7 @@ class SessionManager:
         sess = self.get(account_id, session_id)
 
         def run():
-            if len(name) > 256:
-                raise InvalidArgument("at most 256 characters", field="name")
+            _check_name(name)
             kind = "full" if sess.full_parameter else "lora_adapter"
             with tempfile.TemporaryDirectory(prefix="weights-") as tmp:
                 with sess.use():
@@ -379,15 +394,22 @@ class SessionManager:
                         if (Path(sess.model_path) / extra).is_file():
                             shutil.copyfile(Path(sess.model_path) / extra, Path(tmp) / extra)
                 files = [f.to_json() for f in self.blobs.put_tree(tmp)]
-                # A transient publishing failure is the publisher's Unavailable: the session's state is intact and
-                # the caller can save again.
-                version_id = self.publish(api_key, sess, Path(tmp), kind)
-            ckpt = Checkpoint(id=new_id("ckpt"), account_id=account_id, session_id=sess.id,
-                              name=name or f"{sess.id}-step{sess.optim_steps}", step=sess.optim_steps, kind=kind,
-                              base_model=sess.base_model, model_path="" if sess.full_parameter else sess.model_path,
-                              files=files, final=True, metrics={}, created_at=utcnow())
-            with self.db.session() as s:
-                s.add(ckpt)
+                ckpt = Checkpoint(id=new_id("ckpt"), account_id=account_id, session_id=sess.id,
+                                  name=name or f"{sess.id}-step{sess.optim_steps}", step=sess.optim_steps, kind=kind,
+                                  base_model=sess.base_model,
+                                  model_path="" if sess.full_parameter else sess.model_path, files=files, final=True,
+                                  metrics={}, created_at=utcnow())
+                # The row first: a database that refuses it fails the call before a version exists.
+                with self.db.session() as s:
+                    s.add(ckpt)
+                try:
+                    # A transient publishing failure is the publisher's Unavailable: the session's state is intact
+                    # and the caller can save again.
+                    version_id = self.publish(api_key, sess, Path(tmp), kind)
+                except BaseException:
+                    with self.db.session() as s:
+                        s.delete(s.get(Checkpoint, ckpt.id))
+                    raise
             sess.weight_version_id = version_id
             return ckpt.id, version_id, WEIGHTS_PREFIX + version_id
 
@@ -399,8 +421,7 @@ class SessionManager:
         sess = self.get(account_id, session_id)
 
         def run():
-            if len(name) > 256:
-                raise InvalidArgument("at most 256 characters", field="name")
+            _check_name(name)
             with tempfile.TemporaryDirectory(prefix="state-") as tmp:
                 with sess.use():
                     sess.engine.save(Path(tmp), base_model=sess.base_model,

@@ -105,3 +105,32 @@ def test_harness_runs_the_compose_commands(stack):
             assert ran == want or ran.isdigit(), (name, ran, want)
         for k in services[name].get("environment") or {}:
             assert k in proc.env, (name, k)
+
+
+def test_compose_publishes_every_port_on_localhost_by_default():
+    published = [(name, str(m)) for name, svc in compose_services().items() for m in svc.get("ports", [])]
+    assert published and all(m.startswith("${TRAINYARD_PUBLISH_HOST:-127.0.0.1}:") and m.count(":") == 3
+                             for _, m in published), published
+
+
+def test_a_tls_service_is_started_and_checked_over_mutual_tls(tmp_path, pg_url, redis_url, pki):
+    """The settings' TLS files in the environment: the service serves mutual TLS only, and the stack's readiness
+    check (a client of it) connects with the same variables' CA and client certificate."""
+    from services.common.channels import wait_healthy
+    from trainyard.tls import channel_credentials
+
+    tls = {"TRAINYARD_TLS_CERT_FILE": pki["server"], "TRAINYARD_TLS_KEY_FILE": pki["server.key"],
+           "TRAINYARD_TLS_CLIENT_CA_FILE": pki["ca"], "TRAINYARD_TLS_CA_FILE": pki["ca"],
+           "TRAINYARD_TLS_CLIENT_CERT_FILE": pki["client"], "TRAINYARD_TLS_CLIENT_KEY_FILE": pki["client.key"]}
+    s = Stack(tmp_path, database_url=pg_url, broker_url=redis_url,
+              extra_env={**{k: str(v) for k, v in tls.items()}, "TRAINYARD_TORCH_THREADS": "1"})
+    s.run_once("migrate")
+    s.start("weightsync")
+    try:
+        s.wait_ready("weightsync")
+        for credentials in (None, channel_credentials(pki["ca"])):  # plaintext; TLS without a client certificate
+            with pytest.raises(TimeoutError):
+                wait_healthy(s.url("weightsync"), timeout_s=3, credentials=credentials)
+        assert "(TLS)" in s.procs["weightsync"].log()
+    finally:
+        assert s.stop("weightsync", timeout_s=60) == 0

@@ -55,7 +55,7 @@ def test_every_bound_is_checked_and_names_the_request_field(f):
         assert getattr(settings, f.name) == f.default  # a value that does not fit keeps the default
     for value in (f.setting.ge, f.setting.le):
         if value is not None:
-            assert check_value(f, type(f.default)(value))[1] == ""
+            assert check_value(f, f.type(value))[1] == ""
 
 
 def test_types_choices_and_names_are_checked():
@@ -91,7 +91,18 @@ def test_unset_and_explicit_values_stay_apart():
     assert spec.sft.lora.HasField("rank") and spec.sft.HasField("max_steps") and not spec.sft.HasField("learning_rate")
     assert method_proto.read(SFT.settings, spec.sft) == {"lora_rank": 0, "max_steps": 0}
     _, problems = resolve(SFT.settings, method_proto.read(SFT.settings, spec.sft), prefix=SFT.prefix)
-    assert [p.field for p in problems] == ["spec.sft.lora.rank"]
+    assert [p.field for p in problems] == ["spec.sft.lora.rank", "spec.sft.max_steps"]
+
+
+def test_max_steps_is_derived_when_unset_and_at_least_one_when_set():
+    """Unset: epochs x steps per epoch (the default None); an explicit 0 is a mistake, not "derive it"."""
+    settings, problems = resolve(SFT.settings, {}, prefix=SFT.prefix)
+    assert problems == [] and settings.max_steps is None
+    _, problems = resolve(SFT.settings, {"max_steps": 0}, prefix=SFT.prefix)
+    assert [(p.field, p.reason) for p in problems] == [("spec.sft.max_steps", "must be between 1 and 10000000, got 0")]
+    f = next(f for f in declared(SFT.settings) if f.name == "max_steps")
+    assert f.type is int and f.describe() == "Optimizer steps to run; unset: epochs x steps per epoch (1..10000000 steps)"
+    assert method_proto.write(SFT.settings, {"max_steps": None}, pb.SftConfig()).HasField("max_steps") is False
 
 
 def test_settings_round_trip_through_the_proto():

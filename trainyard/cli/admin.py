@@ -55,17 +55,18 @@ def admin_create_account(name, quiet):
 @click.argument("path", type=click.Path(exists=True, file_okay=False))
 @click.option("--name", help="Defaults to the directory name.")
 def admin_import_model(path, name):
-    """Register a model directory that every account can use."""
+    """Register a model directory that every account can use (anywhere but the platform's own data directories,
+    which hold the accounts' weights)."""
     from services.common.config import TrainyardSettings
     from services.common.db import Database
     from services.common.errors import TrainyardError as DomainError
-    from services.common.registry import register_model
+    from services.common.registry import importable_dir, register_model
     from services.common.schema import SHARED_SCOPE
 
     settings = TrainyardSettings()
     db = Database(settings.database_url)
-    p = Path(path).resolve()
     try:
+        p = importable_dir(str(Path(path).absolute()), None, [settings.data_dir, settings.blob_dir])
         with db.session() as s:
             m = register_model(s, SHARED_SCOPE, name or p.name, str(p))
             console.print(f"shared model [bold]{m.name}[/]: {m.architecture}, {m.num_parameters:,} parameters")

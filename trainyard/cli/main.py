@@ -70,10 +70,15 @@ def out_json(msg) -> None:
 @click.option("--rollout-url", default=None)
 @click.option("--trainer-url", default=None, help="Trainer address, for the Training API (trainyard.ServiceClient).")
 @click.option("--api-key", prompt=True, hide_input=True)
-def login(url, rollout_url, trainer_url, api_key):
-    """Save the server addresses and API key for later commands."""
-    cfg = ClientConfig.resolve(url, rollout_url, api_key, trainer_url)
-    with Client(cfg.url, cfg.api_key, cfg.rollout_url) as c:
+@click.option("--tls-ca-file", default=None, help="CA certificate (PEM) the servers' TLS certificates are signed by.")
+@click.option("--tls-client-cert-file", default=None, help="Client certificate (PEM), for mutual TLS.")
+@click.option("--tls-client-key-file", default=None, help="The client certificate's private key (PEM).")
+def login(url, rollout_url, trainer_url, api_key, tls_ca_file, tls_client_cert_file, tls_client_key_file):
+    """Save the server addresses, the API key and the TLS files for later commands."""
+    tls = dict(tls_ca_file=tls_ca_file, tls_client_cert_file=tls_client_cert_file,
+               tls_client_key_file=tls_client_key_file)
+    cfg = ClientConfig.resolve(url, rollout_url, api_key, trainer_url, **tls)
+    with Client(cfg.url, cfg.api_key, cfg.rollout_url, **{k: getattr(cfg, k) for k in tls}) as c:
         account = c.whoami()
     path = cfg.save()
     console.print(f"logged in as [bold]{account.name}[/] ({account.id}); saved to {path}")

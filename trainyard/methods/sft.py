@@ -21,9 +21,9 @@ class LoopSettings:
         1e-4, label="Learning rate", flag="--lr", aliases=("--learning-rate",), gt=0, lt=1,
         help="Peak learning rate of AdamW")
     epochs: int = setting(1, label="Epochs", ge=1, le=1000, help="Passes over the train split (unless max steps is set)")
-    max_steps: int = setting(
-        0, label="Max steps", ge=0, le=MAX_STEPS, unit="steps",
-        help="Optimizer steps to run; 0: epochs x steps per epoch")
+    max_steps: int | None = setting(
+        None, label="Max steps", ge=1, le=MAX_STEPS, unit="steps",
+        help="Optimizer steps to run; unset: epochs x steps per epoch")
     batch_size: int = setting(
         4, label="Batch size", ge=1, le=1024, unit="sequences", help="Sequences per micro-batch")
     gradient_accumulation_steps: int = setting(

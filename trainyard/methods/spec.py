@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import types
 import typing
 from dataclasses import dataclass
 from typing import Any
@@ -58,7 +59,9 @@ def setting(default: Any, *, help: str, label: str, proto: str | None = None, fl
 
 @dataclass(frozen=True)
 class Field:
-    """One declared setting: its name, Python type (int, float, str, bool or tuple of str), default and Setting."""
+    """One declared setting: its name, Python type (int, float, str, bool or tuple of str), default and Setting.
+    A default of None (type `int | None`) means "unset": the method derives the value (max_steps from epochs), so
+    every set value is checked against the bounds, 0 included."""
 
     name: str
     type: type
@@ -72,7 +75,7 @@ class Field:
     def describe(self) -> str:
         """Help with the default, bounds and unit, as the CLI and the dashboard show it."""
         s = self.setting
-        extra = [f"default {format_value(self.default)}"] if self.default != () else []
+        extra = [f"default {format_value(self.default)}"] if self.default not in ((), None) else []
         if s.choices:
             extra.append("one of " + ", ".join(s.choices))
         elif s.bounds_text():
@@ -81,6 +84,8 @@ class Field:
 
 
 def format_value(value: Any) -> str:
+    if value is None:
+        return "unset"
     if isinstance(value, tuple):
         return ", ".join(value)
     if isinstance(value, float):
@@ -99,7 +104,10 @@ def declared(cls: type) -> tuple[Field, ...]:
         meta: Setting | None = f.metadata.get(KEY)
         if meta is None:
             continue
-        kind = typing.get_origin(hints[f.name]) or hints[f.name]
+        hint = hints[f.name]
+        if isinstance(hint, types.UnionType):  # `int | None`: an optional setting of type int
+            (hint,) = (a for a in typing.get_args(hint) if a is not type(None))
+        kind = typing.get_origin(hint) or hint
         meta = dataclasses.replace(meta, proto=meta.proto or f.name,
                                    flag=meta.flag or "--" + f.name.replace("_", "-"))
         out.append(Field(f.name, kind, f.default, meta))

@@ -32,9 +32,11 @@ class TrainerServiceStub:
     for full-parameter training; plus its optimizer state. The client drives the loop. Calls on one session run in the
     order of their seq_id: a call whose seq_id is not the session's next one waits for the earlier ones (calls may be
     pipelined). These failures use up the call's seq_id and change nothing, so the session goes on: bad input
-    (INVALID_ARGUMENT, naming the field), a ForwardBackwardStream the client cancels (CANCELLED; the gradients of its
-    micro-batches already computed are dropped) and a SaveWeights whose publish to weight sync failed (UNAVAILABLE).
-    After any other failure, later calls on the session fail with FAILED_PRECONDITION until it is closed.
+    (INVALID_ARGUMENT, naming the field; also an OptimStep whose gradient norm is NaN or infinite, which applies
+    nothing and drops the gradients), a ForwardBackwardStream the client cancels (CANCELLED; the gradients of its
+    micro-batches already computed are dropped), and a SaveWeights whose publish to weight sync failed or a save the
+    database could not record (UNAVAILABLE; nothing is published). After any other failure, later calls on the session
+    fail with FAILED_PRECONDITION until it is closed.
     """
 
     def __init__(self, channel):
@@ -106,9 +108,11 @@ class TrainerServiceServicer:
     for full-parameter training; plus its optimizer state. The client drives the loop. Calls on one session run in the
     order of their seq_id: a call whose seq_id is not the session's next one waits for the earlier ones (calls may be
     pipelined). These failures use up the call's seq_id and change nothing, so the session goes on: bad input
-    (INVALID_ARGUMENT, naming the field), a ForwardBackwardStream the client cancels (CANCELLED; the gradients of its
-    micro-batches already computed are dropped) and a SaveWeights whose publish to weight sync failed (UNAVAILABLE).
-    After any other failure, later calls on the session fail with FAILED_PRECONDITION until it is closed.
+    (INVALID_ARGUMENT, naming the field; also an OptimStep whose gradient norm is NaN or infinite, which applies
+    nothing and drops the gradients), a ForwardBackwardStream the client cancels (CANCELLED; the gradients of its
+    micro-batches already computed are dropped), and a SaveWeights whose publish to weight sync failed or a save the
+    database could not record (UNAVAILABLE; nothing is published). After any other failure, later calls on the session
+    fail with FAILED_PRECONDITION until it is closed.
     """
 
     def CreateSession(self, request, context):
@@ -259,9 +263,11 @@ class TrainerService:
     for full-parameter training; plus its optimizer state. The client drives the loop. Calls on one session run in the
     order of their seq_id: a call whose seq_id is not the session's next one waits for the earlier ones (calls may be
     pipelined). These failures use up the call's seq_id and change nothing, so the session goes on: bad input
-    (INVALID_ARGUMENT, naming the field), a ForwardBackwardStream the client cancels (CANCELLED; the gradients of its
-    micro-batches already computed are dropped) and a SaveWeights whose publish to weight sync failed (UNAVAILABLE).
-    After any other failure, later calls on the session fail with FAILED_PRECONDITION until it is closed.
+    (INVALID_ARGUMENT, naming the field; also an OptimStep whose gradient norm is NaN or infinite, which applies
+    nothing and drops the gradients), a ForwardBackwardStream the client cancels (CANCELLED; the gradients of its
+    micro-batches already computed are dropped), and a SaveWeights whose publish to weight sync failed or a save the
+    database could not record (UNAVAILABLE; nothing is published). After any other failure, later calls on the session
+    fail with FAILED_PRECONDITION until it is closed.
     """
 
     @staticmethod

@@ -1,5 +1,5 @@
 """The engine's optimizer: AdamW over the trainable parameters, and the one optimizer step every trainer path takes
-(set the hyperparameters, clip or measure the gradient norm, step, clear the gradients)."""
+(measure the gradient norm, refuse a non-finite one, set the hyperparameters, clip, step, clear the gradients)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,17 +25,30 @@ def make_optimizer(params: list[nn.Parameter], settings: AdamW) -> torch.optim.A
                              eps=settings.eps, weight_decay=settings.weight_decay)
 
 
+class NonFiniteGradient(ValueError):
+    """The accumulated gradients' norm is NaN or infinite (e.g. a loss overflowed): nothing was applied, the
+    gradients were cleared, and the weights and the optimizer state are as they were."""
+
+    def __init__(self, norm: float):
+        super().__init__(f"the gradient norm is {norm}: the step was not applied and the gradients were cleared")
+        self.norm = norm
+
+
 def optimizer_step(params: list[nn.Parameter], optimizer: torch.optim.Optimizer, settings: AdamW) -> torch.Tensor:
     """Apply the accumulated gradients with these settings and clear them; returns the gradient norm before any
-    clipping (a 0-dim tensor: no device sync here)."""
+    clipping (a 0-dim tensor). A NaN or infinite norm would turn every weight it reaches into NaN (clipping
+    included, which scales by max_norm / norm): then nothing is applied, the gradients are cleared and
+    NonFiniteGradient raised, the weights and the optimizer's state and hyperparameters untouched."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    if not torch.isfinite(norm):  # syncs: once per optimizer step, so that inf/NaN is never applied
+        optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteGradient(float(norm))
     for group in optimizer.param_groups:
         group.update(lr=settings.learning_rate, betas=(settings.beta1, settings.beta2), eps=settings.eps,
                      weight_decay=settings.weight_decay)
-    if settings.grad_clip_norm > 0:
-        norm = torch.nn.utils.clip_grad_norm_(params, settings.grad_clip_norm)
-    else:
-        grads = [p.grad for p in params if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    if settings.grad_clip_norm > 0:  # clip_grad_norm_'s own two halves, the norm measured once
+        torch.nn.utils.clip_grads_with_norm_(params, settings.grad_clip_norm, norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norm

@@ -305,6 +305,9 @@ def test_unknown_model_and_other_accounts_deployment_are_404(env):
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
+    # A NUL reaches the database through `model` (which Postgres cannot store), so no string may hold one.
+    ("/v1/completions", {"model": "ti\x00ny"}, "model"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\x00b"}]}, "messages[0].content"),
 ])
 def test_bad_params_are_400_naming_the_parameter(env, path, fields, param):
     body = {"model": "tiny", "prompt": PROMPT, "messages": [{"role": "user", "content": "x"}], **fields}
@@ -320,6 +323,27 @@ def test_bad_bodies(env):
     assert _error(r, 400)["param"] is None
     assert _error(env.post("/v1/completions", [1, 2]), 400)["param"] is None  # type: ignore[arg-type]
     assert _error(env.http.get("/v1/nothing-here"), 404)["code"] is None
+    # Python's JSON parser takes NaN, Infinity and 1e999 (which overflows to inf); the endpoint does not.
+    for number in (b"NaN", b"-Infinity", b"1e999"):
+        body = b'{"model": "tiny", "prompt": "x", "temperature": ' + number + b"}"
+        r = env.http.post("/v1/completions", content=body, headers=_auth(env.keys["alice"]))
+        assert "not valid JSON" in _error(r, 400)["message"], number
+
+
+def test_an_unexpected_error_is_an_error_id_its_detail_only_logged(caplog):
+    import logging
+
+    import sqlalchemy.exc
+
+    from services.rollout.openai_http import error_response
+
+    exc = sqlalchemy.exc.IntegrityError("INSERT INTO api_keys (key_hash) VALUES (?)", ("ab" * 32,), Exception("x"))
+    with caplog.at_level(logging.ERROR, logger="trainyard.rollout.openai"):
+        status, body = error_response(exc, {})
+    message = body["error"]["message"]
+    assert status == 500 and body["error"]["code"] == "internal_error" and "INSERT" not in message
+    ref = message.split("error id ")[1][:16]
+    assert any(ref in r.getMessage() and r.exc_info[1] is exc for r in caplog.records)
 
 
 # ---- models ----------------------------------------------------------------------------------------------------

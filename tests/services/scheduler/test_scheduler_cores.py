@@ -140,7 +140,7 @@ def test_page_tokens_are_checked():
 
     assert page(common_pb2.PageRequest()) == (0, 50)
     assert page(common_pb2.PageRequest(page_size=5, page_token="10")) == (10, 5)
-    for bad in ("-50", "abc"):
+    for bad in ("-50", "abc", "9" * 30, "+5", " 5"):
         with pytest.raises(InvalidArgument, match="page.page_token"):
             page(common_pb2.PageRequest(page_token=bad))
     with pytest.raises(InvalidArgument, match="page.page_size"):
@@ -157,3 +157,15 @@ def test_weight_version_paths_must_be_normalized_and_distinct():
     check_header(PublishHeader("lin", "", "full", "", [FileSpec("a/b", sha, 1), FileSpec("a/c", sha, 1)], {}))
     with pytest.raises(InvalidArgument, match="header.base_model"):
         check_header(PublishHeader("lin", "", "full", "m" * 200, [FileSpec("a", sha, 1)], {}))
+
+
+def test_max_steps_zero_is_refused_and_unset_is_derived(env):
+    db, blobs, account = env
+    ds, _ = DatasetStore(db, blobs, 1 << 20).upload(account, UploadHeader("d", None, ""), iter([ROW]))
+    core = JobCore(db, Ledger(db), lambda job_id: None, 0.05, threading.Event())
+    with pytest.raises(InvalidArgument) as exc:
+        core.create(account, NewJob("sft", "tiny", ds.id, "", {"max_steps": 0}))
+    assert [v.field for v in exc.value.violations] == ["spec.sft.max_steps"]
+    assert core.list(account, None, 0, 10)[0] == []
+    job = core.create(account, NewJob("sft", "tiny", ds.id, "", {}))
+    assert job.config["max_steps"] is None

@@ -89,7 +89,8 @@ def _reference(sess, data, loss_fn: str, config: dict):
     """c * sum_i datum_loss_i over each datum's own unpacked forward (target_logprobs, or a plain log_softmax for
     [T, K] targets): (per-datum logprobs, loss, gradients)."""
     cfg = losses.resolve_config(loss_fn, config)
-    datums = [check_datum(d, i, loss_fn, VOCAB) for i, d in enumerate(data)]
+    context = sess.holder.model.args.max_position_embeddings
+    datums = [check_datum(d, i, loss_fn, VOCAB, context) for i, d in enumerate(data)]
     with sess.use() as model:
         total, outputs = 0.0, []
         for d in datums:

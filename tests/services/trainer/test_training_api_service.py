@@ -8,6 +8,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from sqlalchemy import select
 
 from api_helpers import ApiEnv, random_tokens, rl_datum, sft_datum, stream, tensor, to_numpy, wire
 from models import load_pretrained
@@ -194,3 +195,65 @@ def test_a_publish_the_weight_sync_service_refuses_is_unavailable(tmp_path):
     (tmp_path / "adapter_config.json").write_text("{}")
     with pytest.raises(Unavailable, match="connection refused"):
         make_publisher(Stub())("ty_key", sess, tmp_path, "lora_adapter")
+
+
+def _saved(services, session_id: str) -> tuple[list, int]:
+    """(the session's checkpoint rows, the versions of its lineage) as stored."""
+    with services.env.db.session() as s:
+        rows = s.scalars(select(Checkpoint).where(Checkpoint.session_id == session_id)).all()
+    versions = services.weightsync.ListVersions(wpb.ListVersionsRequest(lineage=session_id), metadata=services.md)
+    return rows, len(versions.versions)
+
+
+def _blobs(services) -> set:
+    return {p.name for p in (services.env.blobs.root / "sha256").rglob("*") if p.is_file()}
+
+
+def test_a_bad_save_name_publishes_and_stores_nothing(services):
+    """A NUL in the name (which Postgres cannot store: it used to publish the version, then fail the row and the
+    session) or a name too long is INVALID_ARGUMENT before any side effect; the session goes on."""
+    stub, md = services.trainer, services.md
+    sess = stub.CreateSession(pb.CreateSessionRequest(base_model="tiny", lora=pb.SessionLora(rank=2)), metadata=md)
+    stub.ForwardBackward(pb.ForwardBackwardRequest(session_id=sess.id, data=_data(5)), metadata=md)
+    stub.OptimStep(pb.OptimStepRequest(session_id=sess.id), metadata=md)
+    blobs = _blobs(services)
+    for call in (stub.SaveWeights, stub.SaveState):
+        for name in ("a\x00b", "x" * 300):
+            request = (pb.SaveWeightsRequest if call is stub.SaveWeights else pb.SaveStateRequest)(
+                session_id=sess.id, name=name)
+            with pytest.raises(grpc.RpcError) as exc:
+                call(request, metadata=md)
+            assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "name" in exc.value.details()
+    assert _saved(services, sess.id) == ([], 0) and _blobs(services) == blobs
+    info = stub.GetSession(pb.GetSessionRequest(id=sess.id), metadata=md)
+    assert info.error == "" and info.optim_steps == 1
+    saved = stub.SaveWeights(pb.SaveWeightsRequest(session_id=sess.id, name="fine"), metadata=md)
+    rows, versions = _saved(services, sess.id)
+    assert [r.name for r in rows] == ["fine"] and versions == 1 and saved.version_id
+
+
+@pytest.mark.parametrize("save", ["SaveWeights", "SaveState"])
+def test_a_database_failure_while_saving_keeps_the_session(services, save):
+    """The checkpoint row cannot be written (its table is gone for the moment): the call fails UNAVAILABLE before
+    anything is published, and the session stays usable; once the database is back the same save works."""
+    stub, md = services.trainer, services.md
+    sess = stub.CreateSession(pb.CreateSessionRequest(base_model="tiny", lora=pb.SessionLora(rank=2)), metadata=md)
+    stub.ForwardBackward(pb.ForwardBackwardRequest(session_id=sess.id, data=_data(6)), metadata=md)
+    stub.OptimStep(pb.OptimStepRequest(session_id=sess.id), metadata=md)
+    request = getattr(pb, f"{save}Request")(session_id=sess.id, name="kept")
+    with services.env.db.engine.begin() as conn:
+        conn.exec_driver_sql("ALTER TABLE checkpoints RENAME TO checkpoints_away")
+    try:
+        with pytest.raises(grpc.RpcError) as exc:
+            getattr(stub, save)(request, metadata=md)
+    finally:
+        with services.env.db.engine.begin() as conn:
+            conn.exec_driver_sql("ALTER TABLE checkpoints_away RENAME TO checkpoints")
+    assert exc.value.code() == grpc.StatusCode.UNAVAILABLE, exc.value.details()
+    assert _saved(services, sess.id) == ([], 0)
+    assert stub.GetSession(pb.GetSessionRequest(id=sess.id), metadata=md).error == ""
+    stub.ForwardBackward(pb.ForwardBackwardRequest(session_id=sess.id, data=_data(7)), metadata=md)
+    stub.OptimStep(pb.OptimStepRequest(session_id=sess.id), metadata=md)
+    getattr(stub, save)(request, metadata=md)
+    rows, versions = _saved(services, sess.id)
+    assert [r.name for r in rows] == ["kept"] and versions == (1 if save == "SaveWeights" else 0)

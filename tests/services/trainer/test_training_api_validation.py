@@ -53,11 +53,21 @@ def _bad_requests(good):
     extra.CopyFrom(good[0])
     extra.loss_fn_inputs["foo"].CopyFrom(tensor([1.0] * len(good[0].tokens)))
     wrong_weights = wire(sft_datum([5, 6, 7], weights=[1.0]))
+    # numpy's product of this shape wraps around to 0, which an empty buffer "matches"
+    overflowing = pb.Datum(tokens=[5, 6], loss_fn_inputs={"target_tokens": pb.TensorData(
+        dtype=pb.TensorData.DTYPE_INT64, shape=[2**32, 2**32], data=b"")})
+    deep = pb.Datum(tokens=[5], loss_fn_inputs={"target_tokens": pb.TensorData(
+        dtype=pb.TensorData.DTYPE_INT64, shape=[1] * 100, data=b"\0" * 8)})
+    gen = torch.Generator().manual_seed(2)
+    too_long = wire(sft_datum(random_tokens(gen, 3001)))  # 3000 tokens; the tiny model's context is 2048
     return [  # (data, loss_fn, config, micro_batch_tokens, the field named)
         ([good[0], short], "", {}, 0, "data[1].loss_fn_inputs['target_tokens']"),
         ([floats], "", {}, 0, "data[0].loss_fn_inputs['target_tokens']"),
         ([torn], "", {}, 0, "data[0].loss_fn_inputs['target_tokens'].data"),
         ([untyped], "", {}, 0, "data[0].loss_fn_inputs['target_tokens'].dtype"),
+        ([good[0], overflowing], "", {}, 0, "data[1].loss_fn_inputs['target_tokens'].data"),
+        ([deep], "", {}, 0, "data[0].loss_fn_inputs['target_tokens'].shape"),
+        ([good[0], too_long], "", {}, 0, "data[1].tokens"),
         ([good[0], pb.Datum(tokens=[5, 4096], loss_fn_inputs={"target_tokens": tensor([1, 2], "int64")})], "", {},
          0, "data[1].tokens"),
         ([pb.Datum(loss_fn_inputs={"target_tokens": tensor([], "int64")})], "", {}, 0, "data[0].tokens"),
@@ -102,6 +112,33 @@ def test_bad_input_is_refused_by_field_and_changes_nothing(api_env):
     for m, s in ((manager, sess), (reference, ref)):
         m.optim_step(api_env.alice, s.id, 0, ADAM)
     assert same(weights(sess), weights(ref))
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_a_step_with_a_non_finite_gradient_applies_nothing(api_env, clip):
+    """Weights of 3e38 overflow the loss and its gradients: OptimStep applies nothing (not even its learning rate),
+    drops the gradients, says so with INVALID_ARGUMENT, and the session goes on as one whose gradients were
+    cleared; clipping (which scales by max_norm / norm) would have spread the NaN to every weight."""
+    manager = api_env.manager()
+    sess, good = _trained(api_env, manager)
+    tokens = random_tokens(torch.Generator().manual_seed(4), 13)
+    manager.forward(api_env.alice, sess.id, 0, [sft_datum(tokens, weights=[3e38] * 12)], "", {}, backward=True)
+    held_weights, _, held_optimizer = _snapshot(sess)
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in sess.optimizer.param_groups]
+    with pytest.raises(InvalidArgument, match="gradient norm is (inf|nan)"):
+        manager.optim_step(api_env.alice, sess.id, 0, replace(ADAM, learning_rate=0.5, grad_clip_norm=clip))
+    after = _snapshot(sess)
+    assert same(after[0], held_weights) and same(after[2], held_optimizer)
+    assert [{k: v for k, v in g.items() if k != "params"} for g in sess.optimizer.param_groups] == groups
+    assert after[1] == [None] * len(sess.params) and sess.error == "" and sess.optim_steps == 1
+    reference = api_env.manager()
+    ref, _ = _trained(api_env, reference)
+    for p in ref.params:  # what the failed step did to the session: its gradients are gone
+        p.grad = None
+    for m, s in ((manager, sess), (reference, ref)):
+        m.forward(api_env.alice, s.id, 0, good, "", {}, backward=True)
+        m.optim_step(api_env.alice, s.id, 0, replace(ADAM, grad_clip_norm=clip))
+    assert same(weights(sess), weights(ref)) and all(torch.isfinite(w).all() for w in weights(sess).values())
 
 
 def _watched(messages, sess, seen: list, cancel_at: int | None = None):
