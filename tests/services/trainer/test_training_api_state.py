@@ -199,6 +199,6 @@ def test_a_save_whose_publish_fails_leaves_no_orphan_blobs(api_env):
     finally:
         channel.close()
     assert fsck.blob_files(api_env.blobs) == []
-    ckpt_id, _ = manager.save_state(api_env.alice, sess.id, 0, "")
+    manager.save_state(api_env.alice, sess.id, 0, "")
     report = fsck.check(api_env.blobs, api_env.db)
     assert report.blobs > 0 and report.findings == []
