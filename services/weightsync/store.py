@@ -304,10 +304,12 @@ class WeightStore:
                 self.blobs.move_to_quarantine(sha256, {"reason": reason, "found_by": "weightsync fetch"})
 
     def _tensors(self, version: WeightVersion) -> dict:
-        """The version's tensors, each file verified in the one read that loads it (DataLoss names the file)."""
+        """The version's tensors by name, each file verified in the one read that loads it (DataLoss names the
+        file). Sorted: safetensors hands them out in no fixed order, and the same pair must encode to the same
+        delta bytes (a dropped delta encodes again to its old digest)."""
         tensors: dict = {}
         for f in version.files:
             if f["path"].endswith(".safetensors"):
                 tensors.update(load(self.blobs.read_bytes(f["sha256"], f"weight version {version.id} file "
                                                                        f"{f['path']}", size=f["size_bytes"])))
-        return tensors
+        return dict(sorted(tensors.items()))

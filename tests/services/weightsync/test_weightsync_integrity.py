@@ -95,3 +95,6 @@ def test_a_damaged_cached_delta_is_dropped_and_encoded_again(env, flip_byte):
         assert s.scalars(select(WeightDelta)).all() == []
     assert (store.blobs.quarantine_dir / cached.sha256).is_file()
     assert fetched(store, account, v2, base_version_id=v1) == delta  # encoded again, whole
+    with store.db.session() as s:  # the same bytes, so the same blob as before, now intact
+        assert s.scalars(select(WeightDelta)).one().sha256 == cached.sha256
+    assert store.blobs.exists(cached.sha256)
