@@ -18,7 +18,8 @@ row names (orphans, which `trainyard admin fsck` finds), never a row naming a mi
 saving(): it holds a shared flock on <root>/gc.lock from its first commit until its rows are written, and if it
 fails, it takes the lock exclusively (waiting out the saves in flight, which may have reused its blobs) and removes
 the blobs it created that no row names. fsck decides and moves orphans under the exclusive lock as well, so neither
-ever removes a blob a save is about to name.
+ever removes a blob a save is about to name. A save holds the lock only over its own commits and row writes, never
+across a call to another service: that service may need the lock exclusively before it answers.
 """
 from __future__ import annotations
 

@@ -371,25 +371,26 @@ class SessionManager:
             if len(name) > 256:
                 raise InvalidArgument("at most 256 characters", field="name")
             kind = "full" if sess.full_parameter else "lora_adapter"
-            with (tempfile.TemporaryDirectory(prefix="weights-", dir=self.blobs.staging_dir()) as tmp,
-                  self.blobs.saving(blobrefs.checker(self.db)) as save):  # a failure takes the new blobs back
+            with tempfile.TemporaryDirectory(prefix="weights-", dir=self.blobs.staging_dir()) as tmp:
                 with sess.use():
                     sess.engine.save_weights(Path(tmp), base_model=sess.base_model)
                 if sess.full_parameter:
                     for extra in MODEL_EXTRA_FILES:
                         if (Path(sess.model_path) / extra).is_file():
                             shutil.copyfile(Path(sess.model_path) / extra, Path(tmp) / extra)
-                files = [f.to_json() for f in save.put_tree(tmp)]
-                # A transient publishing failure is the publisher's Unavailable: the session's state is intact and
-                # the caller can save again.
+                # Published before anything is stored here: a transient publishing failure (the publisher's
+                # Unavailable; the session's state is intact and the caller can save again) leaves no blobs, and no
+                # store lock is held across the call (the weight-sync service saves under that lock too).
                 version_id = self.publish(api_key, sess, Path(tmp), kind)
-                ckpt = Checkpoint(id=new_id("ckpt"), account_id=account_id, session_id=sess.id,
-                                  name=name or f"{sess.id}-step{sess.optim_steps}", step=sess.optim_steps, kind=kind,
-                                  base_model=sess.base_model,
-                                  model_path="" if sess.full_parameter else sess.model_path,
-                                  files=files, final=True, metrics={}, created_at=utcnow())
-                with self.db.session() as s:
-                    s.add(ckpt)
+                with self.blobs.saving(blobrefs.checker(self.db)) as save:  # a failure takes the new blobs back
+                    files = [f.to_json() for f in save.put_tree(tmp)]
+                    ckpt = Checkpoint(id=new_id("ckpt"), account_id=account_id, session_id=sess.id,
+                                      name=name or f"{sess.id}-step{sess.optim_steps}", step=sess.optim_steps,
+                                      kind=kind, base_model=sess.base_model,
+                                      model_path="" if sess.full_parameter else sess.model_path,
+                                      files=files, final=True, metrics={}, created_at=utcnow())
+                    with self.db.session() as s:
+                        s.add(ckpt)
             sess.weight_version_id = version_id
             return ckpt.id, version_id, WEIGHTS_PREFIX + version_id
 
