@@ -150,3 +150,23 @@ def other_client(stack, other_api_key):
 
     with Client(url=stack.url("scheduler"), rollout_url=stack.url("rollout"), api_key=other_api_key) as c:
         yield c
+
+
+# -- damage --------------------------------------------------------------------------------------------------------
+@pytest.fixture()
+def flip_byte():
+    """Damage a file at rest, as a failing disk would: flip the low bit of its byte at offset (negative: from the
+    end). Blobs are read-only files; their mode is restored."""
+
+    def flip(path: Path, offset: int = 0) -> None:
+        mode = path.stat().st_mode
+        path.chmod(0o644)
+        with open(path, "r+b") as f:
+            f.seek(offset, os.SEEK_SET if offset >= 0 else os.SEEK_END)
+            at = f.tell()
+            byte = f.read(1)
+            f.seek(at)
+            f.write(bytes([byte[0] ^ 1]))
+        path.chmod(mode)
+
+    return flip

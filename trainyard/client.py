@@ -302,26 +302,61 @@ class Client:
 
     @translate
     def download_checkpoint(self, checkpoint_id: str, dest: str | os.PathLike) -> Path:
-        """Write the checkpoint's files under dest, checking each chunk's sha256."""
+        """Write the checkpoint's files under dest, each checked as it arrives against the size and sha256 the
+        checkpoint's manifest names (what was stored, not a checksum of what the server read). Damage -- DATA_LOSS
+        from the server, which verifies its reads too, or a mismatch found here -- removes the files this call
+        wrote and raises TrainyardError("DATA_LOSS") naming the checkpoint and the file."""
+        manifest = {f.path: f for f in self.get_checkpoint(checkpoint_id).files}
         dest = Path(dest)
         dest.mkdir(parents=True, exist_ok=True)
+        hashes = {path: hashlib.sha256() for path in manifest}
+        sizes = dict.fromkeys(manifest, 0)
         handles: dict[str, BinaryIO] = {}
+        written: list[Path] = []
+
+        def damaged(path: str, detail: str) -> TrainyardError:
+            return TrainyardError("DATA_LOSS", f"checkpoint {checkpoint_id} file {path}: {detail}")
+
+        def create(path: str) -> BinaryIO:
+            target = (dest / path).resolve()
+            if not target.is_relative_to(dest.resolve()):
+                raise damaged(path, f"refusing to write outside {dest}")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            written.append(target)
+            return open(target, "wb")
+
+        def check(path: str) -> None:
+            f = manifest[path]
+            if sizes[path] != f.size_bytes or hashes[path].hexdigest() != f.sha256:
+                raise damaged(path, f"received {sizes[path]} bytes hashing to {hashes[path].hexdigest()}; the "
+                                    f"checkpoint holds {f.size_bytes} bytes hashing to {f.sha256}")
+
         try:
-            for chunk in self.checkpoints.DownloadCheckpoint(pb.DownloadCheckpointRequest(id=checkpoint_id),
-                                                             **self._kw(3600)):
-                if hashlib.sha256(chunk.data).hexdigest() != chunk.sha256:
-                    raise TrainyardError("DATA_LOSS", f"chunk of {chunk.path} at {chunk.offset} failed its checksum")
-                target = (dest / chunk.path).resolve()
-                if not target.is_relative_to(dest.resolve()):
-                    raise TrainyardError("DATA_LOSS", f"refusing to write outside {dest}: {chunk.path}")
-                if chunk.path not in handles:
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    handles[chunk.path] = open(target, "wb")
-                handles[chunk.path].seek(chunk.offset)
-                handles[chunk.path].write(chunk.data)
-        finally:
-            for h in handles.values():
-                h.close()
+            try:
+                for chunk in self.checkpoints.DownloadCheckpoint(pb.DownloadCheckpointRequest(id=checkpoint_id),
+                                                                 **self._kw(3600)):
+                    if chunk.path not in manifest:
+                        raise damaged(chunk.path, "not in the checkpoint's manifest")
+                    if chunk.offset != sizes[chunk.path]:
+                        raise damaged(chunk.path, f"expected offset {sizes[chunk.path]}, got {chunk.offset}")
+                    if chunk.path not in handles:
+                        handles[chunk.path] = create(chunk.path)
+                    handles[chunk.path].write(chunk.data)
+                    hashes[chunk.path].update(chunk.data)
+                    sizes[chunk.path] += len(chunk.data)
+                    if sizes[chunk.path] >= manifest[chunk.path].size_bytes:
+                        check(chunk.path)
+            finally:
+                for h in handles.values():
+                    h.close()
+            for path, f in manifest.items():
+                if f.size_bytes == 0 and path not in handles:  # sent as no chunks at all
+                    create(path).close()
+                check(path)
+        except BaseException:
+            for p in written:
+                p.unlink(missing_ok=True)
+            raise
         return dest
 
     # -- deployments ---------------------------------------------------------------------------------------------

@@ -73,6 +73,12 @@ class Unavailable(TrainyardError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class DataLoss(TrainyardError):
+    """Stored bytes are damaged or missing: what was read does not hash to the sha256 its row recorded."""
+
+    code = grpc.StatusCode.DATA_LOSS
+
+
 class Cancelled(TrainyardError):
     """The client ended the call early (e.g. broke off a stream)."""
 

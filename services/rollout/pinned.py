@@ -26,7 +26,7 @@ from pathlib import Path
 import grpc
 
 from services.common.channels import auth_metadata
-from services.common.errors import FailedPrecondition, Unavailable, not_found
+from services.common.errors import DataLoss, FailedPrecondition, Unavailable, not_found
 from services.rollout.weights import Served, fetch_files, layout_full_version
 from trainyard.v1 import weightsync_pb2 as wpb
 
@@ -104,8 +104,9 @@ class PinnedWeights:
         with self._turn(version.id):
             try:
                 return fetch_files(self.stub, api_key, version, dest)
-            except grpc.RpcError as exc:
-                raise Unavailable(f"cannot fetch weight version '{version.id}': {exc.details()}") from None
+            except grpc.RpcError as exc:  # DATA_LOSS: the service's stored copy is damaged; else it can be retried
+                error = DataLoss if exc.code() == grpc.StatusCode.DATA_LOSS else Unavailable
+                raise error(f"cannot fetch weight version '{version.id}': {exc.details()}") from None
 
     def _hold(self, version_id: str) -> None:
         """Count a user of a full version and unload the least recently used idle ones beyond the limit."""

@@ -10,8 +10,9 @@ A name "trainyard://weights/<version id>" is a weight version the account owns i
 API SaveWeights): that exact version, on its base model (services/rollout/pinned.py); NotFound for another account's.
 
 A deployment's checkpoint files are laid out from the object store under <adapters_dir>/<deployment_id>/ once
-(hard links, renamed into place whole) and handed to the engine by that directory; deployment ids are global, so
-they double as the engine's adapter ids.
+(hard links, renamed into place whole), each checked against the sha256 its manifest names on the way (DataLoss
+otherwise: the scheduler marks the deployment failed), and handed to the engine by that directory; deployment ids
+are global, so they double as the engine's adapter ids.
 """
 from __future__ import annotations
 
@@ -287,11 +288,12 @@ class SamplingCore:
             if not dest.is_dir():
                 self.adapters_dir.mkdir(parents=True, exist_ok=True)
                 tmp = Path(tempfile.mkdtemp(dir=self.adapters_dir, prefix=f".{dest.name}-"))
-                try:
-                    self.blobs.materialize(target.adapter_files, tmp)
-                except FileNotFoundError as exc:
+                try:  # verified on the way: damaged or missing files are DataLoss, and nothing is loaded
+                    self.blobs.materialize(target.adapter_files, tmp, what=f"deployment '{target.info.name}': "
+                                                                         f"checkpoint {target.info.checkpoint_id}")
+                except BaseException:
                     shutil.rmtree(tmp, ignore_errors=True)
-                    raise FailedPrecondition(f"deployment '{target.info.name}': {exc}") from None
+                    raise
                 tmp.rename(dest)
         return dest
 

@@ -4,16 +4,20 @@ between engine steps; while anything about a new version fails, the previous one
 Ordering for one deployment moving from version n to version m (the lineage's current version: m = n + 1 after a
 publish, any retained version after a rollback):
 1. WatchLineage reports current = m.
-2. Fetch. A LoRA adapter: m's files in checksummed chunks (a cut transfer resumes at the last verified byte) into
-   <root>/adapters/<deployment>@<m>/. Full weights: the delta n -> m (services/weightsync/codec.py), applied to the
-   CPU copy of n this follower holds; the codec checks that copy is n (else: fetch m whole) and every record's
-   checksum before it writes anything.
+2. Fetch. A LoRA adapter: m's files in checksummed chunks, each file verified against the sha256 m names as it
+   streams (a cut transfer resumes at the last verified byte) into <root>/adapters/<deployment>@<m>/. Full weights:
+   the delta n -> m (services/weightsync/codec.py), applied to the CPU copy of n this follower holds; the codec
+   checks that copy is n and every record's checksum before it writes anything. When the delta cannot be used (our
+   copy is not n, the delta or n's stored files are damaged), m is fetched whole and the follower records why
+   (_Follow.fallback, the log).
 3. Load. Adapter: engine.load_adapter under the id "<deployment>@<m>", next to n's. Full: engine.update_base_weights,
    written between two engine steps.
 4. Switch: requests submitted from now on run on m. Adapter requests already running keep n's slot until they end
    (then n's weights are freed); full-weight requests in flight finish on m.
 A failure in 2-3 leaves n serving, is recorded (LoadedModel.weight_error, the log) and retried with backoff for as
-long as m is the lineage's current version.
+long as m is the lineage's current version; damaged stored bytes (DATA_LOSS from the weight-sync service, which
+verifies every read) are not retried until the lineage moves on, and a deployment whose first version fails so is
+refused with DATA_LOSS.
 """
 from __future__ import annotations
 
@@ -32,9 +36,9 @@ from safetensors.torch import load_file
 from models.families import family_for_config
 from models.model_dir import read_config
 from services.common.channels import auth_metadata, open_channel
-from services.common.errors import FailedPrecondition, Unavailable
+from services.common.errors import DataLoss, FailedPrecondition, Unavailable
 from services.weightsync.client import fetch_delta, fetch_version
-from services.weightsync.codec import BaseMismatchError, apply_delta
+from services.weightsync.codec import apply_delta
 from trainyard.v1 import weightsync_pb2 as wpb
 from trainyard.v1 import weightsync_pb2_grpc
 
@@ -66,6 +70,8 @@ class _Follow:
     target: wpb.WeightVersion | None = None
     kind: int = wpb.WEIGHT_KIND_UNSPECIFIED
     error: str = ""
+    data_loss: bool = False  # error is the weight-sync service's DATA_LOSS: retried only for a newer target
+    fallback: str = ""  # the last delta that could not be used, and that the version was fetched whole instead
     held: dict | None = None  # full weights: the served version's tensors (HF names, CPU)
     held_version_id: str = ""
     cv: threading.Condition = field(default_factory=threading.Condition)
@@ -113,8 +119,9 @@ class WeightFollower:
                 self._start(follow)
             while follow.served is None and not follow.stopped:
                 if follow.error and follow.target is not None:
-                    raise Unavailable(f"deployment {deployment_id} could not load version {follow.target.version} "
-                                      f"of lineage '{lineage}': {follow.error}")
+                    raise (DataLoss if follow.data_loss else Unavailable)(
+                        f"deployment {deployment_id} could not load version {follow.target.version} of lineage "
+                        f"'{lineage}': {follow.error}")
                 follow.cv.wait(0.2)
             if follow.served is None:
                 raise Unavailable(f"deployment {deployment_id} is being unloaded")
@@ -201,18 +208,22 @@ class WeightFollower:
                 served = self._load(follow, target)
             except Exception as exc:  # noqa: BLE001 - any failure keeps the previous version serving
                 attempt += 1
+                lost = isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.DATA_LOSS
                 with follow.cv:
-                    follow.error = f"version {target.version} ({target.id}): {exc}"
+                    follow.error = f"version {target.version} ({target.id}): {_describe(exc)}"
+                    follow.data_loss = lost
                     follow.cv.notify_all()
                 log.warning("deployment %s keeps serving %s: %s", follow.deployment_id,
                             follow.served.version_id if follow.served else "nothing", follow.error)
-                with follow.cv:  # wait, unless a newer target arrives meanwhile
+                # Wait for a newer target; a transient failure is retried before that, damaged stored bytes are not
+                # (fetching them again gives the same damage).
+                with follow.cv:
                     follow.cv.wait_for(lambda: follow.stopped or follow.target is not target,
-                                       self.retry_s[min(attempt - 1, len(self.retry_s) - 1)])
+                                       None if lost else self.retry_s[min(attempt - 1, len(self.retry_s) - 1)])
                 continue
             attempt = 0
             with follow.cv:  # no submit is between serve and pinning its adapter (see using())
-                previous, follow.served, follow.error = follow.served, served, ""
+                previous, follow.served, follow.error, follow.data_loss = follow.served, served, "", False
                 follow.cv.notify_all()
                 if previous is not None and previous.adapter_id is not None:
                     self.engine.unload_adapter(previous.adapter_id)  # freed when its last running request ends
@@ -244,13 +255,18 @@ class WeightFollower:
             try:
                 delta = fetch_delta(self.stub, follow.api_key, target.id, follow.held_version_id)
                 held = apply_delta(follow.held, delta, inplace=False)
-            except BaseMismatchError:  # our copy is not what the server took as the base: fetch the version whole
-                log.warning("deployment %s: delta base mismatch; fetching version %s whole", follow.deployment_id,
-                            target.id)
+            except (grpc.RpcError, OSError, ValueError) as exc:
+                # Our copy is not the delta's base (BaseMismatchError), the delta or its base is damaged (DATA_LOSS
+                # from the server, DeltaFormatError here) or it cannot be had: the whole version can.
+                note = (f"version {target.version} ({target.id}): the delta from {follow.held_version_id} could not "
+                        f"be used ({_describe(exc)}); fetched the version whole")
+                log.warning("deployment %s: %s", follow.deployment_id, note)
                 path = self._fetch_files(follow, target, self.root / "full" / f"{follow.deployment_id}@{target.id}")
                 held = {}
                 for f in path.glob("*.safetensors"):
                     held.update(load_file(str(f)))
+                with follow.cv:
+                    follow.fallback = note
             self._write_engine(model_dir, held)
         follow.held, follow.held_version_id = held, target.id
         return Served(str(model_dir), None, target.id, target.version)
@@ -263,6 +279,12 @@ class WeightFollower:
 
     def _fetch_files(self, follow: _Follow, version: wpb.WeightVersion, dest: Path) -> Path:
         return fetch_files(self.stub, follow.api_key, version, dest)
+
+
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, grpc.RpcError) and isinstance(exc, grpc.Call):
+        return f"{exc.code().name}: {exc.details()}"
+    return str(exc)
 
 
 def fetch_files(stub, api_key: str, version: wpb.WeightVersion, dest: Path) -> Path:

@@ -85,10 +85,13 @@ class AccountCore:
             return registry.get_checkpoint(s, account_id, checkpoint_id)
 
     def checkpoint_chunks(self, account_id: str, checkpoint_id: str) -> Iterator[tuple[dict, int, bytes]]:
-        """(file entry, offset, bytes) for every file of the checkpoint, in manifest order."""
+        """(file entry, offset, bytes) for every file of the checkpoint, in manifest order; DataLoss after the last
+        chunk of a file whose bytes are not the ones its manifest names."""
         ckpt = self.get_checkpoint(account_id, checkpoint_id)
         for f in ckpt.files:
             offset = 0
-            for chunk in self.blobs.read_chunks(f["sha256"], chunk_size=CHUNK):
+            # Verified against the manifest as it streams: damaged bytes end the stream with DataLoss.
+            for chunk in self.blobs.read_verified(f["sha256"], f"checkpoint {ckpt.id} file {f['path']}",
+                                                  size=f["size_bytes"], chunk_size=CHUNK):
                 yield f, offset, chunk
                 offset += len(chunk)

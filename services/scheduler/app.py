@@ -98,6 +98,7 @@ def build(settings: SchedulerSettings) -> Server:
     settings.ensure_dirs()
     db = Database(settings.database_url)
     blobs = BlobStore(settings.blob_dir)
+    blobs.sweep_staging()  # uploads cut by a killed scheduler
     register_shared_models(settings, db)
     ledger = Ledger(db)
     dispatch = Dispatcher(settings)

@@ -2,7 +2,8 @@
 
 Order of an upload: header -> bytes to a staging file (size-capped, sha256 on the fly) -> full validation ->
 de-duplication against the account's live datasets -> atomic blob commit -> row insert. Any failure before the row
-insert removes the staging file, so a rejected upload leaves the store and the database as they were.
+insert removes the staging file, and a failed insert removes the blob it had just created (BlobStore.saving), so a
+rejected upload leaves the store and the database as they were.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
+from services.common import blobrefs
 from services.common.blobstore import BlobStore, TooLarge
 from services.common.db import Database
 from services.common.errors import FailedPrecondition, InvalidArgument, not_found
@@ -67,19 +69,20 @@ class DatasetStore:
             existing = self._live_by_sha(account_id, staged.sha256, fmt)
             if existing is not None:
                 return existing, True
-            self.blobs.commit(staged.path, staged.sha256)
             name = (header.name or Path(header.filename).stem or "dataset")[:256]
             row = Dataset(id=new_id("ds"), account_id=account_id, name=name,
                           filename=header.filename, format=fmt, num_rows=result.num_rows,
                           size_bytes=staged.size_bytes, sha256=staged.sha256, created_at=utcnow())
-            try:
-                with self.db.session() as s:
-                    s.add(row)
-            except IntegrityError:  # the same content raced in from another upload: that one wins
-                existing = self._live_by_sha(account_id, staged.sha256, fmt)
-                if existing is None:
-                    raise
-                return existing, True
+            with self.blobs.saving(blobrefs.checker(self.db)) as save:  # a failed insert takes its new blob back
+                save.commit(staged.path, staged.sha256)
+                try:
+                    with self.db.session() as s:
+                        s.add(row)
+                except IntegrityError:  # the same content raced in from another upload: that one wins
+                    existing = self._live_by_sha(account_id, staged.sha256, fmt)
+                    if existing is None:
+                        raise
+                    return existing, True
             return row, False
         finally:
             staged.path.unlink(missing_ok=True)

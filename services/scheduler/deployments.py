@@ -19,6 +19,7 @@ from services.common import registry
 from services.common.db import Database
 from services.common.errors import (
     AlreadyExists,
+    DataLoss,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -30,9 +31,10 @@ from services.common.schema import Checkpoint, Deployment, Job, WeightLineage, n
 log = logging.getLogger("trainyard.deployments")
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
-# The rollout's refusals keep their meaning; anything else (unreachable, internal) is reported as unavailable.
+# The rollout's refusals keep their meaning (DATA_LOSS: the deployment's stored files failed verification);
+# anything else (unreachable, internal) is reported as unavailable.
 ROLLOUT_ERRORS = {grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition, grpc.StatusCode.NOT_FOUND: NotFound,
-                  grpc.StatusCode.INVALID_ARGUMENT: FailedPrecondition}
+                  grpc.StatusCode.INVALID_ARGUMENT: FailedPrecondition, grpc.StatusCode.DATA_LOSS: DataLoss}
 
 # (api_key, deployment_id) -> None; raises grpc.RpcError when the rollout refuses or cannot be reached.
 LoadFn = Callable[[str, str], None]

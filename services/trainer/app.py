@@ -54,7 +54,9 @@ def build(settings: TrainerSettings) -> Server:
                                     settings.channel_credentials())
     weightsync = weightsync_pb2_grpc.WeightSyncServiceStub(channel)
 
-    sessions = SessionManager(db, BlobStore(settings.blob_dir), make_publisher(weightsync), settings.order_timeout_s,
+    blobs = BlobStore(settings.blob_dir)
+    blobs.sweep_staging()  # what a trainer killed mid-save left behind
+    sessions = SessionManager(db, blobs, make_publisher(weightsync), settings.order_timeout_s,
                               settings.deterministic, settings.micro_batch_tokens)
 
     def shutdown() -> None:

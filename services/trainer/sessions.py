@@ -46,7 +46,7 @@ import sqlalchemy.exc
 import torch
 
 from models.lora import LoraConfig, apply_lora, remove_adapter, set_trainable
-from services.common import registry
+from services.common import blobrefs, registry
 from services.common.blobstore import BlobStore, StoredFile
 from services.common.db import Database
 from services.common.errors import FailedPrecondition, InvalidArgument, TrainyardError, not_found
@@ -386,29 +386,32 @@ class SessionManager:
         def run():
             _check_name(name)
             kind = "full" if sess.full_parameter else "lora_adapter"
-            with tempfile.TemporaryDirectory(prefix="weights-") as tmp:
+            with tempfile.TemporaryDirectory(prefix="weights-", dir=self.blobs.staging_dir()) as tmp:
                 with sess.use():
                     sess.engine.save_weights(Path(tmp), base_model=sess.base_model)
                 if sess.full_parameter:
                     for extra in MODEL_EXTRA_FILES:
                         if (Path(sess.model_path) / extra).is_file():
                             shutil.copyfile(Path(sess.model_path) / extra, Path(tmp) / extra)
-                files = [f.to_json() for f in self.blobs.put_tree(tmp)]
-                ckpt = Checkpoint(id=new_id("ckpt"), account_id=account_id, session_id=sess.id,
-                                  name=name or f"{sess.id}-step{sess.optim_steps}", step=sess.optim_steps, kind=kind,
-                                  base_model=sess.base_model,
-                                  model_path="" if sess.full_parameter else sess.model_path, files=files, final=True,
-                                  metrics={}, created_at=utcnow())
-                # The row first: a database that refuses it fails the call before a version exists.
-                with self.db.session() as s:
-                    s.add(ckpt)
+                with self.blobs.saving(blobrefs.checker(self.db)) as save:  # a failure takes the new blobs back
+                    files = [f.to_json() for f in save.put_tree(tmp)]
+                    ckpt = Checkpoint(id=new_id("ckpt"), account_id=account_id, session_id=sess.id,
+                                      name=name or f"{sess.id}-step{sess.optim_steps}", step=sess.optim_steps,
+                                      kind=kind, base_model=sess.base_model,
+                                      model_path="" if sess.full_parameter else sess.model_path,
+                                      files=files, final=True, metrics={}, created_at=utcnow())
+                    # The row first: a database that refuses it fails the call before a version exists.
+                    with self.db.session() as s:
+                        s.add(ckpt)
                 try:
-                    # A transient publishing failure is the publisher's Unavailable: the session's state is intact
-                    # and the caller can save again.
+                    # Published outside the save, so no store lock is held across a call to the weight-sync
+                    # service (which saves under that lock too). A transient publishing failure is the publisher's
+                    # Unavailable: the session's state is intact and the caller can save again.
                     version_id = self.publish(api_key, sess, Path(tmp), kind)
                 except BaseException:
                     with self.db.session() as s:
                         s.delete(s.get(Checkpoint, ckpt.id))
+                    self.blobs.release(save.created, blobrefs.checker(self.db))
                     raise
             sess.weight_version_id = version_id
             return ckpt.id, version_id, WEIGHTS_PREFIX + version_id
@@ -422,19 +425,20 @@ class SessionManager:
 
         def run():
             _check_name(name)
-            with tempfile.TemporaryDirectory(prefix="state-") as tmp:
+            with (tempfile.TemporaryDirectory(prefix="state-", dir=self.blobs.staging_dir()) as tmp,
+                  self.blobs.saving(blobrefs.checker(self.db)) as save):  # a failure takes the new blobs back
                 with sess.use():
                     sess.engine.save(Path(tmp), base_model=sess.base_model,
                                      progress={"next_seq_id": sess.next_seq_id + 1})
-                files = [f.to_json() for f in self.blobs.put_tree(Path(tmp) / WEIGHTS_DIR)]
-                state = [f.to_json() for f in self.blobs.put_tree(Path(tmp) / STATE_DIR)]
-            ckpt = Checkpoint(id=new_id("ckpt"), account_id=account_id, session_id=sess.id,
-                              name=name or f"{sess.id}-state-step{sess.optim_steps}", step=sess.optim_steps,
-                              kind="full" if sess.full_parameter else "lora_adapter", base_model=sess.base_model,
-                              model_path="" if sess.full_parameter else sess.model_path, files=files, state=state,
-                              final=False, metrics={}, created_at=utcnow())
-            with self.db.session() as s:
-                s.add(ckpt)
+                files = [f.to_json() for f in save.put_tree(Path(tmp) / WEIGHTS_DIR)]
+                state = [f.to_json() for f in save.put_tree(Path(tmp) / STATE_DIR)]
+                ckpt = Checkpoint(id=new_id("ckpt"), account_id=account_id, session_id=sess.id,
+                                  name=name or f"{sess.id}-state-step{sess.optim_steps}", step=sess.optim_steps,
+                                  kind="full" if sess.full_parameter else "lora_adapter", base_model=sess.base_model,
+                                  model_path="" if sess.full_parameter else sess.model_path, files=files,
+                                  state=state, final=False, metrics={}, created_at=utcnow())
+                with self.db.session() as s:
+                    s.add(ckpt)
             return ckpt.id, STATE_PREFIX + ckpt.id
 
         return self._in_order(sess, seq_id, run)
@@ -472,10 +476,13 @@ class SessionManager:
         if not is_training_state(f["path"] for f in state):
             raise InvalidArgument(f"checkpoint '{ckpt_id}' holds weights only, not a training state (save one with "
                                   "SaveState)", field=field_name)
-        with tempfile.TemporaryDirectory(prefix="state-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="state-", dir=self.blobs.staging_dir()) as tmp:
             root = Path(tmp)
-            self.blobs.materialize([StoredFile.from_json(f) for f in files], root / WEIGHTS_DIR)
-            self.blobs.materialize([StoredFile.from_json(f) for f in state], root / STATE_DIR)
+            # Verified against the manifests while laid out: damaged bytes are DataLoss, before anything changes.
+            self.blobs.materialize([StoredFile.from_json(f) for f in files], root / WEIGHTS_DIR,
+                                   what=f"checkpoint {ckpt_id}")
+            self.blobs.materialize([StoredFile.from_json(f) for f in state], root / STATE_DIR,
+                                   what=f"checkpoint {ckpt_id} state")
             try:
                 saved = read_checkpoint(root)
             except CheckpointMismatch as exc:

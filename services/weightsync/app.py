@@ -78,7 +78,9 @@ class WeightSyncSettings(TrainyardSettings):
 def build(settings: WeightSyncSettings) -> Server:
     settings.ensure_dirs()
     db = Database(settings.database_url)
-    store = WeightStore(db, BlobStore(settings.blob_dir))
+    blobs = BlobStore(settings.blob_dir)
+    blobs.sweep_staging()  # publishes cut by a killed weight-sync service
+    store = WeightStore(db, blobs)
     stopping = threading.Event()  # set at shutdown: WatchLineage streams end instead of holding the grace period
     spec = ServiceSpec(
         name="weightsync",

@@ -6,7 +6,11 @@ Every file of a version is a content-addressed blob with its sha256 and size in 
 
 Publish ordering: header (declares files and checksums) -> chunks of each file in declared order, offsets contiguous,
 each chunk's own sha256 checked on arrival -> every file's sha256 and size checked -> blobs committed -> row inserted
-(version = parent's + 1). Anything failing before the insert leaves no version and no partial blob.
+(version = parent's + 1). Anything failing before the insert leaves no version and no partial blob; a failed insert
+removes the blobs it had just created (BlobStore.saving).
+
+Fetch ordering: every file (and every cached delta) is read verified against the sha256 its row names, so damage
+at rest ends the stream with DATA_LOSS naming the version and file (or the delta) instead of reaching a consumer.
 """
 from __future__ import annotations
 
@@ -17,13 +21,14 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from sqlalchemy import select
-from safetensors.torch import load_file
+from safetensors.torch import load
+from sqlalchemy import delete, select
 from sqlalchemy.exc import IntegrityError
 
-from services.common.blobstore import CHUNK, BlobStore
+from services.common import blobrefs
+from services.common.blobstore import BlobStore
 from services.common.db import Database
-from services.common.errors import FailedPrecondition, InvalidArgument, not_found
+from services.common.errors import DataLoss, FailedPrecondition, InvalidArgument, not_found
 from services.common.schema import WeightDelta, WeightLineage, WeightVersion, new_id, utcnow
 from services.weightsync.codec import iter_encode_delta
 
@@ -126,16 +131,21 @@ class WeightStore:
             extra = next(it, None)
             if extra is not None:
                 raise InvalidArgument(f"unexpected data after the declared files (path {extra.path!r})", field="chunk")
-            for spec, tmp in staged:
-                self.blobs.commit(tmp, spec.sha256)
+            row = WeightVersion(id=new_id("wv"), account_id=account_id, lineage=header.lineage,
+                                version=(parent.version + 1) if parent else 1, parent_id=parent.id if parent else "",
+                                kind=header.kind, base_model=header.base_model,
+                                files=[{"path": f.path, "sha256": f.sha256, "size_bytes": f.size_bytes}
+                                       for f in header.files], meta=dict(header.metadata), created_at=utcnow())
+            with self.blobs.saving(blobrefs.checker(self.db)) as save:  # a lost race takes the new blobs back
+                for spec, tmp in staged:
+                    save.commit(tmp, spec.sha256)
+                self._insert(account_id, header, row)
         finally:
             for _, tmp in staged:
                 tmp.unlink(missing_ok=True)
-        row = WeightVersion(id=new_id("wv"), account_id=account_id, lineage=header.lineage,
-                            version=(parent.version + 1) if parent else 1, parent_id=parent.id if parent else "",
-                            kind=header.kind, base_model=header.base_model,
-                            files=[{"path": f.path, "sha256": f.sha256, "size_bytes": f.size_bytes}
-                                   for f in header.files], meta=dict(header.metadata), created_at=utcnow())
+        return row
+
+    def _insert(self, account_id: str, header: PublishHeader, row: WeightVersion) -> None:
         try:
             with self.db.session() as s:
                 s.add(row)
@@ -151,7 +161,6 @@ class WeightStore:
         except IntegrityError:
             raise FailedPrecondition(f"lineage '{header.lineage}' gained version {row.version} while this one was "
                                      "uploading; publish again on top of the latest version") from None
-        return row
 
     def _check_parent(self, account_id: str, header: PublishHeader) -> WeightVersion | None:
         parent = self.latest(account_id, header.lineage)
@@ -226,6 +235,10 @@ class WeightStore:
 
     def fetch(self, account_id: str, version_id: str, from_path: str = "", from_offset: int = 0,
               base_version_id: str = "") -> Iterator[Chunk]:
+        """The version's files (or, with base_version_id, the delta from that version) from (from_path,
+        from_offset), each verified against its sha256 as it streams (the bytes before from_offset are read and
+        hashed too): a file whose bytes do not match ends the stream with DataLoss after its last chunk. A damaged
+        cached delta is dropped (its blob quarantined), so the next request encodes it again."""
         v = self.get(account_id, version_id)
         files = v.files
         if base_version_id:
@@ -240,10 +253,17 @@ class WeightStore:
             offset = from_offset if i == 0 else 0
             if offset > f["size_bytes"]:
                 raise InvalidArgument(f"beyond the end of {f['path']} ({f['size_bytes']} bytes)", field="from_offset")
-            for data in self.blobs.read_chunks(f["sha256"], offset=offset, chunk_size=CHUNK):
-                yield Chunk(path=f["path"], offset=offset, data=data, sha256=hashlib.sha256(data).hexdigest(),
-                            file_size=f["size_bytes"])
-                offset += len(data)
+            what = (f"delta from weight version {base_version_id} to {version_id}" if base_version_id
+                    else f"weight version {version_id} file {f['path']}")
+            try:
+                for data in self.blobs.read_verified(f["sha256"], what, offset=offset, size=f["size_bytes"]):
+                    yield Chunk(path=f["path"], offset=offset, data=data, sha256=hashlib.sha256(data).hexdigest(),
+                                file_size=f["size_bytes"])
+                    offset += len(data)
+            except DataLoss as exc:
+                if base_version_id:
+                    self._drop_delta(base_version_id, version_id, f["sha256"], str(exc))
+                raise
 
     def delta_file(self, account_id: str, base_version_id: str, version: WeightVersion) -> dict:
         """The file entry {path: DELTA_FILE, sha256, size_bytes} of the delta base -> version, encoded on first
@@ -261,19 +281,35 @@ class WeightStore:
                                                for k in new):
                 raise FailedPrecondition(f"versions {base.id} and {version.id} hold different tensors (names, shapes "
                                          "or dtypes); fetch the version whole")
-            digest, size = self.blobs.put_stream(iter_encode_delta(old, new))
-            cached = WeightDelta(id=new_id("wd"), base_version_id=base.id, version_id=version.id, sha256=digest,
-                                 size_bytes=size, created_at=utcnow())
-            try:
-                with self.db.session() as s:
-                    s.add(cached)
-            except IntegrityError:  # encoded concurrently by another request: same bytes, same blob
-                pass
+            with self.blobs.saving(blobrefs.checker(self.db)) as save:
+                digest, size = save.put_stream(iter_encode_delta(old, new))
+                cached = WeightDelta(id=new_id("wd"), base_version_id=base.id, version_id=version.id, sha256=digest,
+                                     size_bytes=size, created_at=utcnow())
+                try:
+                    with self.db.session() as s:
+                        s.add(cached)
+                except IntegrityError:  # encoded concurrently by another request: same bytes, same blob
+                    pass
         return {"path": DELTA_FILE, "sha256": cached.sha256, "size_bytes": cached.size_bytes}
 
+    def _drop_delta(self, base_version_id: str, version_id: str, sha256: str, reason: str) -> None:
+        """Forget a cached delta whose blob failed verification and quarantine the blob, so the next request encodes
+        the delta again instead of serving the damage forever."""
+        with self.blobs.exclusive():
+            with self.db.session() as s:
+                s.execute(delete(WeightDelta).where(WeightDelta.base_version_id == base_version_id,
+                                                    WeightDelta.version_id == version_id,
+                                                    WeightDelta.sha256 == sha256))
+            if self.blobs.exists(sha256):  # else: missing, e.g. quarantined by fsck already
+                self.blobs.move_to_quarantine(sha256, {"reason": reason, "found_by": "weightsync fetch"})
+
     def _tensors(self, version: WeightVersion) -> dict:
+        """The version's tensors by name, each file verified in the one read that loads it (DataLoss names the
+        file). Sorted: safetensors hands them out in no fixed order, and the same pair must encode to the same
+        delta bytes (a dropped delta encodes again to its old digest)."""
         tensors: dict = {}
         for f in version.files:
             if f["path"].endswith(".safetensors"):
-                tensors.update(load_file(str(self.blobs.path(f["sha256"]))))
-        return tensors
+                tensors.update(load(self.blobs.read_bytes(f["sha256"], f"weight version {version.id} file "
+                                                                       f"{f['path']}", size=f["size_bytes"])))
+        return dict(sorted(tensors.items()))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+from services.common.blobstore import BlobStore
 from services.common.grpcserver import configure_logging
 from services.common.jobqueue import RUN_JOB, JobQueueSettings, make_celery
 
@@ -14,6 +15,7 @@ settings = JobQueueSettings()
 settings.ensure_dirs()
 settings.apply_torch_threads()
 configure_logging(settings.log_level)
+BlobStore(settings.blob_dir).sweep_staging()  # what processes killed mid-write (a worker mid-job) left behind
 app = make_celery(settings)
 
 

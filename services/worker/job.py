@@ -84,7 +84,8 @@ def run_managed_job(job_id: str, settings: JobQueueSettings) -> None:
         job = claim.job
         hb = Heartbeat(ledger, job_id, worker_id, settings.heartbeat_s)
         hb.start()
-        work = Path(tempfile.mkdtemp(prefix=f"{job_id}-", dir=settings.data_dir))
+        # In the process's staging directory: a killed worker's scratch is swept at the next start-up.
+        work = Path(tempfile.mkdtemp(prefix=f"{job_id}-", dir=blobs.staging_dir()))
         try:
             _run(job, ledger, blobs, db, worker_id, hb, work)
         finally:

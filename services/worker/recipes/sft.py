@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from services.common import blobrefs
 from services.common.blobstore import StoredFile
 from services.common.methods.sft import SftHyperparams
 from services.common.schema import Dataset
@@ -16,15 +17,21 @@ def run(ctx: JobContext) -> RecipeOutcome:
     job, blobs, ledger = ctx.job, ctx.blobs, ctx.ledger
     with ctx.db.session() as s:
         dataset = s.get(Dataset, job.dataset_id)
+    # Every stored file is laid out verified against the sha256 its row names: damage fails the job with DataLoss
+    # naming the object, instead of training on it.
+    data_path = blobs.materialize([StoredFile("dataset.jsonl", dataset.sha256, dataset.size_bytes)],
+                                  ctx.work / "data", what=f"dataset {dataset.id}") / "dataset.jsonl"
     resume = None
     latest = ctx.latest_checkpoint
     if latest is not None:
         resume = SftCheckpoint(step=latest.step, root=ctx.work / "resume")
-        blobs.materialize([StoredFile.from_json(f) for f in latest.files], resume.weights_dir)
-        blobs.materialize([StoredFile.from_json(f) for f in latest.state], resume.state_dir)
+        blobs.materialize([StoredFile.from_json(f) for f in latest.files], resume.weights_dir,
+                          what=f"checkpoint {latest.id}")
+        blobs.materialize([StoredFile.from_json(f) for f in latest.state], resume.state_dir,
+                          what=f"checkpoint {latest.id} state")
         ledger.log(job.id, f"resuming from the checkpoint at step {latest.step} ({latest.id})")
     final_checkpoint_id, finished = "", None
-    events = run_sft(Path(job.model_path), blobs.path(dataset.sha256), SftHyperparams.from_json(job.config),
+    events = run_sft(Path(job.model_path), data_path, SftHyperparams.from_json(job.config),
                      stop=ctx.heartbeat.stop, resume=resume, base_model_name=job.base_model, work_dir=ctx.work)
     for event in events:
         match event:
@@ -37,10 +44,11 @@ def run(ctx: JobContext) -> RecipeOutcome:
             case Metrics(step, metrics):
                 ledger.progress(job.id, ctx.worker_id, step=step, metrics=metrics)
             case Checkpoint(ckpt, final, metrics):
-                files = [f.to_json() for f in blobs.put_tree(ckpt.weights_dir)]
-                state = [f.to_json() for f in blobs.put_tree(ckpt.state_dir)]
-                row = ledger.add_checkpoint(job.id, ctx.worker_id, step=ckpt.step, files=files, state=state,
-                                            final=final, metrics=metrics)
+                with blobs.saving(blobrefs.checker(ctx.db)) as save:  # a lost lease takes the new blobs back
+                    files = [f.to_json() for f in save.put_tree(ckpt.weights_dir)]
+                    state = [f.to_json() for f in save.put_tree(ckpt.state_dir)]
+                    row = ledger.add_checkpoint(job.id, ctx.worker_id, step=ckpt.step, files=files, state=state,
+                                                final=final, metrics=metrics)
                 if final:
                     final_checkpoint_id = row.id
             case Finished():

@@ -106,7 +106,7 @@ def test_blob_store_is_content_addressed_and_atomic(tmp_path):
 
     with pytest.raises(RuntimeError):
         store.put_stream(failing())
-    assert list((tmp_path / "blobs" / "tmp").iterdir()) == []  # nothing half-written remains
+    assert [p.name for p in store.staging_dir().iterdir()] == [".lock"]  # nothing half-written remains
     src = tmp_path / "tree"
     (src / "sub").mkdir(parents=True)
     (src / "a.txt").write_text("a")

@@ -182,6 +182,30 @@ def test_failed_deployment_is_not_served(env, tiny_model_dir, adapter_dirs):
     assert "failed" in exc.value.details()
 
 
+@pytest.mark.reliability
+def test_a_deployment_whose_stored_files_are_damaged_is_data_loss(env, tiny_model_dir, tmp_path, flip_byte):
+    """Its checkpoint's files are verified while they are laid out: DATA_LOSS naming the deployment, checkpoint and
+    file, and nothing loaded or left on disk; LoadDeployment (the scheduler then marks it failed) and Sample alike."""
+    from rollout_reference import write_adapter
+
+    blobs = BlobStore(env.data_dir / "blobs")
+    dep_id = _deploy(env.db, blobs, env.alice[0], "damaged", tiny_model_dir,
+                     write_adapter(tiny_model_dir, tmp_path / "adapter", seed=77, b_scale=0.5))
+    with env.db.session() as s:
+        ckpt = s.get(Checkpoint, s.get(Deployment, dep_id).checkpoint_id)
+        weights = next(f for f in ckpt.files if f["path"].endswith(".safetensors"))
+    flip_byte(blobs.path(weights["sha256"]), 200)
+    for call in (lambda: env.call("LoadDeployment", pb.LoadDeploymentRequest(deployment_id=dep_id)),
+                 lambda: sample(env, "damaged")):
+        with pytest.raises(grpc.RpcError) as exc:
+            call()
+        assert exc.value.code() == grpc.StatusCode.DATA_LOSS
+        assert (f"deployment 'damaged': checkpoint {ckpt.id} file {weights['path']}: blob {weights['sha256']} is "
+                "damaged") in exc.value.details()
+    assert not (env.data_dir / "rollout" / "adapters" / dep_id).exists()
+    assert "damaged" not in {m.name for m in env.call("ListLoaded", pb.ListLoadedRequest()).models}
+
+
 # ---- SampleStream and the new SamplingParams fields ------------------------------------------------------------
 
 

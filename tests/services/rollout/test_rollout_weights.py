@@ -13,12 +13,15 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from sqlalchemy import select
 
 from models import load_pretrained, save_pretrained
 from models.lora import load_peft_adapter
 from rollout_reference import naive_logprobs_TV, write_adapter
 from services.common.auth import create_account
+from services.common.blobstore import BlobStore
 from services.common.db import Database, migrate
+from services.common.errors import DataLoss
 from services.common.schema import WeightDelta
 from services.rollout.sampling import SamplingParams
 from services.rollout.weights import WeightFollower
@@ -305,5 +308,63 @@ def test_hot_load_under_concurrent_sampling_loses_nothing(env, engine, prompt_id
         models = {vid: adapter_model(env.model_dir, by_version[vid]) for vid in seen}
         for vid, seqs in results:  # every request ran wholly on the version it started on
             check_against(models[vid], prompt_ids, seqs)
+    finally:
+        follower.close()
+
+
+# ---- damaged stored bytes ---------------------------------------------------------------------------------------
+
+def server_blobs(env) -> BlobStore:
+    return BlobStore(env.root / "data" / "blobs")
+
+
+@pytest.mark.reliability
+def test_a_damaged_cached_delta_falls_back_to_the_whole_version(env, engine, prompt_ids, full_versions, flip_byte):
+    """The delta v1 -> v2 cached by the service is damaged at rest: the service ends its fetch with DATA_LOSS (and
+    drops it), and the follower fetches v2 whole instead of retrying the delta forever, recording why."""
+    md = (("authorization", f"Bearer {env.key}"),)
+    v1 = env.publish("full-c", wpb.WEIGHT_KIND_FULL, full_versions[0])
+    v2 = env.publish("full-c", wpb.WEIGHT_KIND_FULL, full_versions[1])
+    delta = b"".join(c.data for c in env.stub.FetchVersion(
+        wpb.FetchVersionRequest(id=v2.id, base_version_id=v1.id), metadata=md))  # encoded and cached now
+    with env.db.session() as s:
+        cached = s.scalars(select(WeightDelta).where(WeightDelta.version_id == v2.id)).one()
+    flip_byte(server_blobs(env).path(cached.sha256), len(delta) // 2)
+    env.stub.Rollback(wpb.RollbackRequest(lineage="full-c", version_id=v1.id), metadata=md)
+    follower = env.follower(engine, "damaged-delta")
+    try:
+        follower.serve("dep-dd", "full-c", str(env.model_dir), env.key)  # v1, fetched whole
+        env.stub.Rollback(wpb.RollbackRequest(lineage="full-c", version_id=v2.id), metadata=md)
+        served = wait_served(follower, "dep-dd", v2.id)
+        check_against(load_pretrained(full_versions[1]), prompt_ids,
+                      engine.generate(served.model_dir, None, prompt_ids, SAMPLE))
+        note = follower._follows["dep-dd"].fallback
+        assert f"the delta from {v1.id} could not be used (DATA_LOSS: delta from weight version {v1.id} to " \
+               f"{v2.id}: blob {cached.sha256} is damaged" in note and note.endswith("fetched the version whole")
+    finally:
+        follower.close()
+
+
+@pytest.mark.reliability
+def test_a_damaged_stored_version_is_data_loss_and_not_fetched_again(env, engine, prompt_ids, tmp_path, flip_byte):
+    """Damage at rest is final: the first load fails with DataLoss naming the version and file (a deployment of it
+    is refused, never served), and the follower does not fetch the same damage again until the lineage moves on."""
+    v1 = env.publish("lora-damaged", wpb.WEIGHT_KIND_LORA_ADAPTER,
+                     write_adapter(env.model_dir, tmp_path / "v1", seed=51, b_scale=0.5))
+    damaged = next(f for f in v1.files if f.path.endswith(".safetensors"))
+    flip_byte(server_blobs(env).path(damaged.sha256), 100)
+    holder = {}
+    follower = env.follower(engine, "damaged", stub_factory=lambda ch: holder.setdefault("s", Faulty(ch, [])))
+    try:
+        with pytest.raises(DataLoss, match=f"weight version {v1.id} file {damaged.path}: blob {damaged.sha256} is "
+                                           "damaged"):
+            follower.serve("dep-damaged", "lora-damaged", str(env.model_dir), env.key)
+        time.sleep(0.5)  # retry_s is (0.05, 0.1): a transient failure would have been fetched again by now
+        assert holder["s"].calls == 1
+        v2_dir = write_adapter(env.model_dir, tmp_path / "v2", seed=52, b_scale=0.5)
+        v2 = env.publish("lora-damaged", wpb.WEIGHT_KIND_LORA_ADAPTER, v2_dir)
+        served = wait_served(follower, "dep-damaged", v2.id)
+        check_against(adapter_model(env.model_dir, v2_dir), prompt_ids,
+                      engine.generate(served.model_dir, served.adapter_id, prompt_ids, SAMPLE))
     finally:
         follower.close()

@@ -40,7 +40,7 @@ def test_upload_over_the_size_limit_stores_nothing(env, tmp_path):
     store = DatasetStore(db, blobs, max_bytes=1000)
     with pytest.raises(InvalidArgument, match="larger than"):
         store.upload(account, UploadHeader("big", None, "big.jsonl"), iter([ROW] * 50))
-    assert list((tmp_path / "blobs" / "tmp").iterdir()) == []
+    assert [p.name for p in blobs.staging_dir().iterdir()] == [".lock"]
     assert not (tmp_path / "blobs" / "sha256").exists()
     ds, dedup = store.upload(account, UploadHeader("ok", None, "ok.jsonl"), iter([ROW]))
     assert ds.num_rows == 1 and not dedup

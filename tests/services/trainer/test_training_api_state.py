@@ -4,18 +4,23 @@ sessions, and a managed job's checkpoint opened as a session); a state that does
 the field and changes nothing; another account's is NOT_FOUND."""
 from __future__ import annotations
 
+import socket
 from dataclasses import replace
 
+import grpc
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from api_helpers import ADAM, grads, lora, random_tokens, same, sft_datum, weights
 from models.lora import lora_state_dict
+from services.common import fsck
 from services.common.methods.sft import SftHyperparams
-from services.common.errors import InvalidArgument, NotFound
+from services.common.errors import DataLoss, InvalidArgument, NotFound, Unavailable
 from services.common.schema import Checkpoint, new_id, utcnow
+from services.trainer.app import make_publisher
 from services.trainer.session_spec import CreateSpec, LoraSpec
+from trainyard.v1.weightsync_pb2_grpc import WeightSyncServiceStub
 
 
 def _data(seed: int):
@@ -152,3 +157,48 @@ def test_a_managed_job_checkpoint_continues_in_a_session(api_env, chat_dataset, 
                 [optimizer["state"][i]["exp_avg"] for i in range(len(sess.params))])
     _steps(manager, api_env.alice, sess, [1])  # and it trains on
     assert sess.optim_steps == 4
+
+
+@pytest.mark.reliability
+def test_a_damaged_state_is_data_loss_and_changes_nothing(api_env, flip_byte):
+    """CreateSession(from_state) and LoadState verify the state's files while laying them out: DataLoss naming the
+    checkpoint and the file, before anything changes (the session goes on, as after INVALID_ARGUMENT)."""
+    manager = api_env.manager()
+    sess = manager.create(api_env.alice, lora(rank=4, seed=3))
+    _steps(manager, api_env.alice, sess, [1])
+    ckpt_id, path = manager.save_state(api_env.alice, sess.id, 0, "")
+    with api_env.db.session() as s:
+        optimizer = next(f for f in s.get(Checkpoint, ckpt_id).state if f["path"] == "optimizer.pt")
+    flip_byte(api_env.blobs.path(optimizer["sha256"]), -3)
+    _steps(manager, api_env.alice, sess, [2])
+    before = weights(sess)
+    damage = f"checkpoint {ckpt_id} state file optimizer.pt: blob {optimizer['sha256']} is damaged"
+    with pytest.raises(DataLoss, match=damage):
+        manager.load_state(api_env.alice, sess.id, 0, path, with_optimizer=True)
+    with pytest.raises(DataLoss, match=damage):
+        manager.create(api_env.alice, CreateSpec(from_state=path, with_optimizer=True))
+    assert same(weights(sess), before) and sess.error == "" and sess.optim_steps == 2
+    _steps(manager, api_env.alice, sess, [3])  # still usable
+    assert sess.optim_steps == 3
+
+
+@pytest.mark.reliability
+def test_a_save_whose_publish_fails_leaves_no_orphan_blobs(api_env):
+    """SaveWeights stores the files, then publishes them: when the weight-sync service cannot be reached, the call is
+    UNAVAILABLE and the blobs it had stored are taken back; a later save keeps its own."""
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        target = f"127.0.0.1:{probe.getsockname()[1]}"
+    channel = grpc.insecure_channel(target)
+    manager = api_env.manager(publish=make_publisher(WeightSyncServiceStub(channel)))
+    sess = manager.create(api_env.alice, lora(rank=4, seed=3))
+    _steps(manager, api_env.alice, sess, [1])
+    try:
+        with pytest.raises(Unavailable, match="not published"):
+            manager.save_weights(api_env.alice, "ty_key", sess.id, 0, "")
+    finally:
+        channel.close()
+    assert fsck.blob_files(api_env.blobs) == []
+    manager.save_state(api_env.alice, sess.id, 0, "")
+    report = fsck.check(api_env.blobs, api_env.db)
+    assert report.blobs > 0 and report.findings == []
