@@ -71,6 +71,12 @@ class Unavailable(TrainyardError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class Aborted(TrainyardError):
+    """What the caller relied on is gone (a restarted trainer restored a session to before calls it had answered)."""
+
+    code = grpc.StatusCode.ABORTED
+
+
 class Cancelled(TrainyardError):
     """The client ended the call early (e.g. broke off a stream)."""
 
