@@ -17,11 +17,25 @@ on the server for one still queued here. forward_backward_custom takes two conse
 ForwardBackward with the gradient of the user's loss as weights).
 
 Failures mirror the trainer's (trainer.proto): INVALID_ARGUMENT uses up the call's seq_id and changes nothing, so the
-client goes on. UNAVAILABLE is treated as fatal here even though the trainer keeps a session whose publish failed
-usable: from the client's side it cannot be told apart from a call lost on the way (whose seq_id the trainer would
-then wait for). Any other failure may have left the session half-updated: the trainer refuses its later calls
-(FAILED_PRECONDITION), and this client refuses calls made after it learned of the failure, without sending them,
-with a TrainyardError (FAILED_PRECONDITION) naming the failed call.
+client goes on. Any other failure may have left the session half-updated: the trainer refuses its later calls
+(FAILED_PRECONDITION), and this client refuses calls made after it learned of the failure, without sending them (and
+those made before but not yet sent), with a TrainyardError (FAILED_PRECONDITION) naming the failed call.
+
+Restarts. A session survives a restart of the trainer (services/trainer/sessions.py: it comes back at its last
+recorded state; a graceful restart records every session first). A call answered UNAVAILABLE (the trainer is down,
+restarting, or refused it while shutting down) is not an error yet: the client waits for the trainer -- up to
+ServiceClient's retry_unavailable_s -- asks it which seq_id the session expects next (n), and then
+  - sends the call again, transparently, when n <= its seq_id and every call this client had answered lies below n
+    (nothing the client saw was lost; a stream of an iterator, which cannot be sent twice, fails with UNAVAILABLE
+    instead and uses up its seq_id, the session unchanged);
+  - fails it with ABORTED when a call the trainer had answered has seq_id >= n: those calls were lost (a crash took
+    the session back to its last record). The client refuses its later calls; continue with
+    ServiceClient.resume_training_client(session id), which goes on at seq_id n (get_info() tells the step).
+    Every ordered call also tells the trainer the highest seq_id answered (metadata ANSWERED_KEY), so a call made
+    after the trainer came back, which sees no UNAVAILABLE, gets the same ABORTED at once;
+  - fails it with UNAVAILABLE when n > its seq_id: the trainer took the call (a SaveWeights whose publish the
+    weight-sync service refused, or a call whose answer a restart cut off); the session holds whatever it did and
+    goes on.
 """
 from __future__ import annotations
 
@@ -31,6 +45,7 @@ import secrets
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
@@ -49,6 +64,9 @@ from trainyard.v1 import rollout_pb2_grpc, trainer_pb2 as tpb, trainer_pb2_grpc
 __all__ = ["APIFuture", "SamplingClient", "ServiceClient", "TrainingClient"]
 
 STATE_PREFIX = "trainyard://state/"
+# Metadata of every ordered call: the highest seq_id whose answer this client has, so a trainer that restored the
+# session to before it answers ABORTED at once (trainer.proto) instead of waiting for calls that will not come again.
+ANSWERED_KEY = "trainyard-answered-seq-id"
 # Calls of all TrainingClients of a ServiceClient in flight at once; more wait here, in order.
 MAX_CALLS_IN_FLIGHT = 16
 CustomLossFn = Callable[[list[types.Datum], list[Any]], tuple[Any, dict[str, float]]]
@@ -69,8 +87,11 @@ class ServiceClient:
     trainyard.Client's: the environment (TRAINYARD_TRAINER_URL, TRAINYARD_ROLLOUT_URL, TRAINYARD_API_KEY), then the
     file `trainyard login` writes, then the local defaults."""
 
-    def __init__(self, base_url: str | None = None, api_key: str | None = None, rollout_url: str | None = None):
+    def __init__(self, base_url: str | None = None, api_key: str | None = None, rollout_url: str | None = None,
+                 retry_unavailable_s: float = 300.0):
         self.config = ClientConfig.resolve(rollout_url=rollout_url, api_key=api_key, trainer_url=base_url)
+        # How long a Training API call waits for an unreachable or restarting trainer (module docstring, "Restarts").
+        self.retry_unavailable_s = retry_unavailable_s
         self._trainer_channel = _channel(self.config.trainer_url)
         self._rollout_channel = _channel(self.config.rollout_url)
         self.trainer = trainer_pb2_grpc.TrainerServiceStub(self._trainer_channel)
@@ -114,6 +135,12 @@ class ServiceClient:
         return self._create(tpb.CreateSessionRequest(from_state=_check_path(path, STATE_PREFIX, "save_state"),
                                                      with_optimizer=True))
 
+    def resume_training_client(self, session_id: str) -> TrainingClient:
+        """A TrainingClient on an existing session of this account, going on at the seq_id it expects next: after a
+        trainer restart lost calls (ABORTED), or from another process."""
+        return TrainingClient(self, _session_when_reachable(self.trainer, self.metadata, session_id,
+                                                            time.monotonic() + self.retry_unavailable_s))
+
     async def create_lora_training_client_async(self, *args, **kwargs) -> TrainingClient:
         return await asyncio.to_thread(self.create_lora_training_client, *args, **kwargs)
 
@@ -153,6 +180,25 @@ def _seed(seed: int | None) -> int:
     return secrets.randbits(31) if seed is None else seed
 
 
+def _session_when_reachable(stub, metadata, session_id: str, deadline: float) -> tpb.Session:
+    """GetSession, waiting while the trainer is unreachable or restarting, until deadline (then UNAVAILABLE)."""
+    pause = 0.2
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            return stub.GetSession(tpb.GetSessionRequest(id=session_id), metadata=metadata,
+                                   timeout=max(remaining, 0.01), wait_for_ready=True)
+        except grpc.RpcError as exc:
+            unreachable = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            if not unreachable:
+                raise from_rpc_error(exc) from None
+            if time.monotonic() + pause >= deadline:
+                raise TrainyardError("UNAVAILABLE", f"the trainer was not back within the retry time "
+                                     f"(retry_unavailable_s): {exc.details()}") from None
+        time.sleep(pause)  # a trainer shutting down refuses at once: do not spin
+        pause = min(2 * pause, 2.0)
+
+
 def _check_path(path: str, prefix: str, maker: str) -> str:
     if not isinstance(path, str) or not path.startswith(prefix) or len(path) == len(prefix):
         raise ValueError(f"path: expected '{prefix}<id>' (as {maker} returns), got {path!r}")
@@ -169,6 +215,9 @@ class TrainingClient:
         self._stub, self._md = service.trainer, service.metadata
         self._lock = threading.Lock()
         self._next_seq_id = session.next_seq_id or 1
+        # The highest seq_id the trainer answered (whatever the answer): a restored session must be past it, or
+        # calls this client saw were lost (module docstring, "Restarts").
+        self._answered = self._next_seq_id - 1
         self._failure = ""  # the first call that failed and may have left the session half-updated
         self._closed = False
         self._pending: set = set()
@@ -203,6 +252,11 @@ class TrainingClient:
             self._pending.discard(future)
 
     def _run(self, name: str, seq_id: int, body: Callable[[int], Any]) -> Any:
+        with self._lock:
+            failure = self._failure
+        if failure:  # made before the client learned of it, not sent yet: it would only wait on the trainer
+            raise TrainyardError("FAILED_PRECONDITION", f"{name} was not sent: an earlier call on session "
+                                 f"{self.model_id} failed ({failure})")
         try:
             return body(seq_id)
         except _SessionUnchanged as exc:
@@ -222,6 +276,58 @@ class TrainingClient:
 
     def _call(self, method: str, request) -> Any:
         return getattr(self._stub, method)(request, metadata=self._md)
+
+    def _ordered(self, method: str, request, seq_id: int | None = None, resendable: bool = True) -> Any:
+        """An ordered call (request: the message, or a function making a client stream's iterator; seq_id: the
+        request's), waiting for the trainer and sent again while it is unreachable or restarting (module
+        docstring, "Restarts")."""
+        seq_id = request.seq_id if seq_id is None else seq_id
+        deadline = None
+        while True:
+            with self._lock:
+                metadata = (*self._md, (ANSWERED_KEY, str(self._answered)))
+            try:
+                response = getattr(self._stub, method)(request() if callable(request) else request, metadata=metadata)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.ABORTED:
+                    raise TrainyardError("ABORTED", f"{exc.details()} (ServiceClient.resume_training_client("
+                                         f"{self.model_id!r}) goes on from there)") from None
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    self._answer(seq_id)
+                    raise
+                deadline = deadline or time.monotonic() + self.service.retry_unavailable_s
+                self._before_sending_again(seq_id, exc, deadline)
+                if not resendable:
+                    self._skip(seq_id)
+                    raise _SessionUnchanged(TrainyardError("UNAVAILABLE", (
+                        f"{method}, seq_id {seq_id}: the trainer restarted before it ran the call, and its datums "
+                        "came from an iterator, which cannot be sent twice; nothing was applied: send them "
+                        "again"))) from None
+                continue
+            self._answer(seq_id)
+            return response
+
+    def _answer(self, seq_id: int) -> None:
+        with self._lock:
+            self._answered = max(self._answered, seq_id)
+
+    def _before_sending_again(self, seq_id: int, exc: grpc.RpcError, deadline: float) -> None:
+        """Returns when the call at seq_id should be sent again; raises when it must not be."""
+        with self._lock:
+            answered = self._answered  # before asking: calls answered later may lie past what the trainer says
+        session = _session_when_reachable(self._stub, self._md, self.model_id, deadline)
+        expected = session.next_seq_id
+        if answered >= expected:
+            raise TrainyardError("ABORTED", (
+                f"session '{self.model_id}' is at seq_id {expected} (optimizer step {session.optim_steps}) but the "
+                f"client has answers up to seq_id {answered}: a trainer restart took the session back to its last "
+                f"recorded state and those calls were lost (ServiceClient.resume_training_client({self.model_id!r}) "
+                "goes on from there)"))
+        if seq_id < expected:
+            self._answer(seq_id)
+            raise _SessionUnchanged(TrainyardError("UNAVAILABLE", (
+                f"{exc.details()} (the trainer had taken seq_id {seq_id}: the session holds whatever the call "
+                "did, and goes on)")))
 
     @staticmethod
     def _data(data: Iterable[types.Datum]) -> list[types.Datum]:
@@ -251,7 +357,7 @@ class TrainingClient:
 
         def body(seq_id: int) -> types.ForwardBackwardOutput:
             request.seq_id = seq_id
-            return types.ForwardBackwardOutput.from_proto(self._call("Forward", request))
+            return types.ForwardBackwardOutput.from_proto(self._ordered("Forward", request))
 
         return self._submit("forward", 1, body)
 
@@ -266,7 +372,7 @@ class TrainingClient:
 
         def body(seq_id: int) -> types.ForwardBackwardOutput:
             request.seq_id = seq_id
-            return types.ForwardBackwardOutput.from_proto(self._call("ForwardBackward", request))
+            return types.ForwardBackwardOutput.from_proto(self._ordered("ForwardBackward", request))
 
         return self._submit("forward_backward", 1, body)
 
@@ -297,8 +403,8 @@ class TrainingClient:
                     raise  # gRPC cancels the call
 
             try:
-                return types.ForwardBackwardOutput.from_proto(self._stub.ForwardBackwardStream(requests(),
-                                                                                               metadata=self._md))
+                return types.ForwardBackwardOutput.from_proto(self._ordered(
+                    "ForwardBackwardStream", requests, seq_id=seq_id, resendable=isinstance(data, (list, tuple))))
             except grpc.RpcError:
                 if failure:
                     raise failure[0] from None
@@ -325,8 +431,8 @@ class TrainingClient:
         def body(seq_id: int) -> types.ForwardBackwardOutput:
             forward.seq_id = seq_id
             try:
-                out = types.ForwardBackwardOutput.from_proto(self._call("Forward", forward))
-            except grpc.RpcError:
+                out = types.ForwardBackwardOutput.from_proto(self._ordered("Forward", forward))
+            except (grpc.RpcError, _SessionUnchanged):
                 self._skip(seq_id + 1)
                 raise
             try:
@@ -337,7 +443,7 @@ class TrainingClient:
             backward = tpb.ForwardBackwardRequest(session_id=self.model_id, seq_id=seq_id + 1, loss_fn="cross_entropy",
                                                   data=[types.Datum(d.model_input, {"target_tokens": t, "weights": w})
                                                         .to_proto() for d, t, w in zip(data, targets, weights)])
-            result = types.ForwardBackwardOutput.from_proto(self._call("ForwardBackward", backward))
+            result = types.ForwardBackwardOutput.from_proto(self._ordered("ForwardBackward", backward))
             kept = {k: v for k, v in result.metrics.items() if not k.startswith("loss:")}
             result.metrics = kept | {"loss": loss} | metrics
             return result
@@ -347,12 +453,15 @@ class TrainingClient:
     def _skip(self, seq_id: int) -> None:
         """Use up a reserved seq_id without touching the session: a ForwardBackward with no datums is bad input,
         which the trainer refuses (INVALID_ARGUMENT) in its turn, changing nothing; later calls then do not wait for
-        it."""
+        it. If the trainer cannot be told, the seq_id stays open and this client refuses later calls."""
         try:
-            self._call("ForwardBackward", tpb.ForwardBackwardRequest(session_id=self.model_id, seq_id=seq_id,
-                                                                     loss_fn="cross_entropy"))
-        except grpc.RpcError:
-            pass  # the expected refusal (or the session already failed)
+            self._ordered("ForwardBackward", tpb.ForwardBackwardRequest(session_id=self.model_id, seq_id=seq_id,
+                                                                        loss_fn="cross_entropy"))
+        except grpc.RpcError as exc:
+            if exc.code() not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+                self._fail(f"seq_id {seq_id} could not be used up ({exc.code().name}: {exc.details()})")
+        except (TrainyardError, _SessionUnchanged) as exc:
+            self._fail(f"seq_id {seq_id} could not be used up ({exc})")
 
     def optim_step(self, adam_params: types.AdamParams | None = None) -> APIFuture[types.OptimStepResponse]:
         """One Adam(W) step on the accumulated gradients, which it then clears."""
@@ -360,7 +469,7 @@ class TrainingClient:
 
         def body(seq_id: int) -> types.OptimStepResponse:
             request.seq_id = seq_id
-            resp = self._call("OptimStep", request)
+            resp = self._ordered("OptimStep", request)
             return types.OptimStepResponse(metrics=dict(resp.metrics), step=resp.step)
 
         return self._submit("optim_step", 1, body)
@@ -368,7 +477,8 @@ class TrainingClient:
     def save_state(self, name: str = "") -> APIFuture[types.SaveWeightsResponse]:
         """Weights and optimizer state, to resume later; the result's path is "trainyard://state/<checkpoint id>"."""
         def body(seq_id: int) -> types.SaveWeightsResponse:
-            resp = self._call("SaveState", tpb.SaveStateRequest(session_id=self.model_id, seq_id=seq_id, name=name))
+            resp = self._ordered("SaveState", tpb.SaveStateRequest(session_id=self.model_id, seq_id=seq_id,
+                                                                   name=name))
             return types.SaveWeightsResponse(path=resp.path or f"{STATE_PREFIX}{resp.checkpoint_id}",
                                              checkpoint_id=resp.checkpoint_id)
 
@@ -385,8 +495,8 @@ class TrainingClient:
         path = _check_path(path, STATE_PREFIX, "save_state")
 
         def body(seq_id: int) -> types.LoadWeightsResponse:
-            self._call("LoadState", tpb.LoadStateRequest(session_id=self.model_id, seq_id=seq_id, path=path,
-                                                         with_optimizer=with_optimizer))
+            self._ordered("LoadState", tpb.LoadStateRequest(session_id=self.model_id, seq_id=seq_id, path=path,
+                                                            with_optimizer=with_optimizer))
             return types.LoadWeightsResponse(path=path)
 
         return self._submit("load_state_with_optimizer" if with_optimizer else "load_state", 1, body)
@@ -395,8 +505,8 @@ class TrainingClient:
         """Publish the weights as the next version of the session's lineage; the result's path
         ("trainyard://weights/<version id>") is what a SamplingClient samples, pinned to that version."""
         def body(seq_id: int) -> types.SaveWeightsForSamplerResponse:
-            resp = self._call("SaveWeights", tpb.SaveWeightsRequest(session_id=self.model_id, seq_id=seq_id,
-                                                                    name=name))
+            resp = self._ordered("SaveWeights", tpb.SaveWeightsRequest(session_id=self.model_id, seq_id=seq_id,
+                                                                       name=name))
             return types.SaveWeightsForSamplerResponse(path=resp.path or f"{WEIGHTS_PREFIX}{resp.version_id}",
                                                        version_id=resp.version_id, checkpoint_id=resp.checkpoint_id)
 
@@ -443,11 +553,9 @@ class TrainingClient:
 
     # -- unordered calls ----------------------------------------------------------------------------------------
     def get_info(self) -> types.GetInfoResponse:
-        try:
-            session = self._call("GetSession", tpb.GetSessionRequest(id=self.model_id))
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
-        return types.GetInfoResponse.from_proto(session)
+        """The session as the trainer has it now (waiting, like the ordered calls, while the trainer restarts)."""
+        return types.GetInfoResponse.from_proto(_session_when_reachable(
+            self._stub, self._md, self.model_id, time.monotonic() + self.service.retry_unavailable_s))
 
     async def get_info_async(self) -> types.GetInfoResponse:
         return await asyncio.to_thread(self.get_info)
