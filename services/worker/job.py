@@ -18,6 +18,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common import logs
 from services.common.blobstore import BlobStore
 from services.common.db import Database
 from services.common.schema import Checkpoint, Job
@@ -72,6 +73,11 @@ class RecipeOutcome:
 
 
 def run_managed_job(job_id: str, settings: JobQueueSettings) -> None:
+    with logs.scope(job_id=job_id):  # the job's log records carry its id (and its account's, once claimed)
+        _run_managed_job(job_id, settings)
+
+
+def _run_managed_job(job_id: str, settings: JobQueueSettings) -> None:
     db = Database(settings.database_url)
     blobs = BlobStore(settings.blob_dir)
     ledger = Ledger(db)
@@ -82,6 +88,7 @@ def run_managed_job(job_id: str, settings: JobQueueSettings) -> None:
             log.info("job %s is not queued; skipping this delivery", job_id)
             return
         job = claim.job
+        logs.annotate(account_id=job.account_id)
         hb = Heartbeat(ledger, job_id, worker_id, settings.heartbeat_s)
         hb.start()
         work = Path(tempfile.mkdtemp(prefix=f"{job_id}-", dir=settings.data_dir))
