@@ -36,7 +36,7 @@ following. A state is recorded
 A session never recorded comes back as it was created (a new adapter from its seed, or its from_state), at seq_id
 1. So a graceful restart loses nothing. A crash (kill -9, a lost machine) takes a session back to its last record:
 the calls after it are lost, the restored session expects the seq_id after the record again, and the SDK
-(trainyard/training.py) tells a client whose answered calls were lost. A session that had failed comes back at its
+(trainyard/ordered_calls.py) tells a client whose answered calls were lost. A session that had failed comes back at its
 last record, before the failure; one that cannot be restored (its model or state is gone) answers
 FAILED_PRECONDITION with the reason.
 

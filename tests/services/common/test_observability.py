@@ -127,7 +127,8 @@ def test_job_gauges_count_jobs_by_status(tmp_path):
     db = Database(url)
     account = create_account(db, "alice")[0].id
     with db.session() as s:
-        s.add(Dataset(id="ds_1", account_id=account, name="d", format="chat", num_rows=1, size_bytes=1, sha256="0" * 64))
+        s.add(Dataset(id="ds_1", account_id=account, name="d", format="chat", num_rows=1, size_bytes=1,
+                      sha256="0" * 64))
         for i, status in enumerate(["queued", "queued", "running", "succeeded"]):
             s.add(Job(id=f"job_{i}", account_id=account, method="sft", base_model="tiny", model_path="/m",
                       dataset_id="ds_1", status=status, created_at=utcnow()))

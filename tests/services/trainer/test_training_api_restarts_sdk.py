@@ -1,8 +1,8 @@
-"""The SDK across trainer restarts (trainyard/training.py, "Restarts"), against in-process trainer servers restarted
-on the same port over one database: a graceful restart in the middle of pipelined calls is invisible to the client
-and the session ends bitwise where an undisturbed one does; after a crash the client learns which answered calls
-were lost (ABORTED), resumes the same session and ends bitwise equal too; an UNAVAILABLE the trainer answered itself
-(a refused publish) leaves the client going on."""
+"""The SDK across trainer restarts (trainyard/ordered_calls.py, "Restarts"), against in-process trainer servers
+restarted on the same port over one database: a graceful restart in the middle of pipelined calls is invisible to the
+client and the session ends bitwise where an undisturbed one does; after a crash the client learns which answered
+calls were lost (ABORTED), resumes the same session and ends bitwise equal too; an UNAVAILABLE the trainer answered
+itself (a refused publish) leaves the client going on."""
 from __future__ import annotations
 
 import threading
