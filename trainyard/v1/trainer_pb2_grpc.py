@@ -35,6 +35,13 @@ class TrainerServiceStub:
     (INVALID_ARGUMENT, naming the field), a ForwardBackwardStream the client cancels (CANCELLED; the gradients of its
     micro-batches already computed are dropped) and a SaveWeights whose publish to weight sync failed (UNAVAILABLE).
     After any other failure, later calls on the session fail with FAILED_PRECONDITION until it is closed.
+
+    A session survives a restart of the trainer (services/trainer/sessions.py): it comes back under its id at its last
+    recorded state (SaveState, SaveWeights, every few optimizer steps, and at SIGTERM after the calls in flight), and
+    GetSession's next_seq_id says where it goes on. While the trainer shuts down, calls waiting for their turn and new
+    calls fail with UNAVAILABLE without running: send them again once it is back. A crash loses the calls after the
+    last record; an ordered call whose metadata "trainyard-answered-seq-id" (the highest seq_id whose answer the client
+    has) names a seq_id the session has not reached fails with ABORTED at once: those answers were lost.
     """
 
     def __init__(self, channel):
@@ -109,6 +116,13 @@ class TrainerServiceServicer:
     (INVALID_ARGUMENT, naming the field), a ForwardBackwardStream the client cancels (CANCELLED; the gradients of its
     micro-batches already computed are dropped) and a SaveWeights whose publish to weight sync failed (UNAVAILABLE).
     After any other failure, later calls on the session fail with FAILED_PRECONDITION until it is closed.
+
+    A session survives a restart of the trainer (services/trainer/sessions.py): it comes back under its id at its last
+    recorded state (SaveState, SaveWeights, every few optimizer steps, and at SIGTERM after the calls in flight), and
+    GetSession's next_seq_id says where it goes on. While the trainer shuts down, calls waiting for their turn and new
+    calls fail with UNAVAILABLE without running: send them again once it is back. A crash loses the calls after the
+    last record; an ordered call whose metadata "trainyard-answered-seq-id" (the highest seq_id whose answer the client
+    has) names a seq_id the session has not reached fails with ABORTED at once: those answers were lost.
     """
 
     def CreateSession(self, request, context):
@@ -262,6 +276,13 @@ class TrainerService:
     (INVALID_ARGUMENT, naming the field), a ForwardBackwardStream the client cancels (CANCELLED; the gradients of its
     micro-batches already computed are dropped) and a SaveWeights whose publish to weight sync failed (UNAVAILABLE).
     After any other failure, later calls on the session fail with FAILED_PRECONDITION until it is closed.
+
+    A session survives a restart of the trainer (services/trainer/sessions.py): it comes back under its id at its last
+    recorded state (SaveState, SaveWeights, every few optimizer steps, and at SIGTERM after the calls in flight), and
+    GetSession's next_seq_id says where it goes on. While the trainer shuts down, calls waiting for their turn and new
+    calls fail with UNAVAILABLE without running: send them again once it is back. A crash loses the calls after the
+    last record; an ordered call whose metadata "trainyard-answered-seq-id" (the highest seq_id whose answer the client
+    has) names a seq_id the session has not reached fails with ABORTED at once: those answers were lost.
     """
 
     @staticmethod
