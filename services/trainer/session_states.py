@@ -66,6 +66,9 @@ class Recorded:
     checkpoint_id: str | None  # None: the session as created (its adapter from seed, or every base weight)
     with_optimizer: bool
     next_seq_id: int  # 0: lost before states were recorded (migration 0005); not restorable
+    # The checkpoint is one this session wrote (not the from_state it was created from): its pending gradients are
+    # the session's.
+    own_checkpoint: bool
 
 
 class SessionStates:
@@ -117,25 +120,23 @@ class SessionStates:
         row.state_checkpoint_id, row.state_next_seq_id = checkpoint_id, next_seq_id
         row.state_with_optimizer = with_optimizer
 
-    def open_sessions(self) -> list[Recorded]:
-        """Every session not closed, oldest first."""
+    def open_sessions(self) -> list[str]:
+        """The ids of every session not closed, oldest first."""
         with self.db.session() as s:
-            rows = s.scalars(select(TrainingSession).where(TrainingSession.closed_at.is_(None))
-                             .order_by(TrainingSession.created_at)).all()
-            return [self._recorded(r) for r in rows]
+            return list(s.scalars(select(TrainingSession.id).where(TrainingSession.closed_at.is_(None))
+                                  .order_by(TrainingSession.created_at)))
 
     def recorded(self, session_id: str) -> Recorded | None:
         with self.db.session() as s:
-            row = s.get(TrainingSession, session_id)
-            return None if row is None or row.closed_at is not None else self._recorded(row)
-
-    @staticmethod
-    def _recorded(r: TrainingSession) -> Recorded:
-        return Recorded(id=r.id, account_id=r.account_id, base_model=r.base_model, lora_rank=r.lora_rank,
-                        lora_alpha=r.lora_alpha, target_modules=tuple(r.target_modules), seed=r.seed,
-                        full_parameter=r.full_parameter, created_at=r.created_at,
-                        checkpoint_id=r.state_checkpoint_id, with_optimizer=r.state_with_optimizer,
-                        next_seq_id=r.state_next_seq_id)
+            r = s.get(TrainingSession, session_id)
+            if r is None or r.closed_at is not None:
+                return None
+            writer = s.scalar(select(Checkpoint.session_id).where(Checkpoint.id == r.state_checkpoint_id))
+            return Recorded(id=r.id, account_id=r.account_id, base_model=r.base_model, lora_rank=r.lora_rank,
+                            lora_alpha=r.lora_alpha, target_modules=tuple(r.target_modules), seed=r.seed,
+                            full_parameter=r.full_parameter, created_at=r.created_at,
+                            checkpoint_id=r.state_checkpoint_id, with_optimizer=r.state_with_optimizer,
+                            next_seq_id=r.state_next_seq_id, own_checkpoint=writer == r.id)
 
 
 class StateCalls:
@@ -242,11 +243,11 @@ class StateCalls:
     # -- restarts --------------------------------------------------------------------------------------------------
     def restore_all(self, stopping: threading.Event) -> None:
         """Restore every session an earlier trainer held, oldest first (a background task of the server)."""
-        for rec in self.states.open_sessions():
+        for session_id in self.states.open_sessions():
             if stopping.is_set():
                 return
-            if rec.id in self._to_restore:
-                self._restore(rec.id)
+            if session_id in self._to_restore:
+                self._restore(session_id)
 
     def _restore(self, session_id: str):
         """The session loaded again from its recorded state (None when it cannot be: the reason is kept)."""
@@ -287,7 +288,7 @@ class StateCalls:
             else:
                 lora = LoraConfig(rank=rec.lora_rank, alpha=rec.lora_alpha, target_modules=rec.target_modules)
             sess = self._build(rec.id, rec.account_id, rec.base_model, path, lora, saved.seed if saved else rec.seed,
-                               saved, "state", optimizer=rec.with_optimizer, gradients=True)
+                               saved, "state", optimizer=rec.with_optimizer, gradients=rec.own_checkpoint)
         sess.created_at = rec.created_at
         sess.next_seq_id = sess.recorded_seq_id = rec.next_seq_id
         sess.weight_version_id, sess.restored_at = None, rec.next_seq_id

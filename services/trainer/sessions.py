@@ -180,7 +180,7 @@ class SessionManager(StateCalls):
         self._lock = threading.Lock()
         # Sessions an earlier trainer held (open rows now): restored by restore_all or on first use. Sessions this
         # manager creates are never among them.
-        self._to_restore = {r.id for r in self.states.open_sessions()}
+        self._to_restore = set(self.states.open_sessions())
         self._unrestorable: dict[str, str] = {}  # session id -> why it could not be restored
         self._restore_lock = threading.Lock()
         self._stopping = threading.Event()

@@ -139,6 +139,7 @@ def test_sessions_never_recorded_come_back_as_created(api_env):
     source = first.create(alice, lora(rank=4, seed=11))
     _fb(first, alice, source, 1)
     _step(first, alice, source)
+    _fb(first, alice, source, 3)  # the saved state holds gradients: source's own, no session created from it gets them
     _, path = first.save_state(alice, source.id, 0, "")
     sessions = {"fresh": first.create(alice, lora(rank=4, seed=11)),
                 "full": first.create(alice, CreateSpec(base_model="tiny", full_parameter=True)),
@@ -157,7 +158,8 @@ def test_sessions_never_recorded_come_back_as_created(api_env):
     for kind, s in sessions.items():
         back = second.get(alice, s.id)
         assert back.next_seq_id == 1 and back.optim_steps == created[kind][1], kind
-        assert same(weights(back), created[kind][0]), kind
+        assert same(weights(back), created[kind][0]) and grads(back) == [None] * len(back.params), kind
+    assert grads(second.get(alice, source.id)) != [None] * len(source.params)
     assert all(same(a, b) for a, b in zip(_moments(second.get(alice, sessions["from_state"].id)),
                                           created["from_state"][2]))
     assert len(second.get(alice, sessions["from_state_weights"].id).optimizer.state) == 0
