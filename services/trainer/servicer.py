@@ -161,7 +161,7 @@ class TrainerServicer(rpc.TrainerServiceServicer):
         return session_proto(self.sessions.describe(current_caller().account_id, request.id))
 
     def CloseSession(self, request, context):
-        return self._session(self.sessions.close(current_caller().account_id, request.id))
+        return session_proto(self.sessions.close(current_caller().account_id, request.id))
 
     def Forward(self, request, context):
         return forward_response(*self.sessions.forward(

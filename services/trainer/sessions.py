@@ -285,7 +285,7 @@ class SessionManager(StateCalls):
         return sess
 
     def _lost_reason(self, session_id: str) -> str:
-        return self._unrestorable.get(session_id, "it was never recorded")
+        return self._unrestorable.get(session_id, "this trainer does not hold it")
 
     def _row(self, account_id: str, session_id: str) -> TrainingSession:
         with self.db.session() as s:
@@ -311,8 +311,22 @@ class SessionManager(StateCalls):
                            f"lost when the trainer restarted ({self._lost_reason(session_id)})",
                            full_parameter=row.full_parameter, lineage=row.id, created_at=row.created_at)
 
-    def close(self, account_id: str, session_id: str) -> Session:
-        sess = self.get(account_id, session_id)
+    def close(self, account_id: str, session_id: str) -> SessionInfo:
+        """Free the session; it is never restored again. One a restarted trainer has not restored (or could not)
+        closes without being loaded."""
+        with self._lock:
+            sess = self._sessions.get(session_id)
+        if sess is None or sess.account_id != account_id:
+            if self._row(account_id, session_id).closed_at is not None:
+                raise FailedPrecondition(f"session '{session_id}' is closed")
+            with self._restore_lock:  # not restored meanwhile, and not from now on
+                with self._lock:
+                    sess = self._sessions.get(session_id)
+                if sess is None:
+                    self._to_restore.discard(session_id)
+                    self._unrestorable.pop(session_id, None)
+                    self._mark_closed(session_id)
+                    return self.describe(account_id, session_id)
         with sess.cond:  # after the running call, if any; waiting ones then see closed
             if sess.closed:
                 raise FailedPrecondition(f"session '{session_id}' is closed")
@@ -321,9 +335,12 @@ class SessionManager(StateCalls):
         with self._lock:
             self._sessions.pop(session_id, None)
         self._free(sess)
+        self._mark_closed(session_id)
+        return self.info(sess)
+
+    def _mark_closed(self, session_id: str) -> None:
         with self.db.session() as s:
             s.get(TrainingSession, session_id).closed_at = utcnow()
-        return sess
 
     def _free(self, sess: Session) -> None:
         if not sess.full_parameter:

@@ -190,6 +190,13 @@ def test_what_cannot_be_restored_says_why(api_env):
         second.get(alice, old.id)
     with pytest.raises(NotFound):  # another account's session is not restored for bob, nor named to him
         second.get(api_env.bob, old.id)
+    # A lost session can be closed (no trainer tries it again); closing one not restored yet does not load it.
+    assert second.close(alice, broken.id).closed
+    waiting = first.create(alice, lora(rank=2, seed=4))
+    third = api_env.manager()
+    assert third.close(alice, waiting.id).closed and third._sessions == {}
+    third.restore_all(threading.Event())
+    assert set(third._sessions) == set()  # the lost ones stay lost; the closed ones stay closed
 
 
 def test_a_record_that_fails_does_not_fail_the_step(api_env, tmp_path):
