@@ -313,7 +313,12 @@ class StateCalls:
             with sess.cond, logs.scope(account_id=sess.account_id, session_id=sess.id):
                 if sess.closed or sess.error or sess.next_seq_id == sess.recorded_seq_id:
                     continue
-                self._store_state(sess, f"{sess.id}-shutdown-step{sess.optim_steps}", final=False,
-                                  next_seq_id=sess.next_seq_id)
+                try:
+                    self._store_state(sess, f"{sess.id}-shutdown-step{sess.optim_steps}", final=False,
+                                      next_seq_id=sess.next_seq_id)
+                except Exception:  # noqa: BLE001 - one session's failure must not cost the others their record
+                    log.exception("session %s: not recorded for the restart; it comes back at its last record",
+                                  sess.id)
+                    continue
                 log.info("session %s recorded at seq_id %d (optimizer step %d) for the restart", sess.id,
                          sess.next_seq_id, sess.optim_steps)

@@ -108,14 +108,17 @@ def _run(job, ledger: Ledger, blobs: BlobStore, db: Database, worker_id: str, hb
         latest = ledger.latest_checkpoint(job.id)
         if job.attempts > 1:
             ledger.rewind(job.id, worker_id, latest.step if latest is not None else 0)
+        log.info("job %s: attempt %d of %s on %s", job.id, job.attempts, job.method, job.base_model)
         outcome = recipe(job.method)(JobContext(job, ledger, blobs, db, worker_id, hb, work, latest))
         if hb.lost.is_set():
             log.warning("job %s: lease lost; another worker owns it now", job.id)
         elif outcome.stopped:
             ledger.finish(job.id, worker_id, "cancelled", message=f"cancelled at step {outcome.step}")
+            log.info("job %s: cancelled at step %d", job.id, outcome.step)
         else:
             ledger.finish(job.id, worker_id, "succeeded", output_checkpoint_id=outcome.output_checkpoint_id,
                           message=f"succeeded after {outcome.step} steps")
+            log.info("job %s: succeeded after %d steps", job.id, outcome.step)
     except LeaseLost:
         log.warning("job %s: lease lost; stopping without further writes", job.id)
     except Exception as exc:  # noqa: BLE001 - any training failure ends the job with its message

@@ -44,6 +44,9 @@ def test_metrics_of_every_service_move_with_a_job_and_a_training_api_session(sta
     ds, _ = client.upload_dataset(jsonl(chat_rows(8)), name="metrics")
     job = client.create_sft_job("tiny-qwen3", ds.id, max_steps=2, batch_size=4, learning_rate=3e-3)
     assert status_name(client.wait_job(job.id, timeout_s=300).status) == "succeeded"
+    account_id = client.whoami().id
+    job_lines = [line for line in stack.procs["worker"].log().splitlines() if f"job {job.id}:" in line]
+    assert job_lines and all(f"account_id={account_id} job_id={job.id}" in line for line in job_lines), job_lines
 
     with ServiceClient(base_url=stack.url("trainer"), api_key=api_key, rollout_url=stack.url("rollout")) as service:
         tc = service.create_lora_training_client("tiny-qwen3", rank=4, seed=1)

@@ -210,7 +210,10 @@ def test_a_record_that_fails_does_not_fail_the_step(api_env, tmp_path):
     _fb(manager, alice, sess, 1)
     step, _ = _step(manager, alice, sess)
     assert step == 1 and sess.error == "" and sess.recorded_seq_id == 1
+    _shutdown(manager)  # nor does shutdown fail: the session keeps its last record
+    assert sess.recorded_seq_id == 1
     manager.states.blobs = api_env.blobs
+    manager._stopping.clear()
     _fb(manager, alice, sess, 2)
     _step(manager, alice, sess)
     assert sess.recorded_seq_id == 5  # the next interval records again
