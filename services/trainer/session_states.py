@@ -95,11 +95,9 @@ class SessionStates:
                 raise InvalidArgument(str(exc), field=field_name) from None
             yield saved
 
-    def store(self, root: Path, *, account_id: str, session, name: str, final: bool,
-              record_next_seq_id: int | None) -> Checkpoint:
-        """A checkpoint row of the directory the engine saved under root (weights/ as its files, state/ -- when
-        there is one -- as its state); with record_next_seq_id, in the same transaction, the session's row records
-        it as the state to restore, expecting that seq_id next."""
+    def store(self, root: Path, *, account_id: str, session, name: str, final: bool) -> Checkpoint:
+        """A checkpoint row of the directory the engine saved under root: weights/ as its files, state/ (when there
+        is one) as its state."""
         files = [f.to_json() for f in self.blobs.put_tree(root / WEIGHTS_DIR)]
         state = [f.to_json() for f in self.blobs.put_tree(root / STATE_DIR)] if (root / STATE_DIR).is_dir() else []
         ckpt = Checkpoint(id=new_id("ckpt"), account_id=account_id, session_id=session.id, name=name,
@@ -109,16 +107,19 @@ class SessionStates:
                           final=final, metrics={}, created_at=utcnow())
         with self.db.session() as s:
             s.add(ckpt)
-            if record_next_seq_id is not None:
-                s.flush()
-                self._record(s, session.id, ckpt.id, record_next_seq_id, with_optimizer=True)
         return ckpt
 
-    @staticmethod
-    def _record(s, session_id: str, checkpoint_id: str | None, next_seq_id: int, *, with_optimizer: bool) -> None:
-        row = s.get(TrainingSession, session_id)
-        row.state_checkpoint_id, row.state_next_seq_id = checkpoint_id, next_seq_id
-        row.state_with_optimizer = with_optimizer
+    def drop(self, checkpoint_id: str) -> None:
+        """Remove a checkpoint row no one saw (its save failed after it was written)."""
+        with self.db.session() as s:
+            s.delete(s.get(Checkpoint, checkpoint_id))
+
+    def record(self, session_id: str, checkpoint_id: str, next_seq_id: int) -> None:
+        """The session's row names checkpoint_id (and its optimizer state) as the state to restore, expecting
+        next_seq_id next."""
+        with self.db.session() as s:
+            row = s.get(TrainingSession, session_id)
+            row.state_checkpoint_id, row.state_next_seq_id, row.state_with_optimizer = checkpoint_id, next_seq_id, True
 
     def open_sessions(self) -> list[str]:
         """The ids of every session not closed, oldest first."""
@@ -205,8 +206,9 @@ class StateCalls:
     def _store_state(self, sess, name: str, *, final: bool, next_seq_id: int | None, publish_kind: str = "",
                      api_key: str = ""):
         """Save the session as a checkpoint: its state too when next_seq_id is given (then recorded as the
-        session's, expecting that seq_id next), its weights only otherwise; with publish_kind its weights are
-        published first (SaveWeights: a refused publish stores nothing). (checkpoint row, version id or "")."""
+        session's, expecting that seq_id next), its weights only otherwise; with publish_kind its weights are then
+        published (SaveWeights: the row comes first, so a database that refuses it publishes nothing, and a refused
+        publish leaves no row). (checkpoint row, version id or "")."""
         with tempfile.TemporaryDirectory(prefix="state-") as tmp:
             root = Path(tmp)
             with sess.use():
@@ -214,21 +216,24 @@ class StateCalls:
                     sess.engine.save_weights(root / WEIGHTS_DIR, base_model=sess.base_model)
                 else:
                     sess.engine.save(root, base_model=sess.base_model, progress={"next_seq_id": next_seq_id})
-            version_id = self._publish(sess, root / WEIGHTS_DIR, publish_kind, api_key) if publish_kind else ""
-            ckpt = self.states.store(root, account_id=sess.account_id, session=sess, name=name, final=final,
-                                     record_next_seq_id=next_seq_id)
+            if publish_kind and sess.full_parameter:  # a complete Hugging Face model directory
+                for extra in MODEL_EXTRA_FILES:
+                    if (Path(sess.model_path) / extra).is_file():
+                        shutil.copyfile(Path(sess.model_path) / extra, root / WEIGHTS_DIR / extra)
+            ckpt = self.states.store(root, account_id=sess.account_id, session=sess, name=name, final=final)
+            version_id = ""
+            if publish_kind:
+                try:
+                    # A transient publishing failure is the publisher's Unavailable: the session's state is intact
+                    # and the caller can save again.
+                    version_id = self.publish(api_key, sess, root / WEIGHTS_DIR, publish_kind)
+                except BaseException:
+                    self.states.drop(ckpt.id)
+                    raise
         if next_seq_id is not None:
+            self.states.record(sess.id, ckpt.id, next_seq_id)
             sess.recorded_seq_id = next_seq_id
         return ckpt, version_id
-
-    def _publish(self, sess, weights_dir: Path, kind: str, api_key: str) -> str:
-        if sess.full_parameter:  # a complete Hugging Face model directory
-            for extra in MODEL_EXTRA_FILES:
-                if (Path(sess.model_path) / extra).is_file():
-                    shutil.copyfile(Path(sess.model_path) / extra, weights_dir / extra)
-        # A transient publishing failure is the publisher's Unavailable: the session's state is intact and the
-        # caller can save again.
-        return self.publish(api_key, sess, weights_dir, kind)
 
     def _record_step(self, sess) -> None:
         """The automatic record every state_every_steps optimizer steps, in the OptimStep's turn. Its failure (a

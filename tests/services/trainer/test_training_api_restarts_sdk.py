@@ -145,6 +145,8 @@ def test_an_unavailable_the_trainer_answered_leaves_the_client_going_on(platform
         with pytest.raises(TrainyardError) as exc:
             tc.save_weights_for_sampler("v1").result(timeout=120)
         assert exc.value.code == "UNAVAILABLE" and "not published" in exc.value.message
+        with platform.env.db.session() as s:  # a refused publish leaves no checkpoint row behind
+            assert s.query(Checkpoint).filter_by(session_id=tc.model_id).count() == 0
         assert tc.forward_backward(_batch(0), "cross_entropy").result().metrics["loss:sum"] > 0
         assert tc.get_info().next_seq_id == 3
 
