@@ -152,6 +152,19 @@ class Stack:
     def url(self, name: str) -> str:
         return f"127.0.0.1:{self.ports[f'{name}:{self._container_port(name)}']}"
 
+    def address(self, name: str, container_port: int | str) -> str:
+        """The local address of another port a service publishes (e.g. its metrics port, 9100)."""
+        return f"127.0.0.1:{self.ports[f'{name}:{container_port}']}"
+
+    def healthcheck(self, name: str, timeout_s: float = 30) -> subprocess.CompletedProcess:
+        """Run the service's compose healthcheck against its local process (its command, ports localized)."""
+        test = list(self.services[name]["healthcheck"]["test"])
+        if test[0] != "CMD":
+            raise ValueError(f"{name}: only exec-form healthchecks (CMD) run locally, got {test[0]}")
+        argv = [sys.executable if a == "python" else str(self.ports.get(f"{name}:{a}", a)) for a in test[1:]]
+        return subprocess.run(argv, env=self.env_for(name), cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout_s)
+
     def run_once(self, name: str, timeout_s: float = 120) -> str:
         proc = subprocess.run(self.argv_for(name), env=self.env_for(name), cwd=ROOT, capture_output=True, text=True,
                               timeout=timeout_s)

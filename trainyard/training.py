@@ -9,19 +9,8 @@
     sampler = tc.save_weights_and_get_sampling_client("step-1")
     out = sampler.sample(types.ModelInput.from_ints(prompt), 4, types.SamplingParams(max_tokens=32)).result()
 
-Ordering. Every call on a TrainingClient takes the session's next seq_id when it is made (under a lock, in the order
-the caller makes them) and is queued at once for a worker thread that sends it; the trainer runs a session's calls in
-seq_id order, so calls are pipelined: optim_step is on the wire before forward_backward's result is back. Workers
-take calls first in, first out, so a call is never sent before an earlier call of its client was, and no call waits
-on the server for one still queued here. forward_backward_custom takes two consecutive seq_ids (a Forward, then a
-ForwardBackward with the gradient of the user's loss as weights).
-
-Failures mirror the trainer's (trainer.proto): INVALID_ARGUMENT uses up the call's seq_id and changes nothing, so the
-client goes on. UNAVAILABLE is treated as fatal here even though the trainer keeps a session whose publish failed
-usable: from the client's side it cannot be told apart from a call lost on the way (whose seq_id the trainer would
-then wait for). Any other failure may have left the session half-updated: the trainer refuses its later calls
-(FAILED_PRECONDITION), and this client refuses calls made after it learned of the failure, without sending them,
-with a TrainyardError (FAILED_PRECONDITION) naming the failed call.
+How a TrainingClient's calls are ordered, pipelined, failed, and carried across trainer restarts:
+trainyard/ordered_calls.py.
 """
 from __future__ import annotations
 
@@ -30,7 +19,7 @@ import hashlib
 import secrets
 import shutil
 import tempfile
-import threading
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
@@ -43,6 +32,7 @@ from trainyard.client import _channel
 from trainyard.config import ClientConfig, cache_dir
 from trainyard.errors import TrainyardError, from_rpc_error
 from trainyard.futures import APIFuture
+from trainyard.ordered_calls import OrderedCalls, SessionUnchanged, session_when_reachable
 from trainyard.sampling_client import WEIGHTS_PREFIX, SamplingClient
 from trainyard.v1 import rollout_pb2_grpc, trainer_pb2 as tpb, trainer_pb2_grpc
 
@@ -54,14 +44,6 @@ MAX_CALLS_IN_FLIGHT = 16
 CustomLossFn = Callable[[list[types.Datum], list[Any]], tuple[Any, dict[str, float]]]
 
 
-class _SessionUnchanged(Exception):
-    """Raised by a call's body for a failure that left the session as it was (the client goes on)."""
-
-    def __init__(self, error: BaseException):
-        super().__init__(str(error))
-        self.error = error
-
-
 class ServiceClient:
     """Entry point: creates training clients (trainer sessions) and sampling clients.
 
@@ -70,11 +52,13 @@ class ServiceClient:
     file `trainyard login` writes, then the local defaults."""
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, rollout_url: str | None = None, *,
-                 tls_ca_file: str | None = None, tls_client_cert_file: str | None = None,
-                 tls_client_key_file: str | None = None):
+                 retry_unavailable_s: float = 300.0, tls_ca_file: str | None = None,
+                 tls_client_cert_file: str | None = None, tls_client_key_file: str | None = None):
         self.config = ClientConfig.resolve(rollout_url=rollout_url, api_key=api_key, trainer_url=base_url,
                                            tls_ca_file=tls_ca_file, tls_client_cert_file=tls_client_cert_file,
                                            tls_client_key_file=tls_client_key_file)
+        # How long a Training API call waits for an unreachable or restarting trainer (ordered_calls.py, "Restarts").
+        self.retry_unavailable_s = retry_unavailable_s
         self._trainer_channel = _channel(self.config.trainer_url, self.config)
         self._rollout_channel = _channel(self.config.rollout_url, self.config)
         self.trainer = trainer_pb2_grpc.TrainerServiceStub(self._trainer_channel)
@@ -117,6 +101,12 @@ class ServiceClient:
         """As create_training_client_from_state, also restoring the optimizer (Adam moments and step count)."""
         return self._create(tpb.CreateSessionRequest(from_state=_check_path(path, STATE_PREFIX, "save_state"),
                                                      with_optimizer=True))
+
+    def resume_training_client(self, session_id: str) -> TrainingClient:
+        """A TrainingClient on an existing session of this account, going on at the seq_id it expects next: after a
+        trainer restart lost calls (ABORTED), or from another process."""
+        return TrainingClient(self, session_when_reachable(self.trainer, self.metadata, session_id,
+                                                            time.monotonic() + self.retry_unavailable_s))
 
     async def create_lora_training_client_async(self, *args, **kwargs) -> TrainingClient:
         return await asyncio.to_thread(self.create_lora_training_client, *args, **kwargs)
@@ -163,19 +153,12 @@ def _check_path(path: str, prefix: str, maker: str) -> str:
     return path
 
 
-class TrainingClient:
+class TrainingClient(OrderedCalls):
     """One trainer session: a LoRA adapter (or full weights) and its optimizer state. Calls return APIFutures."""
 
     def __init__(self, service: ServiceClient, session: tpb.Session):
-        self.service = service
-        self.model_id = session.id
+        super().__init__(service, session)
         self.base_model = session.base_model
-        self._stub, self._md = service.trainer, service.metadata
-        self._lock = threading.Lock()
-        self._next_seq_id = session.next_seq_id or 1
-        self._failure = ""  # the first call that failed and may have left the session half-updated
-        self._closed = False
-        self._pending: set = set()
         self._tokenizer = None
 
     def __enter__(self) -> TrainingClient:
@@ -183,49 +166,6 @@ class TrainingClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    # -- ordered calls ------------------------------------------------------------------------------------------
-    def _submit(self, name: str, n_seq_ids: int, body: Callable[[int], Any]) -> APIFuture:
-        with self._lock:
-            if self._closed:
-                return APIFuture.failed(TrainyardError("FAILED_PRECONDITION", f"{name}: the training client of "
-                                                       f"session {self.model_id} is closed"))
-            if self._failure:
-                return APIFuture.failed(TrainyardError("FAILED_PRECONDITION", (
-                    f"{name} was not sent: an earlier call on session {self.model_id} failed ({self._failure}), so "
-                    "the session may be half-updated and its later calls are refused; start a new training client "
-                    "(e.g. from a state saved with save_state)")))
-            seq_id = self._next_seq_id
-            self._next_seq_id += n_seq_ids
-            future = self.service.pool.submit(self._run, name, seq_id, body)
-            self._pending.add(future)
-        future.add_done_callback(self._done)
-        return APIFuture(future)
-
-    def _done(self, future) -> None:
-        with self._lock:
-            self._pending.discard(future)
-
-    def _run(self, name: str, seq_id: int, body: Callable[[int], Any]) -> Any:
-        try:
-            return body(seq_id)
-        except _SessionUnchanged as exc:
-            raise exc.error from None
-        except grpc.RpcError as exc:
-            error = from_rpc_error(exc)
-            if error.code != "INVALID_ARGUMENT":
-                self._fail(f"{name}, seq_id {seq_id}: {error}")
-            raise error from None
-        except Exception as exc:
-            self._fail(f"{name}, seq_id {seq_id}: {type(exc).__name__}: {exc}")
-            raise
-
-    def _fail(self, description: str) -> None:
-        with self._lock:
-            self._failure = self._failure or description
-
-    def _call(self, method: str, request) -> Any:
-        return getattr(self._stub, method)(request, metadata=self._md)
 
     @staticmethod
     def _data(data: Iterable[types.Datum]) -> list[types.Datum]:
@@ -255,7 +195,7 @@ class TrainingClient:
 
         def body(seq_id: int) -> types.ForwardBackwardOutput:
             request.seq_id = seq_id
-            return types.ForwardBackwardOutput.from_proto(self._call("Forward", request))
+            return types.ForwardBackwardOutput.from_proto(self._ordered("Forward", request))
 
         return self._submit("forward", 1, body)
 
@@ -270,7 +210,7 @@ class TrainingClient:
 
         def body(seq_id: int) -> types.ForwardBackwardOutput:
             request.seq_id = seq_id
-            return types.ForwardBackwardOutput.from_proto(self._call("ForwardBackward", request))
+            return types.ForwardBackwardOutput.from_proto(self._ordered("ForwardBackward", request))
 
         return self._submit("forward_backward", 1, body)
 
@@ -301,8 +241,8 @@ class TrainingClient:
                     raise  # gRPC cancels the call
 
             try:
-                return types.ForwardBackwardOutput.from_proto(self._stub.ForwardBackwardStream(requests(),
-                                                                                               metadata=self._md))
+                return types.ForwardBackwardOutput.from_proto(self._ordered(
+                    "ForwardBackwardStream", requests, seq_id=seq_id, resendable=isinstance(data, (list, tuple))))
             except grpc.RpcError:
                 if failure:
                     raise failure[0] from None
@@ -329,34 +269,24 @@ class TrainingClient:
         def body(seq_id: int) -> types.ForwardBackwardOutput:
             forward.seq_id = seq_id
             try:
-                out = types.ForwardBackwardOutput.from_proto(self._call("Forward", forward))
-            except grpc.RpcError:
+                out = types.ForwardBackwardOutput.from_proto(self._ordered("Forward", forward))
+            except (grpc.RpcError, SessionUnchanged):
                 self._skip(seq_id + 1)
                 raise
             try:
                 weights, loss, metrics = _custom_weights(data, out, loss_fn)
             except Exception as exc:
                 self._skip(seq_id + 1)
-                raise _SessionUnchanged(exc) from None
+                raise SessionUnchanged(exc) from None
             backward = tpb.ForwardBackwardRequest(session_id=self.model_id, seq_id=seq_id + 1, loss_fn="cross_entropy",
                                                   data=[types.Datum(d.model_input, {"target_tokens": t, "weights": w})
                                                         .to_proto() for d, t, w in zip(data, targets, weights)])
-            result = types.ForwardBackwardOutput.from_proto(self._call("ForwardBackward", backward))
+            result = types.ForwardBackwardOutput.from_proto(self._ordered("ForwardBackward", backward))
             kept = {k: v for k, v in result.metrics.items() if not k.startswith("loss:")}
             result.metrics = kept | {"loss": loss} | metrics
             return result
 
         return self._submit("forward_backward_custom", 2, body)
-
-    def _skip(self, seq_id: int) -> None:
-        """Use up a reserved seq_id without touching the session: a ForwardBackward with no datums is bad input,
-        which the trainer refuses (INVALID_ARGUMENT) in its turn, changing nothing; later calls then do not wait for
-        it."""
-        try:
-            self._call("ForwardBackward", tpb.ForwardBackwardRequest(session_id=self.model_id, seq_id=seq_id,
-                                                                     loss_fn="cross_entropy"))
-        except grpc.RpcError:
-            pass  # the expected refusal (or the session already failed)
 
     def optim_step(self, adam_params: types.AdamParams | None = None) -> APIFuture[types.OptimStepResponse]:
         """One Adam(W) step on the accumulated gradients, which it then clears."""
@@ -364,7 +294,7 @@ class TrainingClient:
 
         def body(seq_id: int) -> types.OptimStepResponse:
             request.seq_id = seq_id
-            resp = self._call("OptimStep", request)
+            resp = self._ordered("OptimStep", request)
             return types.OptimStepResponse(metrics=dict(resp.metrics), step=resp.step)
 
         return self._submit("optim_step", 1, body)
@@ -372,7 +302,8 @@ class TrainingClient:
     def save_state(self, name: str = "") -> APIFuture[types.SaveWeightsResponse]:
         """Weights and optimizer state, to resume later; the result's path is "trainyard://state/<checkpoint id>"."""
         def body(seq_id: int) -> types.SaveWeightsResponse:
-            resp = self._call("SaveState", tpb.SaveStateRequest(session_id=self.model_id, seq_id=seq_id, name=name))
+            resp = self._ordered("SaveState", tpb.SaveStateRequest(session_id=self.model_id, seq_id=seq_id,
+                                                                   name=name))
             return types.SaveWeightsResponse(path=resp.path or f"{STATE_PREFIX}{resp.checkpoint_id}",
                                              checkpoint_id=resp.checkpoint_id)
 
@@ -389,8 +320,8 @@ class TrainingClient:
         path = _check_path(path, STATE_PREFIX, "save_state")
 
         def body(seq_id: int) -> types.LoadWeightsResponse:
-            self._call("LoadState", tpb.LoadStateRequest(session_id=self.model_id, seq_id=seq_id, path=path,
-                                                         with_optimizer=with_optimizer))
+            self._ordered("LoadState", tpb.LoadStateRequest(session_id=self.model_id, seq_id=seq_id, path=path,
+                                                            with_optimizer=with_optimizer))
             return types.LoadWeightsResponse(path=path)
 
         return self._submit("load_state_with_optimizer" if with_optimizer else "load_state", 1, body)
@@ -399,8 +330,8 @@ class TrainingClient:
         """Publish the weights as the next version of the session's lineage; the result's path
         ("trainyard://weights/<version id>") is what a SamplingClient samples, pinned to that version."""
         def body(seq_id: int) -> types.SaveWeightsForSamplerResponse:
-            resp = self._call("SaveWeights", tpb.SaveWeightsRequest(session_id=self.model_id, seq_id=seq_id,
-                                                                    name=name))
+            resp = self._ordered("SaveWeights", tpb.SaveWeightsRequest(session_id=self.model_id, seq_id=seq_id,
+                                                                       name=name))
             return types.SaveWeightsForSamplerResponse(path=resp.path or f"{WEIGHTS_PREFIX}{resp.version_id}",
                                                        version_id=resp.version_id, checkpoint_id=resp.checkpoint_id)
 
@@ -447,11 +378,9 @@ class TrainingClient:
 
     # -- unordered calls ----------------------------------------------------------------------------------------
     def get_info(self) -> types.GetInfoResponse:
-        try:
-            session = self._call("GetSession", tpb.GetSessionRequest(id=self.model_id))
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
-        return types.GetInfoResponse.from_proto(session)
+        """The session as the trainer has it now (waiting, like the ordered calls, while the trainer restarts)."""
+        return types.GetInfoResponse.from_proto(session_when_reachable(
+            self._stub, self._md, self.model_id, time.monotonic() + self.service.retry_unavailable_s))
 
     async def get_info_async(self) -> types.GetInfoResponse:
         return await asyncio.to_thread(self.get_info)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import (
@@ -40,6 +41,13 @@ class TrainyardSettings(BaseSettings):
     database_url: str = Field(default="", description="SQLAlchemy URL; default sqlite:///<data_dir>/trainyard.db")
     blob_dir: Path | None = Field(default=None, description="Object store root; default <data_dir>/blobs")
     log_level: str = "INFO"
+    # "json": one JSON object per record (time, level, logger, message, and the request, account, job and session ids
+    # of the call or job it belongs to: services/common/logs.py); "text": the same as a line of plain text.
+    log_format: Literal["text", "json"] = "text"
+    # Prometheus metrics of this process at http://<host>:<metrics_port>/metrics (services/common/metrics.py); 0 turns
+    # them off, so processes started outside compose take no fixed port. docker-compose.yml sets 9100 for every
+    # service and publishes each on its own host port.
+    metrics_port: int = Field(default=0, ge=0, le=65535)
 
     # Where each service listens (bind address) ...
     host: str = "0.0.0.0"

@@ -79,6 +79,12 @@ class DataLoss(TrainyardError):
     code = grpc.StatusCode.DATA_LOSS
 
 
+class Aborted(TrainyardError):
+    """What the caller relied on is gone (a restarted trainer restored a session to before calls it had answered)."""
+
+    code = grpc.StatusCode.ABORTED
+
+
 class Cancelled(TrainyardError):
     """The client ended the call early (e.g. broke off a stream)."""
 

@@ -4,7 +4,9 @@
   (services/common/request_checks.py: no NUL in a string, no NaN or infinity in a float, INVALID_ARGUMENT naming the
   field) before the servicer runs, and maps domain errors to status codes in one place, so servicers stay thin
   adapters without try/except. An unexpected error reaches the client as INTERNAL with an error id only; its detail
-  goes to the log under that id.
+  goes to the log under that id. It also counts and times every call by method and status code
+  (services/common/metrics.py) and opens the call's log scope (services/common/logs.py: request id, account, and the
+  session or job the request names), and logs the call: at DEBUG when it succeeded, at INFO with its code otherwise.
 - A server stream re-checks its caller's key every auth_recheck_s: once the key is revoked, the stream ends with
   UNAUTHENTICATED (the servicer's context.is_active() turns False, so watch loops stop at their next poll).
 - TLS when the settings name a certificate (services/common/config.py), mutual TLS when they name a client CA.
@@ -14,7 +16,10 @@
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
+import secrets
 import signal
 import threading
 import time
@@ -30,12 +35,19 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
-from services.common import auth, request_checks
+from services.common import auth, logs, metrics, request_checks
 from services.common.errors import InvalidArgument, TrainyardError, Unauthenticated, log_internal
 
 log = logging.getLogger("trainyard.grpc")
+rpc_log = logging.getLogger("trainyard.rpc")
 
 PUBLIC_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
+REQUEST_ID_KEY = "x-request-id"  # a client's own id for its call, kept in the call's log records
+REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+# Request fields that name the session or job a call is about, for the call's log records (a TrainerService's `id`
+# is a session's, a JobService's a job's).
+ID_FIELDS = {"session_id": "session_id", "job_id": "job_id"}
+ID_BY_SERVICE = {"TrainerService": "session_id", "JobService": "job_id"}
 
 
 def _abort(context: grpc.ServicerContext, exc: TrainyardError) -> None:
@@ -116,7 +128,8 @@ class CallInterceptor(grpc.ServerInterceptor):
         method = handler_call_details.method
         if handler is None or method.startswith(PUBLIC_PREFIXES):
             return handler
-        key = auth.key_from_metadata(handler_call_details.invocation_metadata)
+        metadata = handler_call_details.invocation_metadata
+        key = auth.key_from_metadata(metadata)
         authenticate, recheck_s = self._authenticate, self._recheck_s
 
         def enter(context):
@@ -124,6 +137,7 @@ class CallInterceptor(grpc.ServerInterceptor):
                 caller = authenticate(key)
             except Exception as exc:  # noqa: BLE001 - e.g. the database is down while checking the key
                 _fail(context, method, exc)
+            logs.annotate(account_id=caller.account_id)
             return auth.set_caller(caller)
 
         def checked(request, streamed: bool):
@@ -131,28 +145,30 @@ class CallInterceptor(grpc.ServerInterceptor):
 
         def unary(fn, streamed: bool):
             def wrapped(request, context):
-                token = enter(context)
-                try:
-                    return fn(checked(request, streamed), context)
-                except Exception as exc:  # noqa: BLE001 - the one place exceptions become statuses
-                    _fail(context, method, exc)
-                finally:
-                    auth.reset_caller(token)
+                with observed(method, metadata, request, context):
+                    token = enter(context)
+                    try:
+                        return fn(checked(request, streamed), context)
+                    except Exception as exc:  # noqa: BLE001 - the one place exceptions become statuses
+                        _fail(context, method, exc)
+                    finally:
+                        auth.reset_caller(token)
             return wrapped
 
         def streaming(fn, streamed: bool):
             def wrapped(request, context):
-                token = enter(context)
-                live = _KeyWatch(authenticate, key, recheck_s)
-                try:
-                    for item in fn(checked(request, streamed), _StreamContext(context, live)):
-                        live.check()
-                        yield item
-                    live.check()  # a watch that stopped because the key was revoked says so
-                except Exception as exc:  # noqa: BLE001 - the one place exceptions become statuses
-                    _fail(context, method, exc)
-                finally:
-                    auth.reset_caller(token)
+                with observed(method, metadata, request, context):
+                    token = enter(context)
+                    live = _KeyWatch(authenticate, key, recheck_s)
+                    try:
+                        for item in fn(checked(request, streamed), _StreamContext(context, live)):
+                            live.check()
+                            yield item
+                        live.check()  # a watch that stopped because the key was revoked says so
+                    except Exception as exc:  # noqa: BLE001 - the one place exceptions become statuses
+                        _fail(context, method, exc)
+                    finally:
+                        auth.reset_caller(token)
             return wrapped
 
         kw = dict(request_deserializer=request_checks.deserializer(handler.request_deserializer),
@@ -164,6 +180,41 @@ class CallInterceptor(grpc.ServerInterceptor):
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(streaming(handler.unary_stream, False), **kw)
         return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream, True), **kw)
+
+
+def _request_ids(method: str, metadata, request) -> dict[str, str]:
+    """The call's request id (the client's, else a new one) and the session or job id its request names."""
+    given = dict(metadata or ()).get(REQUEST_ID_KEY, "")
+    ids = {"request_id": given if isinstance(given, str) and REQUEST_ID_RE.fullmatch(given) else secrets.token_hex(8)}
+    fields = getattr(getattr(request, "DESCRIPTOR", None), "fields_by_name", {})
+    for name, key in ID_FIELDS.items():
+        if name in fields:
+            ids[key] = getattr(request, name)
+    service = method.lstrip("/").partition("/")[0].rpartition(".")[2]
+    if service in ID_BY_SERVICE and "id" in fields:
+        ids[ID_BY_SERVICE[service]] = request.id
+    return ids
+
+
+@contextlib.contextmanager
+def observed(method: str, metadata, request, context: grpc.ServicerContext):
+    """A call's log scope, its count and latency by status code, and its access log line."""
+    start = time.perf_counter()
+    with logs.scope(**_request_ids(method, metadata, request)):
+        code = "OK"
+        try:
+            yield
+        except GeneratorExit:  # the client left a server stream
+            code = "CANCELLED"
+            raise
+        except BaseException:
+            code = context.code().name if context.code() is not None else "UNKNOWN"
+            raise
+        finally:
+            seconds = time.perf_counter() - start
+            metrics.observe_rpc(method, code, seconds)
+            rpc_log.log(logging.DEBUG if code == "OK" else logging.INFO, "%s %s %.1f ms", method, code,
+                        seconds * 1000)
 
 
 @dataclass
@@ -184,9 +235,11 @@ class Server:
 
     def __init__(self, spec: ServiceSpec, *, port: int, host: str, authenticate, workers: int,
                  max_message_mb: int, grace_s: float, auth_recheck_s: float = 2.0,
-                 credentials: grpc.ServerCredentials | None = None):
+                 credentials: grpc.ServerCredentials | None = None, metrics_port: int = 0):
         self.spec = spec
         self.grace_s = grace_s
+        self.host, self.metrics_port = host, metrics_port
+        self._metrics = None
         size = max_message_mb * 1024 * 1024
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=spec.name),
@@ -211,6 +264,8 @@ class Server:
         self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
+        if self.metrics_port:
+            self._metrics = metrics.serve(self.host, self.metrics_port)
         self.server.start()
         for fn in self.spec.background:
             t = threading.Thread(target=fn, args=(self.stopping,), daemon=True, name=f"{self.spec.name}-bg")
@@ -232,6 +287,8 @@ class Server:
             t.join(timeout=self.grace_s)
         if self.spec.on_shutdown is not None:
             self.spec.on_shutdown()
+        if self._metrics is not None:
+            self._metrics.shutdown()
         log.info("%s stopped", self.spec.name)
 
     def serve_forever(self) -> None:
@@ -259,7 +316,7 @@ def service_server(spec: ServiceSpec, settings, port: int, db) -> Server:
     return Server(spec, port=port, host=settings.host, authenticate=KeyAuthenticator(db).authenticate,
                   workers=settings.grpc_workers, max_message_mb=settings.grpc_max_message_mb,
                   grace_s=settings.shutdown_grace_s, auth_recheck_s=settings.auth_recheck_s,
-                  credentials=settings.server_credentials())
+                  credentials=settings.server_credentials(), metrics_port=settings.metrics_port)
 
 
 def run_service(settings_cls, build: Callable[..., Server]) -> None:
@@ -268,12 +325,8 @@ def run_service(settings_cls, build: Callable[..., Server]) -> None:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     settings = settings_cls()
-    configure_logging(settings.log_level)
+    logs.configure_logging(settings.log_level, settings.log_format)
     build(settings).serve_forever()
-
-
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def service_names(*descriptors: Iterable) -> list[str]:

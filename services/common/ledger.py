@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, func, select, update
 
 from services.common.db import Database
 from services.common.schema import Checkpoint, Job, JobLog, JobMetric, new_id, utcnow
 
 TERMINAL = ("succeeded", "failed", "cancelled")
+STATUSES = ("queued", "running", *TERMINAL)
 
 
 class LeaseLost(Exception):
@@ -40,6 +41,12 @@ class Ledger:
     def log(self, job_id: str, message: str, level: str = "info") -> None:
         with self.db.session() as s:
             s.add(JobLog(job_id=job_id, level=level, message=message, created_at=utcnow()))
+
+    def count_by_status(self) -> dict[str, int]:
+        """Jobs of every account by status (every status present, 0 when none)."""
+        with self.db.session() as s:
+            counts = dict(s.execute(select(Job.status, func.count()).group_by(Job.status)).all())
+        return {status: counts.get(status, 0) for status in STATUSES}
 
     def reap(self, lost_after_s: float, max_attempts: int) -> list[str]:
         """Requeue running jobs whose worker stopped heartbeating. Returns the ids to dispatch again."""

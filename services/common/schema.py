@@ -212,6 +212,14 @@ class TrainingSession(Base):
     from_state: Mapped[str] = mapped_column(String(64), default="")
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     closed_at: Mapped[datetime | None] = mapped_column(default=None)
+    # The session's recorded state, which a restarted trainer restores it from (services/trainer/sessions.py): a
+    # checkpoint holding the engine's state (None: the session as created -- a new adapter from its seed, or its
+    # from_state), whether that checkpoint's optimizer state is part of it (False only for a from_state session
+    # created without the optimizer and not recorded since), and the seq_id the session expects next from there.
+    # state_next_seq_id 0 marks sessions a trainer held before states were recorded (revision 0005): not restored.
+    state_checkpoint_id: Mapped[str | None] = mapped_column(String(32), default=None)
+    state_with_optimizer: Mapped[bool] = mapped_column(Boolean, default=True)
+    state_next_seq_id: Mapped[int] = mapped_column(BigInteger, default=1)
 
 
 class WeightVersion(Base):

@@ -2,6 +2,7 @@
 same core when openai_port is set (a background task of the gRPC server: it starts and stops with it)."""
 from __future__ import annotations
 
+from services.common import metrics
 from services.common.auth import KeyAuthenticator
 from services.common.blobstore import BlobStore
 from services.common.db import Database
@@ -16,11 +17,24 @@ from services.rollout.weights import WeightFollower
 from trainyard.v1 import rollout_pb2, rollout_pb2_grpc as rpc
 
 
+def kv_gauges(engine: Engine) -> metrics.Gauges:
+    """trainyard_kv_cache_blocks{model, state=used|total} of every loaded base model, read when scraped."""
+    def read() -> dict[str, dict]:
+        values = {}
+        for model_dir, (used, total) in engine.kv_usage().items():
+            values[(model_dir, "used")], values[(model_dir, "total")] = used, total
+        return {"trainyard_kv_cache_blocks": values}
+
+    return metrics.Gauges({"trainyard_kv_cache_blocks": ("KV cache blocks of each loaded base model: in use and in "
+                                                         "its pool", ["model", "state"])}, read)
+
+
 def build(settings: RolloutSettings) -> Server:
     settings.ensure_dirs()
     settings.apply_torch_threads()
     db = Database(settings.database_url)
     engine = Engine(settings.engine_config())
+    metrics.register("kv_cache", kv_gauges(engine))
     # Deployments that follow a weight lineage hot-load its versions from the weight-sync service.
     follower = WeightFollower(engine, settings.weightsync_url, settings.data_dir / "rollout",
                               credentials=settings.channel_credentials())

@@ -192,6 +192,14 @@ class Engine:
         with self._lock:
             return list(self._bases)
 
+    def kv_usage(self) -> dict[str, tuple[int, int]]:
+        """Model directory -> (KV cache blocks in use, blocks in its pool), for every loaded base model. Read
+        without the loop's lock: a scrape may see a count one step old."""
+        with self._lock:
+            bases = list(self._bases.values())
+        return {b.model_dir: (b.core.scheduler.blocks.num_blocks - b.core.scheduler.blocks.num_free,
+                              b.core.scheduler.blocks.num_blocks) for b in bases}
+
     # ---- adapters ----------------------------------------------------------------------------------------------
 
     def load_adapter(self, adapter_id: str, model_dir: str, adapter_dir: str | Path, *, eager: bool = True) -> None:

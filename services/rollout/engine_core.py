@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from models.moe import MoE
+from services.common import metrics
 from services.common.errors import InvalidArgument
 from services.rollout.kv_blocks import KVLayout, KVPool
 from services.rollout.runner import ModelRunner, RowSample, StepBatch, StepRow
@@ -167,6 +168,9 @@ class EngineCore:
         results = self.runner.execute(batch)
         self.num_steps += 1
         self.last_batch_size = len(batch.rows)
+        metrics.ENGINE_TOKENS.labels("prompt").inc(sum(i.num_new for i in sched.scheduled if i.seq.is_prompt))
+        metrics.ENGINE_TOKENS.labels("generated").inc(
+            sum(i.seq.request.n if i.seq.is_prompt else 1 for i in sched.scheduled if i.samples))
         touched: dict[str, _RequestState] = {}
         for item, result in zip(sched.scheduled, results):
             state = self._requests[item.seq.request.request_id]

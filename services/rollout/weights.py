@@ -26,6 +26,7 @@ import logging
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,7 @@ from safetensors.torch import load_file
 
 from models.families import family_for_config
 from models.model_dir import read_config
+from services.common import metrics
 from services.common.channels import auth_metadata, open_channel
 from services.common.errors import DataLoss, FailedPrecondition, Unavailable
 from services.weightsync.client import fetch_delta, fetch_version
@@ -204,6 +206,7 @@ class WeightFollower:
                 if follow.stopped:
                     return
                 target = follow.target
+            start = time.perf_counter()
             try:
                 served = self._load(follow, target)
             except Exception as exc:  # noqa: BLE001 - any failure keeps the previous version serving
@@ -227,6 +230,7 @@ class WeightFollower:
                 follow.cv.notify_all()
                 if previous is not None and previous.adapter_id is not None:
                     self.engine.unload_adapter(previous.adapter_id)  # freed when its last running request ends
+            metrics.WEIGHT_SWAP_SECONDS.observe(time.perf_counter() - start)
             log.info("deployment %s now serves version %d (%s) of lineage '%s'", follow.deployment_id,
                      target.version, target.id, follow.lineage)
 

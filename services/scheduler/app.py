@@ -7,7 +7,9 @@ import sys
 import threading
 from collections.abc import Callable
 
-from services.common import channels
+import sqlalchemy.exc
+
+from services.common import channels, metrics
 from services.common.blobstore import BlobStore
 from services.common.db import Database
 from services.common.grpcserver import Server, ServiceSpec, run_service, service_server
@@ -94,6 +96,21 @@ def reaper_loop(settings: SchedulerSettings, ledger: Ledger, dispatch) -> Callab
     return loop
 
 
+def job_gauges(ledger: Ledger) -> metrics.Gauges:
+    """trainyard_jobs{status} and trainyard_job_queue_depth, counted in the database when scraped."""
+    def read() -> dict[str, dict]:
+        try:
+            counts = ledger.count_by_status()
+        except sqlalchemy.exc.OperationalError as exc:  # the scrape still serves the RPC metrics
+            log.warning("job metrics left out of this scrape: the database is unavailable (%s)", exc)
+            return {}
+        return {"trainyard_jobs": {(status,): n for status, n in counts.items()},
+                "trainyard_job_queue_depth": {(): counts["queued"]}}
+
+    return metrics.Gauges({"trainyard_jobs": ("Managed jobs by status", ["status"]),
+                           "trainyard_job_queue_depth": ("Managed jobs queued, waiting for a worker", [])}, read)
+
+
 def build(settings: SchedulerSettings) -> Server:
     settings.ensure_dirs()
     db = Database(settings.database_url)
@@ -101,6 +118,7 @@ def build(settings: SchedulerSettings) -> Server:
     blobs.sweep_staging()  # uploads cut by a killed scheduler
     register_shared_models(settings, db)
     ledger = Ledger(db)
+    metrics.register("jobs", job_gauges(ledger))
     dispatch = Dispatcher(settings)
     rollout = RolloutGateway(settings.rollout_url, settings.grpc_max_message_mb, settings.channel_credentials())
     # Set at shutdown: the reaper stops, and WatchJob streams end with UNAVAILABLE (clients resume) instead of

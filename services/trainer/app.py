@@ -8,6 +8,7 @@ import grpc
 from pydantic import Field
 
 from services.common import channels
+from services.common.channels import auth_metadata
 from services.common.blobstore import BlobStore
 from services.common.config import TrainyardSettings
 from services.common.db import Database
@@ -26,6 +27,13 @@ class TrainerSettings(TrainyardSettings):
     deterministic: bool = False
     # Tokens per micro-batch of a Forward / ForwardBackward whose request leaves micro_batch_tokens at 0.
     micro_batch_tokens: int = Field(default=2048, ge=1)
+    # When a Training API session's state is recorded, to be restored after a trainer restart (besides SaveState and
+    # SIGTERM, which always record it; services/trainer/sessions.py): every this many optimizer steps (0: never on a
+    # schedule; a crash then loses what came after the session's last SaveState / SaveWeights), and with every
+    # SaveWeights (its checkpoint then also holds the optimizer state: for a full-parameter session that is twice
+    # the model's size per save, so turn it off where such sessions publish often).
+    session_state_every_steps: int = Field(default=50, ge=0)
+    session_state_with_weights: bool = True
 
 
 WEIGHT_KINDS = {"lora_adapter": weightsync_pb2.WEIGHT_KIND_LORA_ADAPTER, "full": weightsync_pb2.WEIGHT_KIND_FULL}
@@ -36,8 +44,13 @@ def make_publisher(weightsync: weightsync_pb2_grpc.WeightSyncServiceStub):
 
     def publish(api_key: str, sess, directory: Path, kind: str) -> str:
         try:
-            version = publish_dir(weightsync, api_key, lineage=sess.id, parent_id=sess.weight_version_id,
-                                  kind=WEIGHT_KINDS[kind], base_model=sess.base_model, directory=directory,
+            parent = sess.weight_version_id
+            if parent is None:  # a restored session goes on from its lineage's newest version
+                versions = weightsync.ListVersions(weightsync_pb2.ListVersionsRequest(lineage=sess.id),
+                                                   metadata=auth_metadata(api_key)).versions
+                parent = versions[-1].id if versions else ""
+            version = publish_dir(weightsync, api_key, lineage=sess.id, parent_id=parent, kind=WEIGHT_KINDS[kind],
+                                  base_model=sess.base_model, directory=directory,
                                   metadata={"optim_steps": str(sess.optim_steps)})
         except grpc.RpcError as exc:  # the session's state is intact: the caller can save again
             raise Unavailable(f"the weights were not published to the weight-sync service: {exc.details()}") from None
@@ -57,9 +70,16 @@ def build(settings: TrainerSettings) -> Server:
     blobs = BlobStore(settings.blob_dir)
     blobs.sweep_staging()  # what a trainer killed mid-save left behind
     sessions = SessionManager(db, blobs, make_publisher(weightsync), settings.order_timeout_s,
-                              settings.deterministic, settings.micro_batch_tokens)
+                              settings.deterministic, settings.micro_batch_tokens,
+                              state_every_steps=settings.session_state_every_steps,
+                              state_with_weights=settings.session_state_with_weights)
 
-    def shutdown() -> None:
+    def refuse_waiting_calls(stopping) -> None:
+        stopping.wait()
+        sessions.begin_shutdown()
+
+    def shutdown() -> None:  # the calls in flight have finished (or had their grace period)
+        sessions.record_all()
         channel.close()
         db.dispose()
 
@@ -68,6 +88,7 @@ def build(settings: TrainerSettings) -> Server:
         register=lambda server: rpc.add_TrainerServiceServicer_to_server(TrainerServicer(sessions), server),
         service_names=[pb.DESCRIPTOR.services_by_name["TrainerService"].full_name],
         on_shutdown=shutdown,
+        background=[sessions.restore_all, refuse_waiting_calls],
     )
     return service_server(spec, settings, settings.trainer_port, db)
 

@@ -28,6 +28,15 @@ from trainyard.v1 import common_pb2, trainer_pb2 as pb, trainer_pb2_grpc as rpc
 DTYPES = {pb.TensorData.DTYPE_FLOAT32: (np.float32, torch.float32), pb.TensorData.DTYPE_INT64: (np.int64, torch.int64)}
 # Loss inputs are [T] or [T, K]; a few more dimensions cost nothing, numpy stops at 64.
 MAX_DIMS = 8
+# Call metadata of an ordered call: the highest seq_id whose answer the client has (trainer.proto; the SDK sends it).
+ANSWERED_KEY = "trainyard-answered-seq-id"
+
+
+def answered_seq_id(context: grpc.ServicerContext) -> int:
+    value = dict(context.invocation_metadata()).get(ANSWERED_KEY, "0")
+    if not (isinstance(value, str) and value.isdigit() and len(value) <= 18):
+        raise InvalidArgument(f"must be a seq_id (up to 18 digits), got {value!r}", field=f"metadata {ANSWERED_KEY}")
+    return int(value)
 
 
 # -- tensors ----------------------------------------------------------------------------------------------------
@@ -157,44 +166,47 @@ class TrainerServicer(rpc.TrainerServiceServicer):
         return session_proto(self.sessions.describe(current_caller().account_id, request.id))
 
     def CloseSession(self, request, context):
-        return self._session(self.sessions.close(current_caller().account_id, request.id))
+        return session_proto(self.sessions.close(current_caller().account_id, request.id))
 
     def Forward(self, request, context):
         return forward_response(*self.sessions.forward(
             current_caller().account_id, request.session_id, request.seq_id, datum_inputs(request.data),
-            request.loss_fn, dict(request.loss_fn_config), backward=False))
+            request.loss_fn, dict(request.loss_fn_config), backward=False, answered=answered_seq_id(context)))
 
     def ForwardBackward(self, request, context):
         return forward_response(*self.sessions.forward(
             current_caller().account_id, request.session_id, request.seq_id, datum_inputs(request.data),
             request.loss_fn, dict(request.loss_fn_config), backward=True,
-            micro_batch_tokens=request.micro_batch_tokens))
+            micro_batch_tokens=request.micro_batch_tokens, answered=answered_seq_id(context)))
 
     def ForwardBackwardStream(self, request_iterator, context):
         header, datums = stream_request(request_iterator)
         return forward_response(*self.sessions.forward(
             current_caller().account_id, header.session_id, header.seq_id, datums, header.loss_fn,
-            dict(header.loss_fn_config), backward=True, micro_batch_tokens=header.micro_batch_tokens, streamed=True))
+            dict(header.loss_fn_config), backward=True, micro_batch_tokens=header.micro_batch_tokens, streamed=True,
+            answered=answered_seq_id(context)))
 
     def OptimStep(self, request, context):
         step, metrics = self.sessions.optim_step(current_caller().account_id, request.session_id, request.seq_id,
-                                                 adamw(request.adam))
+                                                 adamw(request.adam), answered=answered_seq_id(context))
         return pb.OptimStepResponse(step=step, metrics=metrics)
 
     def SaveWeights(self, request, context):
         caller = current_caller()
         ckpt_id, version_id, path = self.sessions.save_weights(caller.account_id, caller.api_key, request.session_id,
-                                                               request.seq_id, request.name)
+                                                               request.seq_id, request.name,
+                                                               answered=answered_seq_id(context))
         return pb.SaveWeightsResponse(checkpoint_id=ckpt_id, version_id=version_id, path=path)
 
     def SaveState(self, request, context):
         ckpt_id, path = self.sessions.save_state(current_caller().account_id, request.session_id, request.seq_id,
-                                                 request.name)
+                                                 request.name, answered=answered_seq_id(context))
         return pb.SaveStateResponse(checkpoint_id=ckpt_id, path=path)
 
     def LoadState(self, request, context):
         return self._session(self.sessions.load_state(current_caller().account_id, request.session_id,
-                                                      request.seq_id, request.path, request.with_optimizer))
+                                                      request.seq_id, request.path, request.with_optimizer,
+                                                      answered=answered_seq_id(context)))
 
     def GetTokenizer(self, request, context):
         for path in self.sessions.tokenizer_files(current_caller().account_id, request.session_id):

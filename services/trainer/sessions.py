@@ -24,6 +24,24 @@ session usable, as does a database failure (a save whose checkpoint row cannot b
 row comes first). Any other failure marks the session failed; later calls get FAILED_PRECONDITION rather than run
 on state that may be half-updated. Calls on a closed session are FAILED_PRECONDITION.
 
+Restarts: a session outlives the trainer process. Its row records a saved state (a checkpoint in the engine's format:
+weights, AdamW state, step count, pending gradients) and the seq_id it expects next from there, and a trainer
+restores every open session from its row when it starts (`restore_all`, in the background; a call on a session not
+restored yet restores it first), under the same id, so its lineage goes on and deployments following it keep
+following. A state is recorded
+  - by SaveState (the state it saves), and by SaveWeights when `state_with_weights` (its checkpoint then holds the
+    state next to the weights, so every published version is a point the session can come back to);
+  - every `state_every_steps` optimizer steps (that OptimStep also writes "<session>-autosave-step<k>");
+  - at SIGTERM (`begin_shutdown`, then `record_all` once the calls in flight finished) for each session that ran a
+    call since its last record ("<session>-shutdown-step<k>"); calls still waiting for their turn then fail with
+    UNAVAILABLE, unrun, and the client sends them again to the restarted trainer.
+A session never recorded comes back as it was created (a new adapter from its seed, or its from_state), at seq_id
+1. So a graceful restart loses nothing. A crash (kill -9, a lost machine) takes a session back to its last record:
+the calls after it are lost, the restored session expects the seq_id after the record again, and the SDK
+(trainyard/ordered_calls.py) tells a client whose answered calls were lost. A session that had failed comes back at its
+last record, before the failure; one that cannot be restored (its model or state is gone) answers
+FAILED_PRECONDITION with the reason.
+
 Gradients accumulate across ForwardBackward calls until OptimStep (which applies them and clears them); LoadState
 clears them too. Every session trains through the engine (services/trainer/engine/): the losses and their batch
 factor are its losses.py; micro-batching and the exactness of unary vs streamed calls, its forward_backward.py; the
@@ -35,10 +53,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-import shutil
-import tempfile
 import threading
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,30 +63,25 @@ import sqlalchemy.exc
 import torch
 
 from models.lora import LoraConfig, apply_lora, remove_adapter, set_trainable
-from services.common import blobrefs, registry
-from services.common.blobstore import BlobStore, StoredFile
+from services.common import logs, metrics, registry
+from services.common.blobstore import BlobStore
 from services.common.db import Database
-from services.common.errors import FailedPrecondition, InvalidArgument, TrainyardError, not_found
-from services.common.schema import Checkpoint, TrainingSession, new_id, utcnow
+from services.common.errors import (
+    Aborted, FailedPrecondition, InvalidArgument, TrainyardError, Unavailable, not_found,
+)
+from services.common.schema import TrainingSession, new_id, utcnow
 from services.trainer.bases import ModelHolder, ModelPool
 from services.trainer.datums import DatumInput, check_datum
 from services.trainer.engine import AdamW, TrainingEngine
+from services.trainer.engine.checkpoint import CheckpointMismatch, EngineCheckpoint
 from services.trainer.engine.optim import NonFiniteGradient
-from services.trainer.engine.checkpoint import (
-    STATE_DIR, WEIGHTS_DIR, CheckpointMismatch, EngineCheckpoint, is_training_state, read_checkpoint,
-)
 from services.trainer.engine.forward_backward import LossCall, check_loss_request, run_call
 from services.trainer.session_spec import (
-    CreateSpec, LoraSpec, check_create_matches_state, resolve_lora, state_mismatch,
+    CreateSpec, LoraSpec, check_create_matches_state, resolve_lora,
 )
-
-WEIGHTS_PREFIX = "trainyard://weights/"
-STATE_PREFIX = "trainyard://state/"
-# Files GetTokenizer sends when the base model has them; a full-parameter SaveWeights copies them (and the
-# generation config) next to the weights, so the saved directory is a complete Hugging Face model.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
-MODEL_EXTRA_FILES = (*TOKENIZER_FILES, "generation_config.json")
+from services.trainer.session_states import (  # noqa: F401 - the prefixes and TOKENIZER_FILES are this API's too
+    STATE_PREFIX, TOKENIZER_FILES, WEIGHTS_PREFIX, SessionStates, StateCalls, state_checkpoint_id,
+)
 
 
 @dataclass
@@ -86,7 +98,12 @@ class Session:
     next_seq_id: int = 1
     error: str = ""
     closed: bool = False
-    weight_version_id: str = ""
+    # The newest version this session published to its lineage (the parent of its next); None when not known here
+    # (a restored session): the lineage's newest, asked of the weight-sync service when it publishes.
+    weight_version_id: str | None = ""
+    recorded_seq_id: int = 1  # next_seq_id as of the session's recorded state: a later one means unrecorded calls
+    compute_s: float = 0.0  # compute of the calls since the last OptimStep (trainyard_training_step_seconds)
+    restored_at: int = 0  # the seq_id a restarted trainer restored the session at (0: never restored)
     cond: threading.Condition = field(default_factory=threading.Condition)
 
     @property
@@ -145,25 +162,13 @@ class SessionInfo:
 SESSION_ADAMW = AdamW(learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=0.0, grad_clip_norm=0.0)
 
 
-def _check_name(name: str) -> None:
-    """A checkpoint name (Checkpoint.name, 256 characters), checked before a save does anything; NUL and other
-    unstorable strings never get here (services/common/request_checks.py)."""
-    if len(name) > 256:
-        raise InvalidArgument(f"at most 256 characters, got {len(name)}", field="name")
-
-
-def _state_checkpoint_id(path: str, field_name: str) -> str:
-    if not path.startswith(STATE_PREFIX) or len(path) == len(STATE_PREFIX):
-        raise InvalidArgument(f"must be '{STATE_PREFIX}<checkpoint id>' (the path SaveState returned), got {path!r}",
-                              field=field_name)
-    return path[len(STATE_PREFIX):]
-
-
-class SessionManager:
+class SessionManager(StateCalls):
     def __init__(self, db: Database, blobs: BlobStore, publish, order_timeout_s: float = 600.0,
-                 deterministic: bool = False, micro_batch_tokens: int = 2048, device: str | None = None):
+                 deterministic: bool = False, micro_batch_tokens: int = 2048, device: str | None = None,
+                 state_every_steps: int = 0, state_with_weights: bool = False):
         self.db = db
         self.blobs = blobs
+        self.states = SessionStates(db, blobs)
         # (api_key, session, directory, kind "lora_adapter" | "full") -> version id; Unavailable when it cannot
         self.publish = publish
         self.order_timeout_s = order_timeout_s
@@ -171,10 +176,18 @@ class SessionManager:
         # rollout's.
         self.deterministic = deterministic
         self.micro_batch_tokens = micro_batch_tokens
+        # When states are recorded besides SaveState and shutdown (the module docstring; the trainer's settings).
+        self.state_every_steps, self.state_with_weights = state_every_steps, state_with_weights
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.pool = ModelPool(self.device)
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
+        # Sessions an earlier trainer held (open rows now): restored by restore_all or on first use. Sessions this
+        # manager creates are never among them.
+        self._to_restore = set(self.states.open_sessions())
+        self._unrestorable: dict[str, str] = {}  # session id -> why it could not be restored
+        self._restore_lock = threading.Lock()
+        self._stopping = threading.Event()
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
     def create(self, account_id: str, spec: CreateSpec) -> Session:
@@ -182,10 +195,11 @@ class SessionManager:
             raise InvalidArgument("must be unset for a full-parameter session", field="lora")
         if spec.with_optimizer and not spec.from_state:
             raise InvalidArgument("only applies with from_state", field="with_optimizer")
+        from_ckpt = state_checkpoint_id(spec.from_state, "from_state") if spec.from_state else None
         with contextlib.ExitStack() as stack:
             saved = None
-            if spec.from_state:
-                saved = stack.enter_context(self._saved_state(account_id, spec.from_state, "from_state"))
+            if from_ckpt:
+                saved = stack.enter_context(self.states.laid_out(account_id, from_ckpt, "from_state"))
                 if spec.with_optimizer and not saved.has_optimizer:
                     raise InvalidArgument("the state holds no optimizer state", field="with_optimizer")
             base_name = saved.base_model if saved else spec.base_model
@@ -199,11 +213,16 @@ class SessionManager:
             else:
                 lora = None if spec.full_parameter else resolve_lora(spec.lora or LoraSpec(), path)
             seed = saved.seed if saved else spec.seed
-            sess = self._build(account_id, name, path, lora, seed, saved, spec)
+            sess = self._build(new_id("sess"), account_id, name, path, lora, seed, saved, "from_state",
+                               optimizer=spec.with_optimizer)
+        sess.from_state = spec.from_state
+        # Recorded as created: a restarted trainer builds it again from its seed, or from its from_state.
         row = TrainingSession(id=sess.id, account_id=account_id, base_model=name,
                               lora_rank=lora.rank if lora else 0, lora_alpha=lora.alpha if lora else 0.0,
                               target_modules=list(lora.target_modules) if lora else [], seed=seed,
-                              full_parameter=lora is None, from_state=spec.from_state, created_at=sess.created_at)
+                              full_parameter=lora is None, from_state=spec.from_state, created_at=sess.created_at,
+                              state_checkpoint_id=from_ckpt, state_with_optimizer=spec.with_optimizer or not from_ckpt,
+                              state_next_seq_id=1)
         try:
             with self.db.session() as s:
                 s.add(row)
@@ -214,18 +233,19 @@ class SessionManager:
             self._sessions[sess.id] = sess
         return sess
 
-    def _build(self, account_id: str, name: str, path: str, lora: LoraConfig | None, seed: int,
-               saved: EngineCheckpoint | None, spec: CreateSpec) -> Session:
+    def _build(self, sess_id: str, account_id: str, name: str, path: str, lora: LoraConfig | None, seed: int,
+               saved: EngineCheckpoint | None, field_name: str, *, optimizer: bool,
+               gradients: bool = False) -> Session:
         """Load (or share) the model, add the session's adapter or make every weight trainable, restore a saved
-        state; on any failure nothing stays behind."""
-        sess_id = new_id("sess")
+        state (its optimizer state and step count with optimizer, its pending gradients with gradients); on any
+        failure nothing stays behind. A state that does not fit is INVALID_ARGUMENT naming field_name."""
         if lora is None:
             model = None
             if saved is not None:  # the state's weights are the session's model
                 try:
                     model = self.pool.load(str(saved.weights_dir), full_parameter=True)
                 except ValueError as exc:
-                    raise InvalidArgument(str(exc), field="from_state") from None
+                    raise InvalidArgument(str(exc), field=field_name) from None
             holder = self.pool.private(path, sess_id, model)
             params = set_trainable(holder.model, "full")
         else:
@@ -240,15 +260,14 @@ class SessionManager:
         engine = TrainingEngine(holder.model, params, optimizer=SESSION_ADAMW, device=self.device, lora=lora,
                                 adapter=sess_id, seed=seed)
         sess = Session(id=sess_id, account_id=account_id, base_model=name, model_path=path, holder=holder,
-                       engine=engine, created_at=utcnow(), from_state=spec.from_state,
-                       num_trainable=engine.num_trainable)
+                       engine=engine, created_at=utcnow(), num_trainable=engine.num_trainable)
         if saved is not None:
             try:
                 with sess.use():  # a full-parameter model was built from the state's weights
-                    engine.restore(saved, weights=lora is not None, optimizer=spec.with_optimizer)
+                    engine.restore(saved, weights=lora is not None, optimizer=optimizer, gradients=gradients)
             except CheckpointMismatch as exc:
                 self._free(sess)
-                raise InvalidArgument(str(exc), field="from_state") from None
+                raise InvalidArgument(str(exc), field=field_name) from None
             except BaseException:
                 self._free(sess)
                 raise
@@ -262,8 +281,15 @@ class SessionManager:
         row = self._row(account_id, session_id)
         if row.closed_at is not None:
             raise FailedPrecondition(f"session '{session_id}' is closed")
-        raise FailedPrecondition(f"session '{session_id}' is no longer loaded (the trainer restarted); create a new "
-                                 "session (from a SaveState path to continue)")
+        sess = self._restore(session_id)
+        if sess is None:
+            raise FailedPrecondition(f"session '{session_id}' was lost when the trainer restarted "
+                                     f"({self._lost_reason(session_id)}); create a new session (from a SaveState path "
+                                     "to continue)")
+        return sess
+
+    def _lost_reason(self, session_id: str) -> str:
+        return self._unrestorable.get(session_id, "this trainer does not hold it")
 
     def _row(self, account_id: str, session_id: str) -> TrainingSession:
         with self.db.session() as s:
@@ -274,19 +300,37 @@ class SessionManager:
         return row
 
     def describe(self, account_id: str, session_id: str) -> SessionInfo:
-        """GetSession: a loaded session as it is now; a closed one (or one a restarted trainer lost) from its row."""
+        """GetSession: a session as it is now (restored first if a restarted trainer has not yet); a closed one, or
+        one that could not be restored, from its row."""
         with self._lock:
             sess = self._sessions.get(session_id)
         if sess is not None and sess.account_id == account_id:
             return self.info(sess)
         row = self._row(account_id, session_id)
+        if row.closed_at is None and (sess := self._restore(session_id)) is not None:
+            return self.info(sess)
         return SessionInfo(id=row.id, base_model=row.base_model, lora_rank=row.lora_rank, lora_alpha=row.lora_alpha,
                            target_modules=list(row.target_modules), closed=row.closed_at is not None,
-                           error="" if row.closed_at is not None else "no longer loaded (the trainer restarted)",
+                           error="" if row.closed_at is not None else
+                           f"lost when the trainer restarted ({self._lost_reason(session_id)})",
                            full_parameter=row.full_parameter, lineage=row.id, created_at=row.created_at)
 
-    def close(self, account_id: str, session_id: str) -> Session:
-        sess = self.get(account_id, session_id)
+    def close(self, account_id: str, session_id: str) -> SessionInfo:
+        """Free the session; it is never restored again. One a restarted trainer has not restored (or could not)
+        closes without being loaded."""
+        with self._lock:
+            sess = self._sessions.get(session_id)
+        if sess is None or sess.account_id != account_id:
+            if self._row(account_id, session_id).closed_at is not None:
+                raise FailedPrecondition(f"session '{session_id}' is closed")
+            with self._restore_lock:  # not restored meanwhile, and not from now on
+                with self._lock:
+                    sess = self._sessions.get(session_id)
+                if sess is None:
+                    self._to_restore.discard(session_id)
+                    self._unrestorable.pop(session_id, None)
+                    self._mark_closed(session_id)
+                    return self.describe(account_id, session_id)
         with sess.cond:  # after the running call, if any; waiting ones then see closed
             if sess.closed:
                 raise FailedPrecondition(f"session '{session_id}' is closed")
@@ -295,9 +339,12 @@ class SessionManager:
         with self._lock:
             self._sessions.pop(session_id, None)
         self._free(sess)
+        self._mark_closed(session_id)
+        return self.info(sess)
+
+    def _mark_closed(self, session_id: str) -> None:
         with self.db.session() as s:
             s.get(TrainingSession, session_id).closed_at = utcnow()
-        return sess
 
     def _free(self, sess: Session) -> None:
         if not sess.full_parameter:
@@ -307,18 +354,33 @@ class SessionManager:
         sess.engine.release()
 
     # -- ordered calls ---------------------------------------------------------------------------------------------
-    def _in_order(self, sess: Session, seq_id: int, fn):
+    def _in_order(self, sess: Session, seq_id: int, fn, answered: int = 0):
+        """Run fn in seq_id's turn. answered: the highest seq_id whose answer the client has (0: not told); one the
+        session has not reached means those calls were lost with a restart, so the call fails at once (ABORTED)
+        instead of waiting for seq_ids the client will not send again."""
+        logs.annotate(session_id=sess.id)
         with sess.cond:
+            if answered >= sess.next_seq_id:
+                raise Aborted(f"session '{sess.id}' is at seq_id {sess.next_seq_id} (optimizer step "
+                              f"{sess.optim_steps}) but the client has answers up to seq_id {answered}: a trainer "
+                              "restart took the session back to its last recorded state and those calls were lost; "
+                              f"go on at seq_id {sess.next_seq_id}")
             if seq_id == 0:
                 seq_id = sess.next_seq_id
             if seq_id < sess.next_seq_id:
                 raise InvalidArgument(f"seq_id {seq_id} was already used; the session expects {sess.next_seq_id}",
                                       field="seq_id")
-            if not sess.cond.wait_for(lambda: sess.next_seq_id == seq_id or sess.closed, self.order_timeout_s):
+            if not sess.cond.wait_for(lambda: sess.next_seq_id == seq_id or sess.closed or self._stopping.is_set(),
+                                      self.order_timeout_s):
+                lost = (f" (the trainer restarted and restored this session at seq_id {sess.restored_at}: the "
+                        "calls after its last recorded state were lost)" if sess.restored_at else "")
                 raise FailedPrecondition(f"seq_id {seq_id} waited {self.order_timeout_s:.0f}s for seq_id "
-                                         f"{sess.next_seq_id}, which never arrived")
+                                         f"{sess.next_seq_id}, which never arrived{lost}")
             if sess.closed:
                 raise FailedPrecondition(f"session '{sess.id}' is closed")
+            if self._stopping.is_set():
+                raise Unavailable(f"the trainer is restarting; seq_id {seq_id} did not run: send it again (the "
+                                  f"session continues at seq_id {sess.next_seq_id} after the restart)")
             try:
                 if sess.error:
                     raise FailedPrecondition(f"session '{sess.id}' failed earlier ({sess.error}); create a new one")
@@ -339,7 +401,7 @@ class SessionManager:
 
     def forward(self, account_id: str, session_id: str, seq_id: int, data: Iterable[DatumInput], loss_fn: str,
                 loss_fn_config: dict[str, float], backward: bool, micro_batch_tokens: int = 0,
-                streamed: bool = False) -> tuple[list[torch.Tensor], dict[str, float]]:
+                streamed: bool = False, answered: int = 0) -> tuple[list[torch.Tensor], dict[str, float]]:
         """Forward (backward=False) or ForwardBackward: (per-datum logprobs, metrics). data is consumed in the
         call's turn: all of it checked before any compute, or, streamed (ForwardBackwardStream, whose loss settings
         are its header's), each datum as it arrives, its micro-batches running as soon as they are complete."""
@@ -351,11 +413,17 @@ class SessionManager:
             args = sess.holder.model.args
             datums = (check_datum(d, i, call.req.loss_fn, args.vocab_size, args.max_position_embeddings)
                       for i, d in enumerate(data))
-            return run_call(call, datums if streamed else list(datums))
+            start = time.perf_counter()
+            outputs, out_metrics = run_call(call, datums if streamed else list(datums))
+            if backward:  # a streamed call's time includes waiting for its datums
+                sess.compute_s += time.perf_counter() - start
+                metrics.TRAINING_TOKENS.labels("session").inc(sum(o.shape[0] for o in outputs))
+            return outputs, out_metrics
 
-        return self._in_order(sess, seq_id, run)
+        return self._in_order(sess, seq_id, run, answered)
 
-    def optim_step(self, account_id: str, session_id: str, seq_id: int, adam: AdamW) -> tuple[int, dict]:
+    def optim_step(self, account_id: str, session_id: str, seq_id: int, adam: AdamW,
+                   answered: int = 0) -> tuple[int, dict]:
         sess = self.get(account_id, session_id)
         checks = (("learning_rate", 0 < adam.learning_rate < 1, "> 0 and < 1"),
                   ("beta1", 0 <= adam.beta1 < 1, "in [0, 1)"), ("beta2", 0 <= adam.beta2 < 1, "in [0, 1)"),
@@ -367,127 +435,20 @@ class SessionManager:
                 value = getattr(adam, name)
                 if not (ok and math.isfinite(value)):
                     raise InvalidArgument(f"must be {rule}, got {value}", field=f"adam.{name}")
+            start = time.perf_counter()
             with sess.use():
                 try:
-                    norm = sess.engine.step(adam)
+                    norm = float(sess.engine.step(adam))  # float() syncs
                 except NonFiniteGradient as exc:
                     raise InvalidArgument(f"{exc}; the ForwardBackward calls since the last step overflowed (e.g. "
                                           "weights or advantages too large); the session goes on") from None
-            return sess.optim_steps, {"grad_norm": float(norm), "learning_rate": adam.learning_rate}  # float() syncs
+            metrics.TRAINING_STEP_SECONDS.labels("session").observe(sess.compute_s + time.perf_counter() - start)
+            sess.compute_s = 0.0
+            if self.state_every_steps and sess.optim_steps % self.state_every_steps == 0:
+                self._record_step(sess)
+            return sess.optim_steps, {"grad_norm": norm, "learning_rate": adam.learning_rate}
 
-        return self._in_order(sess, seq_id, run)
-
-    # -- weights and states ----------------------------------------------------------------------------------------
-    def save_weights(self, account_id: str, api_key: str, session_id: str, seq_id: int,
-                     name: str) -> tuple[str, str, str]:
-        """(checkpoint id, weight version id, path "trainyard://weights/<version id>")."""
-        sess = self.get(account_id, session_id)
-
-        def run():
-            _check_name(name)
-            kind = "full" if sess.full_parameter else "lora_adapter"
-            with tempfile.TemporaryDirectory(prefix="weights-", dir=self.blobs.staging_dir()) as tmp:
-                with sess.use():
-                    sess.engine.save_weights(Path(tmp), base_model=sess.base_model)
-                if sess.full_parameter:
-                    for extra in MODEL_EXTRA_FILES:
-                        if (Path(sess.model_path) / extra).is_file():
-                            shutil.copyfile(Path(sess.model_path) / extra, Path(tmp) / extra)
-                with self.blobs.saving(blobrefs.checker(self.db)) as save:  # a failure takes the new blobs back
-                    files = [f.to_json() for f in save.put_tree(tmp)]
-                    ckpt = Checkpoint(id=new_id("ckpt"), account_id=account_id, session_id=sess.id,
-                                      name=name or f"{sess.id}-step{sess.optim_steps}", step=sess.optim_steps,
-                                      kind=kind, base_model=sess.base_model,
-                                      model_path="" if sess.full_parameter else sess.model_path,
-                                      files=files, final=True, metrics={}, created_at=utcnow())
-                    # The row first: a database that refuses it fails the call before a version exists.
-                    with self.db.session() as s:
-                        s.add(ckpt)
-                try:
-                    # Published outside the save, so no store lock is held across a call to the weight-sync
-                    # service (which saves under that lock too). A transient publishing failure is the publisher's
-                    # Unavailable: the session's state is intact and the caller can save again.
-                    version_id = self.publish(api_key, sess, Path(tmp), kind)
-                except BaseException:
-                    with self.db.session() as s:
-                        s.delete(s.get(Checkpoint, ckpt.id))
-                    self.blobs.release(save.created, blobrefs.checker(self.db))
-                    raise
-            sess.weight_version_id = version_id
-            return ckpt.id, version_id, WEIGHTS_PREFIX + version_id
-
-        return self._in_order(sess, seq_id, run)
-
-    def save_state(self, account_id: str, session_id: str, seq_id: int, name: str) -> tuple[str, str]:
-        """(checkpoint id, path "trainyard://state/<checkpoint id>"). The checkpoint's files are the weights (an
-        adapter or a model directory, its kind), its state the optimizer and counters (engine/checkpoint.py)."""
-        sess = self.get(account_id, session_id)
-
-        def run():
-            _check_name(name)
-            with (tempfile.TemporaryDirectory(prefix="state-", dir=self.blobs.staging_dir()) as tmp,
-                  self.blobs.saving(blobrefs.checker(self.db)) as save):  # a failure takes the new blobs back
-                with sess.use():
-                    sess.engine.save(Path(tmp), base_model=sess.base_model,
-                                     progress={"next_seq_id": sess.next_seq_id + 1})
-                files = [f.to_json() for f in save.put_tree(Path(tmp) / WEIGHTS_DIR)]
-                state = [f.to_json() for f in save.put_tree(Path(tmp) / STATE_DIR)]
-                ckpt = Checkpoint(id=new_id("ckpt"), account_id=account_id, session_id=sess.id,
-                                  name=name or f"{sess.id}-state-step{sess.optim_steps}", step=sess.optim_steps,
-                                  kind="full" if sess.full_parameter else "lora_adapter", base_model=sess.base_model,
-                                  model_path="" if sess.full_parameter else sess.model_path, files=files,
-                                  state=state, final=False, metrics={}, created_at=utcnow())
-                with self.db.session() as s:
-                    s.add(ckpt)
-            return ckpt.id, STATE_PREFIX + ckpt.id
-
-        return self._in_order(sess, seq_id, run)
-
-    def load_state(self, account_id: str, session_id: str, seq_id: int, path: str, with_optimizer: bool) -> Session:
-        """Replace the session's weights (and with_optimizer its AdamW state and step count) with a saved state of
-        the same base model, kind and LoRA config; pending gradients are dropped. Without with_optimizer the
-        optimizer state stays as it is."""
-        sess = self.get(account_id, session_id)
-
-        def run():
-            with self._saved_state(account_id, path, "path") as saved:
-                problem = state_mismatch(sess.full_parameter, sess.base_model, sess.lora, saved)
-                if problem:
-                    raise InvalidArgument(problem, field="path")
-                if with_optimizer and not saved.has_optimizer:
-                    raise InvalidArgument("the state holds no optimizer state", field="with_optimizer")
-                with sess.use():
-                    try:  # the engine checks everything before the first copy
-                        sess.engine.restore(saved, weights=True, optimizer=with_optimizer)
-                    except CheckpointMismatch as exc:
-                        raise InvalidArgument(str(exc), field="path") from None
-            return sess
-
-        return self._in_order(sess, seq_id, run)
-
-    @contextlib.contextmanager
-    def _saved_state(self, account_id: str, path: str, field_name: str) -> Iterator[EngineCheckpoint]:
-        """A SaveState checkpoint of this account laid out in a temporary directory (NOT_FOUND for another
-        account's)."""
-        ckpt_id = _state_checkpoint_id(path, field_name)
-        with self.db.session() as s:
-            ckpt = registry.get_checkpoint(s, account_id, ckpt_id)
-            files, state = list(ckpt.files), list(ckpt.state or [])
-        if not is_training_state(f["path"] for f in state):
-            raise InvalidArgument(f"checkpoint '{ckpt_id}' holds weights only, not a training state (save one with "
-                                  "SaveState)", field=field_name)
-        with tempfile.TemporaryDirectory(prefix="state-", dir=self.blobs.staging_dir()) as tmp:
-            root = Path(tmp)
-            # Verified against the manifests while laid out: damaged bytes are DataLoss, before anything changes.
-            self.blobs.materialize([StoredFile.from_json(f) for f in files], root / WEIGHTS_DIR,
-                                   what=f"checkpoint {ckpt_id}")
-            self.blobs.materialize([StoredFile.from_json(f) for f in state], root / STATE_DIR,
-                                   what=f"checkpoint {ckpt_id} state")
-            try:
-                saved = read_checkpoint(root)
-            except CheckpointMismatch as exc:
-                raise InvalidArgument(str(exc), field=field_name) from None
-            yield saved
+        return self._in_order(sess, seq_id, run, answered)
 
     # -- model facts -----------------------------------------------------------------------------------------------
     def tokenizer_files(self, account_id: str, session_id: str) -> list[Path]:

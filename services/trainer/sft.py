@@ -25,6 +25,7 @@ kernels are deterministic (CPU with a fixed thread count, or torch.use_determini
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ import torch
 from models import CausalLM
 from models.lora import LoraConfig
 from models.tokenizer import load_tokenizer
+from services.common import metrics
 from services.common.methods.sft import SftHyperparams
 from services.trainer.data import MicroBatch, SftData, StepSampler, batches, load_sft_data
 from services.trainer.engine import AdamW, TrainingEngine
@@ -179,6 +181,7 @@ class _SftRun:
         micro_batches = self.sampler.step_batches(step)
         num_targets = sum(mb.num_targets for mb in micro_batches)
         nll = torch.zeros((), device=self.engine.device)
+        start = time.perf_counter()
         for mb in micro_batches:
             if self.stop.is_set():
                 return None
@@ -187,8 +190,11 @@ class _SftRun:
             (mb_nll / num_targets).backward()
             nll += mb_nll.detach()
         grad_norm = self.engine.step(self._adamw(lr))
+        loss = (nll / num_targets).item()  # .item() syncs, once per step
+        metrics.TRAINING_STEP_SECONDS.labels("managed").observe(time.perf_counter() - start)
+        metrics.TRAINING_TOKENS.labels("managed").inc(sum(mb.input_ids_BT.numel() for mb in micro_batches))
         return {
-            "train/loss": (nll / num_targets).item(),  # .item() syncs, once per step
+            "train/loss": loss,
             "train/lr": lr,
             "train/grad_norm": grad_norm.item(),
             "train/tokens": float(num_targets),

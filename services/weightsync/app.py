@@ -5,6 +5,7 @@ import threading
 
 from pydantic import Field
 
+from services.common import metrics
 from services.common.auth import current_caller
 from services.common.blobstore import BlobStore
 from services.common.config import TrainyardSettings
@@ -32,6 +33,11 @@ def lineage_pb(row, current, latest: int) -> pb.Lineage:
                       current=version_pb(current), latest_version=latest, updated_at=ts(row.updated_at))
 
 
+def received(chunk: Chunk) -> Chunk:
+    metrics.WEIGHTSYNC_BYTES.labels("received").inc(len(chunk.data))
+    return chunk
+
+
 class WeightSyncServicer(rpc.WeightSyncServiceServicer):
     def __init__(self, store: WeightStore, poll_s: float, stopping):
         self.store = store
@@ -44,7 +50,7 @@ class WeightSyncServicer(rpc.WeightSyncServiceServicer):
                                base_model=h.base_model, metadata=dict(h.metadata),
                                files=[FileSpec(f.path, f.sha256, f.size_bytes) for f in h.files])
         return version_pb(self.store.publish(current_caller().account_id, header, (
-            Chunk(path=c.path, offset=c.offset, data=c.data, sha256=c.sha256) for c in chunks)))
+            received(Chunk(path=c.path, offset=c.offset, data=c.data, sha256=c.sha256)) for c in chunks)))
 
     def GetVersion(self, request, context):
         return version_pb(self.store.get(current_caller().account_id, request.id))
@@ -67,6 +73,7 @@ class WeightSyncServicer(rpc.WeightSyncServiceServicer):
     def FetchVersion(self, request, context):
         for c in self.store.fetch(current_caller().account_id, request.id, request.from_path, request.from_offset,
                                   request.base_version_id):
+            metrics.WEIGHTSYNC_BYTES.labels("sent").inc(len(c.data))
             yield common_pb2.FileChunk(path=c.path, offset=c.offset, data=c.data, sha256=c.sha256,
                                        file_size=c.file_size)
 

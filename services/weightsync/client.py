@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 
+from services.common import metrics
 from services.common.blobstore import CHUNK, sha256_file
 from services.common.channels import auth_metadata
 from trainyard.v1 import common_pb2, weightsync_pb2 as pb, weightsync_pb2_grpc as rpc
@@ -75,6 +76,7 @@ def fetch_version(stub: rpc.WeightSyncServiceStub, api_key: str, version: pb.Wei
                     f.write(chunk.data)
                 done[chunk.path] += len(chunk.data)
                 hashes[chunk.path].update(chunk.data)
+                metrics.WEIGHT_FETCH_BYTES.labels("files").inc(len(chunk.data))
                 if done[chunk.path] == sizes[chunk.path] and hashes[chunk.path].hexdigest() != expected[chunk.path]:
                     got = hashes[chunk.path].hexdigest()
                     done[chunk.path], hashes[chunk.path] = 0, hashlib.sha256()  # the next attempt fetches it again
@@ -116,6 +118,7 @@ def fetch_delta(stub: rpc.WeightSyncServiceStub, api_key: str, version_id: str, 
                     raise IOError(f"corrupt or out-of-order delta chunk at {chunk.offset}")
                 data += chunk.data
                 size = chunk.file_size
+                metrics.WEIGHT_FETCH_BYTES.labels("delta").inc(len(chunk.data))
             if size is not None and len(data) == size:
                 return bytes(data)
             raise IOError(f"delta transfer ended at {len(data)} of {size} bytes")

@@ -6,17 +6,28 @@ from __future__ import annotations
 
 import os
 
+from celery import signals
+
+from services.common import metrics
 from services.common.blobstore import BlobStore
-from services.common.grpcserver import configure_logging
 from services.common.jobqueue import RUN_JOB, JobQueueSettings, make_celery
+from services.common.logs import configure_logging
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 settings = JobQueueSettings()
 settings.ensure_dirs()
 settings.apply_torch_threads()
-configure_logging(settings.log_level)
+configure_logging(settings.log_level, settings.log_format)
 BlobStore(settings.blob_dir).sweep_staging()  # what processes killed mid-write (a worker mid-job) left behind
 app = make_celery(settings)
+
+
+@signals.worker_init.connect
+def serve_metrics(**_) -> None:
+    """/metrics of the worker process (training step time and tokens); started with the worker, so a celery command
+    that only imports the app (inspect, purge) takes no port."""
+    if settings.metrics_port:
+        metrics.serve(settings.host, settings.metrics_port)
 
 
 @app.task(name=RUN_JOB)

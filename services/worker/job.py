@@ -18,6 +18,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common import logs
 from services.common.blobstore import BlobStore
 from services.common.db import Database
 from services.common.schema import Checkpoint, Job
@@ -72,6 +73,11 @@ class RecipeOutcome:
 
 
 def run_managed_job(job_id: str, settings: JobQueueSettings) -> None:
+    with logs.scope(job_id=job_id):  # the job's log records carry its id (and its account's, once claimed)
+        _run_managed_job(job_id, settings)
+
+
+def _run_managed_job(job_id: str, settings: JobQueueSettings) -> None:
     db = Database(settings.database_url)
     blobs = BlobStore(settings.blob_dir)
     ledger = Ledger(db)
@@ -82,6 +88,7 @@ def run_managed_job(job_id: str, settings: JobQueueSettings) -> None:
             log.info("job %s is not queued; skipping this delivery", job_id)
             return
         job = claim.job
+        logs.annotate(account_id=job.account_id)
         hb = Heartbeat(ledger, job_id, worker_id, settings.heartbeat_s)
         hb.start()
         # In the process's staging directory: a killed worker's scratch is swept at the next start-up.
@@ -102,14 +109,17 @@ def _run(job, ledger: Ledger, blobs: BlobStore, db: Database, worker_id: str, hb
         latest = ledger.latest_checkpoint(job.id)
         if job.attempts > 1:
             ledger.rewind(job.id, worker_id, latest.step if latest is not None else 0)
+        log.info("job %s: attempt %d of %s on %s", job.id, job.attempts, job.method, job.base_model)
         outcome = recipe(job.method)(JobContext(job, ledger, blobs, db, worker_id, hb, work, latest))
         if hb.lost.is_set():
             log.warning("job %s: lease lost; another worker owns it now", job.id)
         elif outcome.stopped:
             ledger.finish(job.id, worker_id, "cancelled", message=f"cancelled at step {outcome.step}")
+            log.info("job %s: cancelled at step %d", job.id, outcome.step)
         else:
             ledger.finish(job.id, worker_id, "succeeded", output_checkpoint_id=outcome.output_checkpoint_id,
                           message=f"succeeded after {outcome.step} steps")
+            log.info("job %s: succeeded after %d steps", job.id, outcome.step)
     except LeaseLost:
         log.warning("job %s: lease lost; stopping without further writes", job.id)
     except Exception as exc:  # noqa: BLE001 - any training failure ends the job with its message

@@ -95,6 +95,34 @@ def test_compose_file_defines_the_platform():
     assert services["worker"]["command"][:3] == ["celery", "-A", "services.worker.app"]
 
 
+def test_compose_checks_health_and_starts_services_once_what_they_need_is_healthy():
+    services = compose_services()
+    apps = [n for n in services if n not in ("postgres", "redis", "migrate")]
+    for name in apps:
+        test = services[name]["healthcheck"]["test"]
+        assert test[:4] == ["CMD", "python", "-m", "services.common.healthcheck"], (name, test)
+    for name, svc in services.items():
+        for needed, condition in (svc.get("depends_on") or {}).items():
+            wanted = "service_completed_successfully" if needed == "migrate" else "service_healthy"
+            assert condition == {"condition": wanted}, (name, needed, condition)
+            assert "healthcheck" in services[needed] or needed == "migrate", (name, needed)
+    for name in ("trainer", "rollout"):
+        assert services[name]["depends_on"]["weightsync"] == {"condition": "service_healthy"}
+    # Every service but the dashboard serves /metrics on 9100 in its container, published on its own host port.
+    assert services["scheduler"]["environment"]["TRAINYARD_METRICS_PORT"] == "9100"
+    for name in ("scheduler", "worker", "trainer", "rollout", "weightsync"):
+        env = services[name]["environment"]
+        assert env["TRAINYARD_METRICS_PORT"] == "9100" and any(str(p).endswith(":9100")
+                                                               for p in services[name]["ports"]), name
+
+
+def test_compose_healthchecks_pass_against_the_running_services(stack):
+    for name in stack.procs:
+        result = stack.healthcheck(name)
+        assert result.returncode == 0, (name, result.stdout, result.stderr)
+    assert stack.healthcheck("worker").args[-2] == stack.address("worker", 9100).split(":")[1]
+
+
 def test_harness_runs_the_compose_commands(stack):
     """The running processes are exactly the compose commands, with only addresses and paths localized."""
     services = compose_services()

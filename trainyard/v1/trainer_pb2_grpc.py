@@ -37,6 +37,13 @@ class TrainerServiceStub:
     micro-batches already computed are dropped), and a SaveWeights whose publish to weight sync failed or a save the
     database could not record (UNAVAILABLE; nothing is published). After any other failure, later calls on the session
     fail with FAILED_PRECONDITION until it is closed.
+
+    A session survives a restart of the trainer (services/trainer/sessions.py): it comes back under its id at its last
+    recorded state (SaveState, SaveWeights, every few optimizer steps, and at SIGTERM after the calls in flight), and
+    GetSession's next_seq_id says where it goes on. While the trainer shuts down, calls waiting for their turn and new
+    calls fail with UNAVAILABLE without running: send them again once it is back. A crash loses the calls after the
+    last record; an ordered call whose metadata "trainyard-answered-seq-id" (the highest seq_id whose answer the client
+    has) names a seq_id the session has not reached fails with ABORTED at once: those answers were lost.
     """
 
     def __init__(self, channel):
@@ -113,6 +120,13 @@ class TrainerServiceServicer:
     micro-batches already computed are dropped), and a SaveWeights whose publish to weight sync failed or a save the
     database could not record (UNAVAILABLE; nothing is published). After any other failure, later calls on the session
     fail with FAILED_PRECONDITION until it is closed.
+
+    A session survives a restart of the trainer (services/trainer/sessions.py): it comes back under its id at its last
+    recorded state (SaveState, SaveWeights, every few optimizer steps, and at SIGTERM after the calls in flight), and
+    GetSession's next_seq_id says where it goes on. While the trainer shuts down, calls waiting for their turn and new
+    calls fail with UNAVAILABLE without running: send them again once it is back. A crash loses the calls after the
+    last record; an ordered call whose metadata "trainyard-answered-seq-id" (the highest seq_id whose answer the client
+    has) names a seq_id the session has not reached fails with ABORTED at once: those answers were lost.
     """
 
     def CreateSession(self, request, context):
@@ -268,6 +282,13 @@ class TrainerService:
     micro-batches already computed are dropped), and a SaveWeights whose publish to weight sync failed or a save the
     database could not record (UNAVAILABLE; nothing is published). After any other failure, later calls on the session
     fail with FAILED_PRECONDITION until it is closed.
+
+    A session survives a restart of the trainer (services/trainer/sessions.py): it comes back under its id at its last
+    recorded state (SaveState, SaveWeights, every few optimizer steps, and at SIGTERM after the calls in flight), and
+    GetSession's next_seq_id says where it goes on. While the trainer shuts down, calls waiting for their turn and new
+    calls fail with UNAVAILABLE without running: send them again once it is back. A crash loses the calls after the
+    last record; an ordered call whose metadata "trainyard-answered-seq-id" (the highest seq_id whose answer the client
+    has) names a seq_id the session has not reached fails with ABORTED at once: those answers were lost.
     """
 
     @staticmethod

@@ -6,7 +6,10 @@
     <root>/state/     engine_state.json: format, base model, LoRA config (rank, alpha, dropout, targets) or null,
                       seed, optimizer steps and the driver's progress (a managed SFT job: its step, data position,
                       settings and metrics; a session: its seq counter); optimizer.pt: the AdamW state_dict;
-                      rng.pt: the torch RNG state (LoRA dropout draws from it)
+                      rng.pt: the torch RNG state (LoRA dropout draws from it); gradients.pt, only when gradients
+                      were pending (a Training API session saved between ForwardBackward and OptimStep): the
+                      accumulated gradients, one entry per trainable parameter in the optimizer's order (None
+                      where a parameter has none)
 
 A checkpoint row stores weights/ as its files and state/ as its state, so its weights alone are deployable and its
 state makes it resumable; a managed job's checkpoint can be continued in a Training API session, and a session's
@@ -15,6 +18,12 @@ loading them gives the same bits and training continues exactly as if it had nev
 
 Restoring checks everything (the format, the LoRA layout, every tensor's name and shape, the optimizer's layout)
 before it copies anything, so a checkpoint that does not fit changes nothing (CheckpointMismatch says what differs).
+Pending gradients are restored only where the caller asks (a session restored after a trainer restart); LoadState
+and CreateSession(from_state) start without them, as documented in trainer.proto.
+
+Each file is of the engine that wrote it, with nothing about processes in it: a sharded (multi-rank) engine writes
+its shards of optimizer.pt and gradients.pt under state/ the same way, and whoever stores the checkpoint stores the
+directory as it finds it.
 States written before this format (a managed job's trainer_state.json + rng_state.pt, a session's
 session_state.json) are read as well.
 """
@@ -35,6 +44,7 @@ FORMAT = "trainyard.engine_state.v1"
 STATE_FILE = "engine_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
 RNG_FILE = "rng.pt"
+GRADIENTS_FILE = "gradients.pt"
 WEIGHTS_DIR, STATE_DIR = "weights", "state"
 # Earlier layouts of the same information, still read: a managed SFT job's and a Training API session's.
 _LEGACY_SFT_FILE, _LEGACY_SFT_RNG = "trainer_state.json", "rng_state.pt"
@@ -69,6 +79,10 @@ class EngineCheckpoint:
     def has_rng(self) -> bool:
         return (self.state_dir / self.rng_file).is_file()
 
+    @property
+    def has_gradients(self) -> bool:
+        return (self.state_dir / GRADIENTS_FILE).is_file()
+
 
 def is_training_state(state_paths) -> bool:
     """Whether a checkpoint row's state files (their relative paths) hold a training state."""
@@ -85,10 +99,14 @@ def write_weights(model: nn.Module, lora: LoraConfig | None, out: Path, *, base_
 
 
 def write_state(out: Path, *, base_model: str, lora: LoraConfig | None, seed: int, optim_steps: int,
-                optimizer: torch.optim.Optimizer, rng: dict, progress: dict) -> None:
+                optimizer: torch.optim.Optimizer, rng: dict, progress: dict,
+                gradients: list[torch.Tensor | None] | None = None) -> None:
+    """gradients: the pending gradients of the optimizer's parameters, in its order (None: there are none)."""
     out.mkdir(parents=True, exist_ok=True)
     torch.save(optimizer.state_dict(), out / OPTIMIZER_FILE)
     torch.save(rng, out / RNG_FILE)
+    if gradients is not None:
+        torch.save(gradients, out / GRADIENTS_FILE)
     meta = {"format": FORMAT, "base_model": base_model, "seed": seed, "optim_steps": optim_steps,
             "lora": None if lora is None else {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
                                                "target_modules": list(lora.target_modules)},
@@ -192,6 +210,22 @@ def optimizer_state(ckpt: EngineCheckpoint, params: list[nn.Parameter], device: 
                 raise CheckpointMismatch(f"the saved optimizer's {name} of parameter {i} has shape "
                                          f"{list(value.shape)}, this run's parameter {list(p.shape)}")
     return state
+
+
+def gradient_tensors(ckpt: EngineCheckpoint, params: list[nn.Parameter],
+                     device: torch.device) -> list[torch.Tensor | None]:
+    """The saved pending gradients, checked against the parameters they belong to (count, shapes, dtypes)."""
+    try:
+        grads = torch.load(ckpt.state_dir / GRADIENTS_FILE, map_location=device, weights_only=True)
+    except (OSError, RuntimeError) as exc:
+        raise CheckpointMismatch(f"the saved gradients cannot be read: {exc}") from None
+    if not isinstance(grads, list) or len(grads) != len(params):
+        raise CheckpointMismatch(f"the saved gradients do not match this run's {len(params)} parameters")
+    for i, (g, p) in enumerate(zip(grads, params)):
+        if g is not None and (not isinstance(g, torch.Tensor) or g.shape != p.shape or g.dtype != p.dtype):
+            raise CheckpointMismatch(f"the saved gradient of parameter {i} does not fit it ({list(p.shape)}, "
+                                     f"{p.dtype})")
+    return grads
 
 
 def rng_state(ckpt: EngineCheckpoint) -> dict:

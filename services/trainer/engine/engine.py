@@ -7,7 +7,8 @@
                                                     loss (forward_backward.py)
     engine.step(AdamW(...))                         clip / measure the gradient norm, AdamW step, clear gradients
     engine.save(root, base_model=..., progress=...) the checkpoint (checkpoint.py: weights/ + state/, one format for
-                                                    every caller): weights, optimizer, RNG, step count
+                                                    every caller): weights, optimizer, RNG, step count, pending
+                                                    gradients
     engine.restore(read_checkpoint(root), ...)      check all of it against this engine, then load it: training
                                                     continues bit for bit
 
@@ -102,19 +103,21 @@ class TrainingEngine:
         ckpt_format.write_weights(self.model, self.lora, out, base_model=base_model, adapter=self.adapter)
 
     def save(self, root: Path, *, base_model: str, progress: dict) -> None:
-        """A checkpoint under root: weights/ and state/ (the optimizer, the RNG, the step count and the caller's
-        progress)."""
+        """A checkpoint under root: weights/ and state/ (the optimizer, the RNG, the step count, the caller's
+        progress and any pending gradients)."""
         self.save_weights(root / ckpt_format.WEIGHTS_DIR, base_model=base_model)
+        grads = [p.grad for p in self.params]
         ckpt_format.write_state(root / ckpt_format.STATE_DIR, base_model=base_model, lora=self.lora, seed=self.seed,
                                 optim_steps=self.steps, optimizer=self.optimizer, rng=self.rng_state(),
-                                progress=progress)
+                                progress=progress, gradients=grads if any(g is not None for g in grads) else None)
 
     def restore(self, ckpt: EngineCheckpoint, *, weights: bool = True, optimizer: bool = True,
-                rng: bool = False) -> None:
+                rng: bool = False, gradients: bool = False) -> None:
         """Load a checkpoint's weights, optimizer state and step count, and (rng) its RNG state. Everything is
         checked before the first copy (CheckpointMismatch), so a checkpoint that does not fit changes nothing.
-        Pending gradients are dropped. rng is for a process that trains one engine: the generator is global."""
-        targets = tensors = optim = rng_state = None
+        Pending gradients are dropped, or with gradients replaced by the checkpoint's (none when it holds none).
+        rng is for a process that trains one engine: the generator is global."""
+        targets = tensors = optim = rng_state = grads = None
         if weights:
             if self.lora is None:
                 targets, tensors = self.model.state_dict(), ckpt_format.full_tensors(ckpt, self.model)
@@ -125,10 +128,12 @@ class TrainingEngine:
             optim = ckpt_format.optimizer_state(ckpt, self.params, self.device)
         if rng:
             rng_state = ckpt_format.rng_state(ckpt)
+        if gradients and ckpt.has_gradients:
+            grads = ckpt_format.gradient_tensors(ckpt, self.params, self.device)
         if tensors is not None:
             ckpt_format.copy_into(tensors, targets)
-        for p in self.params:
-            p.grad = None
+        for i, p in enumerate(self.params):
+            p.grad = None if grads is None else grads[i]
         if optim is not None:
             self.optimizer.load_state_dict(optim)
             self.steps = ckpt.optim_steps

@@ -171,7 +171,7 @@ def test_close_removes_the_adapter_and_the_last_one_unloads_the_base(api_env):
     manager.forward(api_env.alice, b.id, 0, data, "", {}, backward=True)
     before = manager.forward(api_env.alice, b.id, 0, data, "", {}, backward=False)
     closed = manager.close(api_env.alice, a.id)
-    assert manager.info(closed).closed
+    assert closed.closed and closed.id == a.id
     assert adapter_names(b.holder.model) == [b.id]
     assert same(manager.forward(api_env.alice, b.id, 0, data, "", {}, backward=False)[0], before[0])
     with pytest.raises(FailedPrecondition, match="closed"):
