@@ -46,7 +46,7 @@ def test_import_own_model_directory(cli, stack, tmp_path):
     assert missing.returncode == 1 and "path" in missing.stderr
     outside = build_tiny_model(tmp_path / "elsewhere")
     refused = cli("models", "import", str(outside), ok=False)
-    assert refused.returncode == 1 and f"only from {stack.models_dir}" in refused.stderr.replace("\n", "")
+    assert refused.returncode == 1 and f"under {stack.models_dir}" in refused.stderr.replace("\n", "")
 
 
 def test_upload_train_watch_download_deploy_sample(cli, client, tmp_path):
