@@ -71,14 +71,15 @@ def scale() -> Scale:
     return s
 
 
-def new_stack(work_dir: Path, redis_url: str):
+def new_stack(work_dir: Path, redis_url: str, extra_env: dict[str, str] | None = None):
     """A fresh database and the whole stack on it, up; the caller downs it and drops the database (drop_db)."""
     from trainyard.localstack import Stack
 
     name = f"trainyard_reliability_{secrets.token_hex(4)}"
     _admin(f'CREATE DATABASE "{name}"')
     base = PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
-    stack = Stack(work_dir, database_url=f"{base}/{name}", broker_url=redis_url, extra_env=STACK_ENV)
+    stack = Stack(work_dir, database_url=f"{base}/{name}", broker_url=redis_url,
+                  extra_env={**STACK_ENV, **(extra_env or {})})
     stack.db_name = name
     try:
         stack.up()
