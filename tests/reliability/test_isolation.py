@@ -142,13 +142,7 @@ def test_every_request_string_field_is_classified():
     assert not (set(BY_FIELD) | PLAIN) - known, "references.py names fields no request has any more"
 
 
-# Defects of issue 10 this sweep shows, by RPC: the mark comes off when the fix is merged (strict: a fixed RPC that
-# is still marked fails the suite).
-KNOWN: dict[str, str] = {}
-
-
-@pytest.mark.parametrize("rpc", [pytest.param(r, marks=pytest.mark.xfail(strict=True, reason=KNOWN[r.full]))
-                                 if r.full in KNOWN else r for r in RPCS], ids=[r.full for r in RPCS])
+@pytest.mark.parametrize("rpc", RPCS, ids=[r.full for r in RPCS])
 def test_other_accounts_objects_are_out_of_reach(rpc, owner, intruder, stubs, sweep_ctx):
     requests, _ = sweep_ctx
     SWEEP.rpcs.add(rpc.full)
