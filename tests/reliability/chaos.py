@@ -76,8 +76,19 @@ class Chaos:
         failed = [f"{f.service}: {f.restart_error}" for f in self.faults if f.restart_error or f.ready_at is None]
         assert not failed, f"services did not come back: {failed}"
 
-    def outages(self, service: str, slack_s: float = 0.0) -> list[tuple[float, float]]:
-        return [(f.killed_at, (f.ready_at or float("inf")) + slack_s) for f in self.faults if f.service == service]
+    def outages(self, service: str, slack_s: float = 0.0, needs: tuple[str, ...] = ()) -> list[tuple[float, float]]:
+        """When service was down, each window running on until slack_s after it was ready again, or after the last
+        of the services it needs to come back (`needs`) was, if one of those was down while it restarted."""
+        windows = []
+        for f in self.faults:
+            if f.service != service:
+                continue
+            end = f.ready_at or float("inf")
+            for g in self.faults:
+                if g.service in needs and g.killed_at <= end + slack_s and (g.ready_at or float("inf")) >= f.killed_at:
+                    end = max(end, g.ready_at or float("inf"))
+            windows.append((f.killed_at, end + slack_s))
+        return windows
 
 
 @dataclass

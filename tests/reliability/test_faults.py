@@ -81,8 +81,10 @@ def files_of(client: Client, checkpoint_id: str) -> dict[str, str]:
     return {f.path: f.sha256 for f in client.get_checkpoint(checkpoint_id).files}
 
 
-def check_sampling(traffic: Traffic, chaos: Chaos, what: str) -> dict:
-    stray = traffic.errors_outside(chaos.outages("rollout", RECONNECT_SLACK_S))
+def check_sampling(traffic: Traffic, chaos: Chaos, what: str, needs: tuple[str, ...] = ()) -> dict:
+    """Sampling errors only while the rollout was down (or, after its restart, while a service it loads the sampled
+    deployment from was: `needs`)."""
+    stray = traffic.errors_outside(chaos.outages("rollout", RECONNECT_SLACK_S, needs))
     errors = [c for c in traffic.calls if c.code != "OK"]
     assert not stray, (f"{what}: {len(stray)} sampling errors while the rollout was up: "
                        f"{sorted({c.code for c in stray})}")
@@ -206,7 +208,7 @@ def test_training_loop_survives_kill_9_of_the_other_services(fstack, client, fst
         "the disturbed loop's weights differ from the reference's"
     FIGURES["faults_training_loop"] = {"steps": steps, "kills": [f"{s}@{i + 1}" for i, s in plan],
                                        "bitwise_equal": True, "follower_on_final_version": True,
-                                       **check_sampling(traffic, chaos, "training loop")}
+                                       **check_sampling(traffic, chaos, "training loop", needs=("weightsync",))}
 
 
 @pytest.mark.xfail(strict=True, reason="issue 10: a Training API session does not survive a trainer restart "
