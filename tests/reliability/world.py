@@ -86,8 +86,8 @@ def wait_loaded(stubs: Stubs, acct: Account, deployment: str, timeout_s: float =
     raise AssertionError(f"{deployment} of {acct.name} was not loaded within {timeout_s}s")
 
 
-def step(stubs: Stubs, acct: Account, session_id: str) -> None:
-    stubs.trainer.ForwardBackward(tpb.ForwardBackwardRequest(session_id=session_id, data=[datum(SEQ)]),
+def step(stubs: Stubs, acct: Account, session_id: str, tokens: list[int] = SEQ) -> None:
+    stubs.trainer.ForwardBackward(tpb.ForwardBackwardRequest(session_id=session_id, data=[datum(tokens)]),
                                   metadata=acct.md)
     stubs.trainer.OptimStep(tpb.OptimStepRequest(session_id=session_id, adam=tpb.AdamParams(learning_rate=1e-2)),
                             metadata=acct.md)
@@ -111,7 +111,12 @@ def build_account(stack, stubs: Stubs, label: str) -> Account:
         shutil.copytree(stack.data_dir / "models" / BASE, acct.model_dir)
         acct.add("model", c.import_model(f"{name}-model", acct.model_dir).name)
 
-        acct.dataset_bytes = jsonl(chat_rows(12))
+        # Content and seeds of its own: blobs are shared by content, so no other account holds the same bytes (and
+        # another account uploading these bytes would find only its own copy, never this one).
+        rows = chat_rows(12)
+        for row in rows:
+            row["messages"][0]["content"] = f"{name}: {row['messages'][0]['content']}"
+        acct.dataset_bytes = jsonl(rows)
         ds, _ = c.upload_dataset(acct.dataset_bytes, name=f"{name}-data")
         acct.add("dataset", ds.id)
         job = c.create_sft_job(BASE, ds.id, f"{name}-job", max_steps=4, checkpoint_every=2, learning_rate=3e-3,
@@ -127,13 +132,13 @@ def build_account(stack, stubs: Stubs, label: str) -> Account:
 
         for full in (False, True):
             lora = None if full else tpb.SessionLora(rank=8)
-            sess = stubs.trainer.CreateSession(tpb.CreateSessionRequest(base_model=BASE, lora=lora, seed=1,
-                                                                        full_parameter=full), metadata=acct.md)
+            sess = stubs.trainer.CreateSession(tpb.CreateSessionRequest(
+                base_model=BASE, lora=lora, seed=int(tag, 16), full_parameter=full), metadata=acct.md)
             acct.add("session", sess.id)
             acct.add("lineage", sess.lineage)
             v1 = stubs.trainer.SaveWeights(tpb.SaveWeightsRequest(session_id=sess.id, name=f"{name}-w1"),
                                            metadata=acct.md)
-            step(stubs, acct, sess.id)
+            step(stubs, acct, sess.id, [t + int(tag, 16) % 40 for t in SEQ])  # weights of its own
             state = stubs.trainer.SaveState(tpb.SaveStateRequest(session_id=sess.id, name=f"{name}-state"),
                                             metadata=acct.md)
             v2 = stubs.trainer.SaveWeights(tpb.SaveWeightsRequest(session_id=sess.id, name=f"{name}-w2"),
