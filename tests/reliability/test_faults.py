@@ -26,6 +26,8 @@ from tests.reliability.world import BASE, SEQ, Account, Stubs, datum, wait_loade
 from trainyard import Client, ServiceClient, types
 from trainyard.v1 import common_pb2
 from trainyard.v1 import rollout_pb2 as rpb
+from trainyard.v1 import scheduler_pb2 as spb
+from trainyard.v1 import scheduler_pb2_grpc as sg
 from trainyard.v1 import trainer_pb2 as tpb
 
 pytestmark = [pytest.mark.reliability, pytest.mark.integration, pytest.mark.slow]
@@ -77,8 +79,11 @@ def kill_plan(rng: random.Random, services, rounds: int, first: int, last: int) 
     return sorted((rng.randint(first, last), s) for s in services for _ in range(rounds))
 
 
-def files_of(client: Client, checkpoint_id: str) -> dict[str, str]:
-    return {f.path: f.sha256 for f in client.get_checkpoint(checkpoint_id).files}
+def files_of(fstubs, acct, checkpoint_id: str) -> dict[str, str]:
+    """The checkpoint's files and their sha256 (waiting for a restarted scheduler to be reachable)."""
+    checkpoint = sg.CheckpointServiceStub(fstubs.channels["scheduler"]).GetCheckpoint(
+        spb.GetCheckpointRequest(id=checkpoint_id), metadata=acct.md, timeout=60, wait_for_ready=True)
+    return {f.path: f.sha256 for f in checkpoint.files}
 
 
 def check_sampling(traffic: Traffic, chaos: Chaos, what: str, needs: tuple[str, ...] = ()) -> dict:
@@ -121,10 +126,12 @@ def test_managed_job_survives_kill_9_of_every_service(fstack, client, fstubs, ac
         traffic.stop()
         chaos.join()
         engine.dispose()
-    assert done.status == "succeeded", client.get_job(job.id).error
+    finished = sg.JobServiceStub(fstubs.channels["scheduler"]).GetJob(spb.GetJobRequest(id=job.id), metadata=acct.md,
+                                                                       timeout=60, wait_for_ready=True)
+    assert done.status == "succeeded", finished.error
     assert killed_mid_job == plan, f"the job ended before every kill: {killed_mid_job} of {plan}"
-    assert files_of(client, client.get_job(job.id).output_checkpoint_id) == \
-        files_of(client, reference.output_checkpoint_id), "the disturbed job's weights differ from the reference's"
+    assert files_of(fstubs, acct, finished.output_checkpoint_id) == \
+        files_of(fstubs, acct, reference.output_checkpoint_id), "the disturbed job's weights differ from the reference's"
     FIGURES["faults_managed_job"] = {"steps": steps, "kills": [f"{s}@{step}" for step, s in plan],
                                      "attempts": done.attempts, "bitwise_equal": True,
                                      **check_sampling(traffic, chaos, "managed job")}
@@ -175,11 +182,18 @@ def new_session(fstubs, acct) -> str:
 
 
 def wait_serving(fstubs, acct, deployment: str, version_id: str, timeout_s: float = 120) -> None:
-    """Until the deployment serves version_id (a Sample, which also loads a deployment a restarted rollout lost)."""
+    """Until the deployment serves version_id (a Sample, which also loads a deployment a restarted rollout lost; the
+    channel may still be waiting out its reconnect backoff to a restarted rollout)."""
     request = rpb.SampleRequest(model=deployment, tokens=common_pb2.TokenList(tokens=PROMPT),
                                 params=rpb.SamplingParams(max_tokens=1))
-    wait_for(lambda: fstubs.rollout.Sample(request, metadata=acct.md, timeout=60).weight_version_id,
-             lambda v: v == version_id, timeout_s)
+
+    def served() -> str:
+        try:
+            return fstubs.rollout.Sample(request, metadata=acct.md, timeout=60, wait_for_ready=True).weight_version_id
+        except grpc.RpcError as exc:
+            return exc.code().name
+
+    wait_for(served, lambda v: v == version_id, timeout_s)
 
 
 def test_training_loop_survives_kill_9_of_the_other_services(fstack, client, fstubs, acct, scale):
@@ -204,7 +218,7 @@ def test_training_loop_survives_kill_9_of_the_other_services(fstack, client, fst
     finally:
         traffic.stop()
         chaos.join()
-    assert files_of(client, final.checkpoint_id) == files_of(client, reference.checkpoint_id), \
+    assert files_of(fstubs, acct, final.checkpoint_id) == files_of(fstubs, acct, reference.checkpoint_id), \
         "the disturbed loop's weights differ from the reference's"
     FIGURES["faults_training_loop"] = {"steps": steps, "kills": [f"{s}@{i + 1}" for i, s in plan],
                                        "bitwise_equal": True, "follower_on_final_version": True,
@@ -244,7 +258,7 @@ def test_training_session_survives_kill_9_of_the_trainer(fstack, client, fstubs,
         finally:
             traffic.stop()
             chaos.join()
-    assert files_of(client, final.checkpoint_id) == files_of(client, reference.checkpoint_id)
+    assert files_of(fstubs, acct, final.checkpoint_id) == files_of(fstubs, acct, reference.checkpoint_id)
     FIGURES["faults_trainer"] = {"steps": steps, "trainer_kills": sorted(kills), "bitwise_equal": True,
                                  **check_sampling(traffic, chaos, "trainer kills")}
 

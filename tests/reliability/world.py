@@ -72,9 +72,6 @@ class Account:
         self.refs.setdefault(kind, []).extend(values)
         self.secrets.update(values)
 
-    def first(self, kind: str) -> str:
-        return self.refs[kind][0]
-
 
 def wait_loaded(stubs: Stubs, acct: Account, deployment: str, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
