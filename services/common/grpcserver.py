@@ -50,13 +50,25 @@ ID_FIELDS = {"session_id": "session_id", "job_id": "job_id"}
 ID_BY_SERVICE = {"TrainerService": "session_id", "JobService": "job_id"}
 
 
+# A status travels in the response's trailing metadata, which gRPC caps at 16 KiB by default: a message that echoes a
+# client's 20000-character id would turn the answer into RESOURCE_EXHAUSTED. So what a status says is clipped.
+MAX_MESSAGE_CHARS = 2000
+MAX_DETAIL_CHARS = 300
+MAX_VIOLATIONS = 20
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
 def _abort(context: grpc.ServicerContext, exc: TrainyardError) -> None:
-    status = status_pb2.Status(code=exc.code.value[0], message=exc.message)
+    status = status_pb2.Status(code=exc.code.value[0], message=_clip(exc.message, MAX_MESSAGE_CHARS))
     if isinstance(exc, InvalidArgument) and exc.violations:
         bad = error_details_pb2.BadRequest(field_violations=[
             error_details_pb2.BadRequest.FieldViolation(
-                field=f"row {v.row}: {v.field}" if v.row else v.field, description=v.reason)
-            for v in exc.violations
+                field=_clip(f"row {v.row}: {v.field}" if v.row else v.field, MAX_DETAIL_CHARS),
+                description=_clip(v.reason, MAX_DETAIL_CHARS))
+            for v in exc.violations[:MAX_VIOLATIONS]
         ])
         detail = any_pb2.Any()
         detail.Pack(bad)

@@ -185,6 +185,21 @@ def test_page_tokens_are_checked_before_the_database(platform):
     assert list(ok.jobs) == [] and ok.next_page_token == ""
 
 
+def test_an_answer_that_echoes_a_huge_value_still_arrives(platform):
+    """A status travels in trailing metadata (16 KiB by default): an error naming a 20000-character id the client
+    sent is clipped, so the client gets NOT_FOUND / INVALID_ARGUMENT, not RESOURCE_EXHAUSTED "Stream removed"."""
+    huge = "j" * 20000
+    jobs = scheduler_pb2_grpc.JobServiceStub(platform.channel("scheduler"))
+    with pytest.raises(grpc.RpcError) as exc:
+        jobs.GetJob(scheduler_pb2.GetJobRequest(id=huge), metadata=platform.metadata())
+    assert exc.value.code() == grpc.StatusCode.NOT_FOUND and "more characters" in exc.value.details()
+    with pytest.raises(grpc.RpcError) as exc:
+        jobs.CreateJob(scheduler_pb2.CreateJobRequest(spec={"base_model": huge, "dataset_id": huge,
+                                                            "display_name": huge}), metadata=platform.metadata())
+    assert exc.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND), exc.value.details()
+    assert len(exc.value.details()) < 3000
+
+
 def test_an_unexpected_error_reaches_the_client_as_an_error_id(platform, caplog):
     """A database error that is not the database being down (here a trigger refusing the row) is INTERNAL: the
     client gets an error id; the SQL goes to the log under that id, without the bound values (the key's hash)."""
