@@ -3,7 +3,7 @@
 Issue 10 asks that every read of a stored blob (download, deploy, resume, hot-load, delta base) checks the manifest's
 sha256 and fails with DATA_LOSS naming the object, and that `trainyard admin fsck` reports and quarantines damaged
 blobs and orphans. The blobs damaged here hold only this module's account's weights (its own seeds and data), so no
-other test's objects share them (blobs are content-addressed). Each path that does not check today is a strict xfail.
+other test's objects share them (blobs are content-addressed).
 """
 from __future__ import annotations
 
@@ -88,7 +88,6 @@ def save(stubs: Stubs, acct, session_id: str, name: str) -> tpb.SaveWeightsRespo
     return stubs.trainer.SaveWeights(tpb.SaveWeightsRequest(session_id=session_id, name=name), metadata=acct.md)
 
 
-@pytest.mark.xfail(strict=True, reason=DATA_LOSS + " (DownloadCheckpoint)")
 def test_download_of_a_damaged_checkpoint_is_data_loss(stubs, acct, client, blob_dir):
     sid = session(stubs, acct, seed=101)
     step(stubs, acct, sid)
@@ -100,7 +99,6 @@ def test_download_of_a_damaged_checkpoint_is_data_loss(stubs, acct, client, blob
     assert exc.value.code() == grpc.StatusCode.DATA_LOSS and saved.checkpoint_id in exc.value.details()
 
 
-@pytest.mark.xfail(strict=True, reason=DATA_LOSS + " (a deployment of it comes up READY and serves)")
 def test_a_damaged_checkpoint_is_not_deployed(stubs, acct, client, blob_dir):
     sid = session(stubs, acct, seed=102)
     step(stubs, acct, sid)
@@ -121,7 +119,6 @@ def test_a_damaged_checkpoint_is_not_deployed(stubs, acct, client, blob_dir):
         client.delete_deployment(dep.name)
 
 
-@pytest.mark.xfail(strict=True, reason=DATA_LOSS + " (CreateSession from a saved state)")
 def test_a_damaged_state_is_not_resumed(stubs, acct, client, blob_dir):
     sid = session(stubs, acct, seed=103)
     step(stubs, acct, sid)
@@ -132,7 +129,6 @@ def test_a_damaged_state_is_not_resumed(stubs, acct, client, blob_dir):
     assert exc.value.code() == grpc.StatusCode.DATA_LOSS and state.checkpoint_id in exc.value.details()
 
 
-@pytest.mark.xfail(strict=True, reason=DATA_LOSS + " (weight sync's FetchVersion sends the damaged bytes)")
 def test_fetching_a_damaged_version_is_data_loss(stubs, acct, blob_dir):
     sid = session(stubs, acct, seed=104)
     step(stubs, acct, sid)
@@ -192,8 +188,6 @@ def wait_serving(stubs: Stubs, acct, model: str, version_id: str, timeout_s: flo
         time.sleep(0.2)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10, Data: a corrupted cached delta is rejected but retried forever "
-                                       "without falling back to the full version")
 def test_a_damaged_delta_falls_back_to_the_whole_version(rstack, stubs, acct, client, blob_dir):
     """A full-weight follower moving v3 -> v2 -> v3 fetches the delta v2 -> v3 cached by its first move; damaged,
     it must get v3 whole instead (and weight sync must say DATA_LOSS for the delta)."""
@@ -225,7 +219,6 @@ def test_a_damaged_delta_falls_back_to_the_whole_version(rstack, stubs, acct, cl
         client.delete_deployment(follower.name)
 
 
-@pytest.mark.xfail(strict=True, reason=DATA_LOSS + " (managed resume loads the damaged checkpoint)")
 def test_a_managed_job_does_not_resume_from_a_damaged_checkpoint(rstack, client, blob_dir):
     """A worker dies; its job's latest checkpoint is damaged before the retry: the job either fails naming the damage
     or resumes from an intact checkpoint, ending with the undisturbed run's weights, never with weights trained
@@ -252,8 +245,6 @@ def test_a_managed_job_does_not_resume_from_a_damaged_checkpoint(rstack, client,
         assert {f.path: f.sha256 for f in client.get_checkpoint(done.output_checkpoint_id).files} == expected
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10, Deliver 2: `trainyard admin fsck` (report and quarantine damaged "
-                                       "blobs and orphans) does not exist yet")
 def test_fsck_reports_and_quarantines_damaged_blobs_and_orphans(rstack, stubs, acct, client, blob_dir):
     sid = session(stubs, acct, seed=108)
     step(stubs, acct, sid)

@@ -4,8 +4,8 @@ Each runs twice on its own stack: undisturbed (the reference), then with every s
 random (`scale.fault_rounds` times each) and restarted at once. The disturbed run must end with weights bitwise equal
 to the reference (the reaper retries a job whose worker died from its last checkpoint; a Training API client retries
 a SaveWeights whose publish found weight sync down, as trainer.proto allows), and threads sampling a deployment
-throughout may see errors only while the rollout is down. A killed trainer loses its sessions today: that test asserts
-what issue 10 asks (the same session continues) and is a strict xfail until sessions survive a restart.
+throughout may see errors only while the rollout is down. A killed trainer's session continues under the same id from
+its last recorded state (the loop saves its state after every step, so nothing is lost).
 """
 from __future__ import annotations
 
@@ -225,8 +225,6 @@ def test_training_loop_survives_kill_9_of_the_other_services(fstack, client, fst
                                        **check_sampling(traffic, chaos, "training loop", needs=("weightsync",))}
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10: a Training API session does not survive a trainer restart "
-                                       "(sessions that survive a trainer restart are in progress)")
 def test_training_session_survives_kill_9_of_the_trainer(fstack, client, fstubs, acct, scale):
     """The SDK's loop (save_state after every step) goes on through trainer kills with the same session, ends with
     the reference's weights, and the deployment following the session follows its last version."""

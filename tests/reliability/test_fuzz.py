@@ -5,8 +5,7 @@ turn changed to each hostile value (strategies.mutations), then `scale.fuzz_exam
 hypothesis (strategies.request), whose references draw from its own objects and from account A's.
 Every answer must be OK or a client error (rpcs.CLIENT_ERRORS): never INTERNAL, UNKNOWN, UNAVAILABLE or a deadline
 (the service hung), and no message may carry SQL or a stack trace. A's stored rows are unchanged after each RPC's
-cases. Generation is derandomized in the short form (the same cases every run, so a known defect's xfail is stable)
-and random in the soak form.
+cases. Generation is derandomized in the short form (the same cases every run) and random in the soak form.
 """
 from __future__ import annotations
 
@@ -75,10 +74,8 @@ class Fuzz:
     failures: list = field(default_factory=list)
 
     def figures(self) -> dict:
-        by_defect = Counter(defect_of(f) or "unknown" for f in self.failures)
         return {"cases": self.cases, "rpcs": len(self.by_rpc), "codes": dict(self.codes),
-                "failing_cases": len(self.failures), "failing_cases_by_defect": dict(by_defect),
-                "codes_by_rpc": {rpc: dict(codes) for rpc, codes in self.by_rpc.items()}}
+                "failing_cases": len(self.failures), "codes_by_rpc": {rpc: dict(codes) for rpc, codes in self.by_rpc.items()}}
 
 
 FUZZ = Fuzz()
@@ -136,64 +133,13 @@ def cancel_jobs(stubs, acct) -> None:
             jobs.CancelJob(spb.CancelJobRequest(id=job.id), metadata=acct.md)
 
 
-# What the fuzzing finds on the code of issue 10, by defect: a failure's message tells which one it is. An RPC's main
-# test lets through the failures of the defects KNOWN for it (and only those); test_known_defect_is_still_there
-# holds one strict xfail per (RPC, defect), so the suite turns red both when a defect spreads and when a fix lands
-# (then the pair comes off KNOWN).
-DEFECTS = {
-    "nul": (re.compile(r"NUL \(0x00\)|embedded null|null character"),
-            ("issue 10, Data: a NUL byte in a string field answers INTERNAL (and shows the SQL statement); in "
-             "SaveWeights/SaveState names it also kills the session")),
-    "bigint": (re.compile(r"bigint out of range"), 'issue 10, Data: page_token="9"*30 overflows a bigint (INTERNAL)'),
-    "shape": (re.compile(r"cannot reshape array"),
-              "issue 10, Data: a tensor shape whose element count overflows int64 is INTERNAL and kills the session"),
-    "echo": (re.compile(r"Stream removed \(received metadata size exceeds"),
-             ("found by this suite (not in issue 10's list): the error repeats a 20000-character input, past gRPC's "
-              "16 KiB metadata limit, so the client reads RESOURCE_EXHAUSTED 'Stream removed' instead of the answer")),
-}
-_ECHO_AND_NUL = (
-    "AccountService.RevokeApiKey", "ModelService.GetModel", "DatasetService.GetDataset", "DatasetService.PreviewDataset",
-    "DatasetService.DeleteDataset", "JobService.CreateJob", "JobService.PlanJob", "JobService.GetJob",
-    "JobService.WatchJob", "JobService.CancelJob", "JobService.ListJobMetrics", "JobService.ListJobLogs",
-    "CheckpointService.ListCheckpoints", "CheckpointService.GetCheckpoint", "CheckpointService.DownloadCheckpoint",
-    "DeploymentService.CreateDeployment", "DeploymentService.GetDeployment", "DeploymentService.DeleteDeployment",
-    "TrainerService.CreateSession", "TrainerService.GetSession", "TrainerService.CloseSession",
-    "TrainerService.OptimStep", "TrainerService.SaveWeights", "TrainerService.SaveState", "TrainerService.LoadState",
-    "TrainerService.GetTokenizer", "RolloutService.Sample", "RolloutService.SampleStream",
-    "RolloutService.LoadDeployment", "RolloutService.UnloadDeployment", "WeightSyncService.PublishVersion",
-    "WeightSyncService.GetVersion", "WeightSyncService.FetchVersion", "WeightSyncService.GetLineage",
-    "WeightSyncService.WatchLineage", "WeightSyncService.Rollback")
-KNOWN: dict[str, set[str]] = {
-    **{rpc: {"echo", "nul"} for rpc in _ECHO_AND_NUL},
-    **{rpc: {"nul"} for rpc in ("AccountService.CreateApiKey", "ModelService.ImportModel",
-                                "WeightSyncService.ListVersions")},
-    **{rpc: {"bigint"} for rpc in ("DatasetService.ListDatasets", "JobService.ListJobs")},
-    **{rpc: {"echo", "nul", "shape"} for rpc in ("TrainerService.Forward", "TrainerService.ForwardBackward",
-                                                 "TrainerService.ForwardBackwardStream")},
-}
-
-
-def defect_of(failure: str) -> str | None:
-    return next((name for name, (pattern, _) in DEFECTS.items() if pattern.search(failure)), None)
-
-
 RESULTS: dict[str, list[str]] = {}
 
 
 @pytest.mark.parametrize("rpc", RPCS, ids=[r.full for r in RPCS])
 def test_requests_get_clear_answers(rpc, fuzzer, owner, stubs, snapshots, scale):
     failures = run_fuzz(rpc, fuzzer, owner, stubs, snapshots, scale)
-    unknown = [f for f in failures if defect_of(f) not in KNOWN.get(rpc.full, set())]
-    assert not unknown, f"{len(unknown)} of the cases failed:\n" + "\n".join(unknown[:20])
-
-
-@pytest.mark.parametrize("rpc, defect", [
-    pytest.param(r, d, marks=pytest.mark.xfail(strict=True, reason=DEFECTS[d][1]))
-    for r in RPCS for d in sorted(KNOWN.get(r.full, ()))], ids=lambda x: x if isinstance(x, str) else x.full)
-def test_known_defect_is_still_there(rpc, defect, fuzzer, owner, stubs, snapshots, scale):
-    failures = run_fuzz(rpc, fuzzer, owner, stubs, snapshots, scale)
-    shown = [f for f in failures if defect_of(f) == defect]
-    assert not shown, f"{len(shown)} cases show {defect}:\n" + "\n".join(shown[:5])
+    assert not failures, f"{len(failures)} of the cases failed:\n" + "\n".join(failures[:20])
 
 
 def run_fuzz(rpc, fuzzer, owner, stubs, snapshots, scale) -> list[str]:

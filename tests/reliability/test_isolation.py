@@ -205,8 +205,6 @@ def test_openai_http_endpoint_keeps_accounts_apart(rstack, owner, intruder):
     assert not findings, "\n".join(findings)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10, Access: with the default (empty) model_import_roots, ImportModel "
-                                       "registers directories the servers wrote for another account's weights")
 def test_default_import_roots_keep_other_accounts_weights_out(rstack, owner, intruder, stubs):
     """The scheduler with model_import_roots left at its default: B may not import what the servers wrote for A."""
     rstack.stop("scheduler")
@@ -233,7 +231,6 @@ def test_default_import_roots_keep_other_accounts_weights_out(rstack, owner, int
         rstack.wait_ready("scheduler")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10, Access: a revoked key's open WatchLineage stream keeps delivering")
 def test_revoking_a_key_ends_its_open_streams(owner, stubs):
     """A's second key watches A's lineage; once it is revoked, the stream must not deliver A's next version."""
     second = sg.AccountServiceStub(stubs.channels["scheduler"]).CreateApiKey(
