@@ -2,6 +2,10 @@
 
 - An interceptor authenticates each call (API key in metadata -> Caller context variable) and maps domain errors to
   status codes in one place, so servicers stay thin adapters without try/except.
+- It also bounds the calls one account has in flight (max_concurrent_calls_per_account, RESOURCE_EXHAUSTED naming
+  the quota), so one account cannot take every serving thread from the others, and gives each call a Cancellation
+  (services/common/calls.py, `calls.current()`) that is cancelled when the client cancels, the deadline passes or the
+  call ends, which servicers hand to their cores.
 - The standard grpc.health.v1 service and server reflection are registered for every service.
 - SIGTERM/SIGINT: health flips to NOT_SERVING, new calls are refused, in-flight calls get shutdown_grace_s to finish,
   then the service's own shutdown hook runs (close engines, flush state) and the process exits.
@@ -11,6 +15,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -23,8 +28,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
-from services.common import auth
+from services.common import auth, calls
 from services.common.errors import InvalidArgument, TrainyardError
+from services.common.quotas import quota_reached
 
 log = logging.getLogger("trainyard.grpc")
 
@@ -61,11 +67,48 @@ def _fail(context: grpc.ServicerContext, method: str, exc: Exception) -> None:
     context.abort_with_status(rpc_status.to_status(status))
 
 
-class CallInterceptor(grpc.ServerInterceptor):
-    """Authenticates (unless the method is public) and translates exceptions for all four RPC shapes."""
+class AccountCalls:
+    """Calls in flight per account, at most `limit` each."""
 
-    def __init__(self, authenticate: Callable[[str | None], auth.Caller]):
+    def __init__(self, limit: int, service: str):
+        self.limit, self.service = limit, service
+        self._lock = threading.Lock()
+        self._in_flight: Counter[str] = Counter()
+
+    def acquire(self, account_id: str) -> None:
+        with self._lock:
+            if self._in_flight[account_id] >= self.limit:
+                raise quota_reached("max_concurrent_calls_per_account", self.limit,
+                                    f"the account has {self.limit} calls in flight on the {self.service}; "
+                                    "retry when some have finished")
+            self._in_flight[account_id] += 1
+
+    def release(self, account_id: str) -> None:
+        with self._lock:
+            self._in_flight[account_id] -= 1
+            if not self._in_flight[account_id]:
+                del self._in_flight[account_id]
+
+    def in_flight(self, account_id: str) -> int:
+        with self._lock:
+            return self._in_flight[account_id]
+
+
+def _cancellation(context: grpc.ServicerContext) -> calls.Cancellation:
+    """Cancelled when the call terminates: client cancel, deadline, or its end (add_callback's contract)."""
+    cancellation = calls.Cancellation()
+    if not context.add_callback(cancellation.cancel):  # the call has terminated already
+        cancellation.cancel()
+    return cancellation
+
+
+class CallInterceptor(grpc.ServerInterceptor):
+    """Authenticates (unless the method is public), bounds each account's calls in flight, gives the call its
+    Cancellation, and translates exceptions, for all four RPC shapes."""
+
+    def __init__(self, authenticate: Callable[[str | None], auth.Caller], account_calls: AccountCalls):
         self._authenticate = authenticate
+        self._account_calls = account_calls
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -73,35 +116,42 @@ class CallInterceptor(grpc.ServerInterceptor):
         if handler is None or method.startswith(PUBLIC_PREFIXES):
             return handler
         metadata = handler_call_details.invocation_metadata
-        authenticate = self._authenticate
+        authenticate, account_calls = self._authenticate, self._account_calls
 
         def enter(context):
             try:
                 caller = authenticate(auth.key_from_metadata(metadata))
+                account_calls.acquire(caller.account_id)
             except Exception as exc:  # noqa: BLE001 - e.g. the database is down while checking the key
                 _fail(context, method, exc)
-            return auth.set_caller(caller)
+            return caller, auth.set_caller(caller), calls.set_current(_cancellation(context))
+
+        def leave(entered) -> None:
+            caller, caller_token, cancellation_token = entered
+            calls.reset_current(cancellation_token)
+            auth.reset_caller(caller_token)
+            account_calls.release(caller.account_id)
 
         def unary(fn):
             def wrapped(request, context):
-                token = enter(context)
+                entered = enter(context)
                 try:
                     return fn(request, context)
                 except Exception as exc:  # noqa: BLE001 - the one place exceptions become statuses
                     _fail(context, method, exc)
                 finally:
-                    auth.reset_caller(token)
+                    leave(entered)
             return wrapped
 
         def streaming(fn):
             def wrapped(request, context):
-                token = enter(context)
+                entered = enter(context)
                 try:
                     yield from fn(request, context)
                 except Exception as exc:  # noqa: BLE001 - the one place exceptions become statuses
                     _fail(context, method, exc)
                 finally:
-                    auth.reset_caller(token)
+                    leave(entered)
             return wrapped
 
         kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
@@ -129,13 +179,14 @@ class ServiceSpec:
 
 class Server:
     def __init__(self, spec: ServiceSpec, *, port: int, host: str, authenticate, workers: int,
-                 max_message_mb: int, grace_s: float):
+                 max_message_mb: int, grace_s: float, max_calls_per_account: int):
         self.spec = spec
         self.grace_s = grace_s
         size = max_message_mb * 1024 * 1024
+        self.account_calls = AccountCalls(max_calls_per_account, spec.name)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=spec.name),
-            interceptors=[CallInterceptor(authenticate)],
+            interceptors=[CallInterceptor(authenticate, self.account_calls)],
             maximum_concurrent_rpcs=2 * workers,
             options=[("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),
                      ("grpc.so_reuseport", 0)],
@@ -200,7 +251,8 @@ def service_server(spec: ServiceSpec, settings, port: int, db) -> Server:
 
     return Server(spec, port=port, host=settings.host, authenticate=KeyAuthenticator(db).authenticate,
                   workers=settings.grpc_workers, max_message_mb=settings.grpc_max_message_mb,
-                  grace_s=settings.shutdown_grace_s)
+                  grace_s=settings.shutdown_grace_s,
+                  max_calls_per_account=settings.max_concurrent_calls_per_account)
 
 
 def run_service(settings_cls, build: Callable[..., Server]) -> None:

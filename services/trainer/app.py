@@ -26,6 +26,9 @@ class TrainerSettings(TrainyardSettings):
     deterministic: bool = False
     # Tokens per micro-batch of a Forward / ForwardBackward whose request leaves micro_batch_tokens at 0.
     micro_batch_tokens: int = Field(default=2048, ge=1)
+    # Quota: open Training API sessions per account on this trainer (each holds an adapter and its AdamW state, or
+    # for a full-parameter session a copy of the model); CreateSession beyond it is RESOURCE_EXHAUSTED.
+    max_sessions_per_account: int = Field(default=8, ge=1)
 
 
 WEIGHT_KINDS = {"lora_adapter": weightsync_pb2.WEIGHT_KIND_LORA_ADAPTER, "full": weightsync_pb2.WEIGHT_KIND_FULL}
@@ -54,7 +57,8 @@ def build(settings: TrainerSettings) -> Server:
     weightsync = weightsync_pb2_grpc.WeightSyncServiceStub(channel)
 
     sessions = SessionManager(db, BlobStore(settings.blob_dir), make_publisher(weightsync), settings.order_timeout_s,
-                              settings.deterministic, settings.micro_batch_tokens)
+                              settings.deterministic, settings.micro_batch_tokens,
+                              max_sessions_per_account=settings.max_sessions_per_account)
 
     def shutdown() -> None:
         channel.close()

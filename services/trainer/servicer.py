@@ -14,6 +14,7 @@ import grpc
 import numpy as np
 import torch
 
+from services.common import calls
 from services.common.auth import current_caller
 from services.common.blobstore import CHUNK
 from services.common.errors import Cancelled, InvalidArgument
@@ -157,39 +158,41 @@ class TrainerServicer(rpc.TrainerServiceServicer):
     def Forward(self, request, context):
         return forward_response(*self.sessions.forward(
             current_caller().account_id, request.session_id, request.seq_id, datum_inputs(request.data),
-            request.loss_fn, dict(request.loss_fn_config), backward=False))
+            request.loss_fn, dict(request.loss_fn_config), backward=False, cancel=calls.current()))
 
     def ForwardBackward(self, request, context):
         return forward_response(*self.sessions.forward(
             current_caller().account_id, request.session_id, request.seq_id, datum_inputs(request.data),
             request.loss_fn, dict(request.loss_fn_config), backward=True,
-            micro_batch_tokens=request.micro_batch_tokens))
+            micro_batch_tokens=request.micro_batch_tokens, cancel=calls.current()))
 
     def ForwardBackwardStream(self, request_iterator, context):
         header, datums = stream_request(request_iterator)
         return forward_response(*self.sessions.forward(
             current_caller().account_id, header.session_id, header.seq_id, datums, header.loss_fn,
-            dict(header.loss_fn_config), backward=True, micro_batch_tokens=header.micro_batch_tokens, streamed=True))
+            dict(header.loss_fn_config), backward=True, micro_batch_tokens=header.micro_batch_tokens, streamed=True,
+            cancel=calls.current()))
 
     def OptimStep(self, request, context):
         step, metrics = self.sessions.optim_step(current_caller().account_id, request.session_id, request.seq_id,
-                                                 adamw(request.adam))
+                                                 adamw(request.adam), calls.current())
         return pb.OptimStepResponse(step=step, metrics=metrics)
 
     def SaveWeights(self, request, context):
         caller = current_caller()
         ckpt_id, version_id, path = self.sessions.save_weights(caller.account_id, caller.api_key, request.session_id,
-                                                               request.seq_id, request.name)
+                                                               request.seq_id, request.name, calls.current())
         return pb.SaveWeightsResponse(checkpoint_id=ckpt_id, version_id=version_id, path=path)
 
     def SaveState(self, request, context):
         ckpt_id, path = self.sessions.save_state(current_caller().account_id, request.session_id, request.seq_id,
-                                                 request.name)
+                                                 request.name, calls.current())
         return pb.SaveStateResponse(checkpoint_id=ckpt_id, path=path)
 
     def LoadState(self, request, context):
         return self._session(self.sessions.load_state(current_caller().account_id, request.session_id,
-                                                      request.seq_id, request.path, request.with_optimizer))
+                                                      request.seq_id, request.path, request.with_optimizer,
+                                                      calls.current()))
 
     def GetTokenizer(self, request, context):
         for path in self.sessions.tokenizer_files(current_caller().account_id, request.session_id):

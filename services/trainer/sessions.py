@@ -11,7 +11,10 @@ session. Sessions of another account are NOT_FOUND.
 
 Ordering: every call carries seq_id (0 = the next one); a session runs seq_id n only after n-1 finished (later ones
 wait up to order_timeout_s, so clients may pipeline). A ForwardBackwardStream's turn starts when its header arrives
-and its seq_id is the session's next; it keeps the turn until its last datum is in.
+and its seq_id is the session's next; it keeps the turn until its last datum is in. A call whose client leaves (cancels,
+or its deadline passes) while it waits for its turn returns at once (CANCELLED) without using its seq_id, so the
+client may send that seq_id again; waiting costs the server nothing once the client is gone. A call computes outside
+the session's condition lock, holding the turn (`running`), so leaving calls and new arrivals never wait for it.
 
 Failure: a call with bad input fails with INVALID_ARGUMENT naming the field ("data[2].loss_fn_inputs['advantages']")
 in its turn, uses up its seq_id and changes nothing: every datum of a unary call is checked before any compute; a
@@ -36,6 +39,7 @@ import math
 import shutil
 import tempfile
 import threading
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,8 +49,10 @@ import torch
 from models.lora import LoraConfig, apply_lora, remove_adapter, set_trainable
 from services.common import registry
 from services.common.blobstore import BlobStore, StoredFile
+from services.common.calls import NEVER, Cancellation
 from services.common.db import Database
-from services.common.errors import FailedPrecondition, InvalidArgument, TrainyardError, not_found
+from services.common.errors import FailedPrecondition, InvalidArgument, not_found
+from services.common.quotas import check_quota
 from services.common.schema import Checkpoint, TrainingSession, new_id, utcnow
 from services.trainer.bases import ModelHolder, ModelPool
 from services.trainer.datums import DatumInput, check_datum
@@ -55,6 +61,7 @@ from services.trainer.engine.checkpoint import (
     STATE_DIR, WEIGHTS_DIR, CheckpointMismatch, EngineCheckpoint, is_training_state, read_checkpoint,
 )
 from services.trainer.engine.forward_backward import LossCall, check_loss_request, run_call
+from services.trainer.ordering import run_in_order
 from services.trainer.session_spec import (
     CreateSpec, LoraSpec, check_create_matches_state, resolve_lora, state_mismatch,
 )
@@ -83,6 +90,7 @@ class Session:
     error: str = ""
     closed: bool = False
     weight_version_id: str = ""
+    running: bool = False  # a call holds the turn (next_seq_id) and is computing
     cond: threading.Condition = field(default_factory=threading.Condition)
 
     @property
@@ -150,7 +158,8 @@ def _state_checkpoint_id(path: str, field_name: str) -> str:
 
 class SessionManager:
     def __init__(self, db: Database, blobs: BlobStore, publish, order_timeout_s: float = 600.0,
-                 deterministic: bool = False, micro_batch_tokens: int = 2048, device: str | None = None):
+                 deterministic: bool = False, micro_batch_tokens: int = 2048, device: str | None = None,
+                 max_sessions_per_account: int = 8):
         self.db = db
         self.blobs = blobs
         # (api_key, session, directory, kind "lora_adapter" | "full") -> version id; Unavailable when it cannot
@@ -162,7 +171,9 @@ class SessionManager:
         self.micro_batch_tokens = micro_batch_tokens
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.pool = ModelPool(self.device)
+        self.max_sessions_per_account = max_sessions_per_account
         self._sessions: dict[str, Session] = {}
+        self._creating: Counter[str] = Counter()  # sessions being built, per account (they count against the quota)
         self._lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
@@ -171,6 +182,25 @@ class SessionManager:
             raise InvalidArgument("must be unset for a full-parameter session", field="lora")
         if spec.with_optimizer and not spec.from_state:
             raise InvalidArgument("only applies with from_state", field="with_optimizer")
+        with self._session_slot(account_id):
+            return self._create(account_id, spec)
+
+    @contextlib.contextmanager
+    def _session_slot(self, account_id: str) -> Iterator[None]:
+        """Room for one more open session of the account (quota max_sessions_per_account), held while it is built."""
+        with self._lock:
+            open_now = sum(1 for sess in self._sessions.values() if sess.account_id == account_id)
+            check_quota("max_sessions_per_account", self.max_sessions_per_account,
+                        open_now + self._creating[account_id],
+                        "the account has that many open training sessions on this trainer; close one first")
+            self._creating[account_id] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._creating[account_id] -= 1
+
+    def _create(self, account_id: str, spec: CreateSpec) -> Session:
         with contextlib.ExitStack() as stack:
             saved = None
             if spec.from_state:
@@ -277,6 +307,7 @@ class SessionManager:
     def close(self, account_id: str, session_id: str) -> Session:
         sess = self.get(account_id, session_id)
         with sess.cond:  # after the running call, if any; waiting ones then see closed
+            sess.cond.wait_for(lambda: not sess.running)
             if sess.closed:
                 raise FailedPrecondition(f"session '{session_id}' is closed")
             sess.closed = True
@@ -296,30 +327,8 @@ class SessionManager:
         sess.engine.release()
 
     # -- ordered calls ---------------------------------------------------------------------------------------------
-    def _in_order(self, sess: Session, seq_id: int, fn):
-        with sess.cond:
-            if seq_id == 0:
-                seq_id = sess.next_seq_id
-            if seq_id < sess.next_seq_id:
-                raise InvalidArgument(f"seq_id {seq_id} was already used; the session expects {sess.next_seq_id}",
-                                      field="seq_id")
-            if not sess.cond.wait_for(lambda: sess.next_seq_id == seq_id or sess.closed, self.order_timeout_s):
-                raise FailedPrecondition(f"seq_id {seq_id} waited {self.order_timeout_s:.0f}s for seq_id "
-                                         f"{sess.next_seq_id}, which never arrived")
-            if sess.closed:
-                raise FailedPrecondition(f"session '{sess.id}' is closed")
-            try:
-                if sess.error:
-                    raise FailedPrecondition(f"session '{sess.id}' failed earlier ({sess.error}); create a new one")
-                return fn()
-            except TrainyardError:
-                raise
-            except Exception as exc:
-                sess.error = f"seq_id {seq_id}: {type(exc).__name__}: {exc}"
-                raise
-            finally:
-                sess.next_seq_id = seq_id + 1
-                sess.cond.notify_all()
+    def _in_order(self, sess: Session, seq_id: int, fn, cancel: Cancellation = NEVER):
+        return run_in_order(sess, seq_id, fn, cancel, self.order_timeout_s)
 
     def _loss_call(self, sess: Session, loss_fn: str, config: dict, micro_batch_tokens: int, backward: bool,
                    prefix: str = "") -> LossCall:
@@ -328,7 +337,7 @@ class SessionManager:
 
     def forward(self, account_id: str, session_id: str, seq_id: int, data: Iterable[DatumInput], loss_fn: str,
                 loss_fn_config: dict[str, float], backward: bool, micro_batch_tokens: int = 0,
-                streamed: bool = False) -> tuple[list[torch.Tensor], dict[str, float]]:
+                streamed: bool = False, cancel: Cancellation = NEVER) -> tuple[list[torch.Tensor], dict[str, float]]:
         """Forward (backward=False) or ForwardBackward: (per-datum logprobs, metrics). data is consumed in the
         call's turn: all of it checked before any compute, or, streamed (ForwardBackwardStream, whose loss settings
         are its header's), each datum as it arrives, its micro-batches running as soon as they are complete."""
@@ -341,9 +350,10 @@ class SessionManager:
             datums = (check_datum(d, i, call.req.loss_fn, vocab_size) for i, d in enumerate(data))
             return run_call(call, datums if streamed else list(datums))
 
-        return self._in_order(sess, seq_id, run)
+        return self._in_order(sess, seq_id, run, cancel)
 
-    def optim_step(self, account_id: str, session_id: str, seq_id: int, adam: AdamW) -> tuple[int, dict]:
+    def optim_step(self, account_id: str, session_id: str, seq_id: int, adam: AdamW,
+                   cancel: Cancellation = NEVER) -> tuple[int, dict]:
         sess = self.get(account_id, session_id)
         checks = (("learning_rate", 0 < adam.learning_rate < 1, "> 0 and < 1"),
                   ("beta1", 0 <= adam.beta1 < 1, "in [0, 1)"), ("beta2", 0 <= adam.beta2 < 1, "in [0, 1)"),
@@ -359,11 +369,11 @@ class SessionManager:
                 norm = sess.engine.step(adam)
             return sess.optim_steps, {"grad_norm": float(norm), "learning_rate": adam.learning_rate}  # float() syncs
 
-        return self._in_order(sess, seq_id, run)
+        return self._in_order(sess, seq_id, run, cancel)
 
     # -- weights and states ----------------------------------------------------------------------------------------
     def save_weights(self, account_id: str, api_key: str, session_id: str, seq_id: int,
-                     name: str) -> tuple[str, str, str]:
+                     name: str, cancel: Cancellation = NEVER) -> tuple[str, str, str]:
         """(checkpoint id, weight version id, path "trainyard://weights/<version id>")."""
         sess = self.get(account_id, session_id)
 
@@ -391,9 +401,10 @@ class SessionManager:
             sess.weight_version_id = version_id
             return ckpt.id, version_id, WEIGHTS_PREFIX + version_id
 
-        return self._in_order(sess, seq_id, run)
+        return self._in_order(sess, seq_id, run, cancel)
 
-    def save_state(self, account_id: str, session_id: str, seq_id: int, name: str) -> tuple[str, str]:
+    def save_state(self, account_id: str, session_id: str, seq_id: int, name: str,
+                   cancel: Cancellation = NEVER) -> tuple[str, str]:
         """(checkpoint id, path "trainyard://state/<checkpoint id>"). The checkpoint's files are the weights (an
         adapter or a model directory, its kind), its state the optimizer and counters (engine/checkpoint.py)."""
         sess = self.get(account_id, session_id)
@@ -416,9 +427,10 @@ class SessionManager:
                 s.add(ckpt)
             return ckpt.id, STATE_PREFIX + ckpt.id
 
-        return self._in_order(sess, seq_id, run)
+        return self._in_order(sess, seq_id, run, cancel)
 
-    def load_state(self, account_id: str, session_id: str, seq_id: int, path: str, with_optimizer: bool) -> Session:
+    def load_state(self, account_id: str, session_id: str, seq_id: int, path: str, with_optimizer: bool,
+                   cancel: Cancellation = NEVER) -> Session:
         """Replace the session's weights (and with_optimizer its AdamW state and step count) with a saved state of
         the same base model, kind and LoRA config; pending gradients are dropped. Without with_optimizer the
         optimizer state stays as it is."""
@@ -438,7 +450,7 @@ class SessionManager:
                         raise InvalidArgument(str(exc), field="path") from None
             return sess
 
-        return self._in_order(sess, seq_id, run)
+        return self._in_order(sess, seq_id, run, cancel)
 
     @contextlib.contextmanager
     def _saved_state(self, account_id: str, path: str, field_name: str) -> Iterator[EngineCheckpoint]:
