@@ -29,8 +29,9 @@ from sqlalchemy import select
 from models.chat import encode_chat_prompt
 from services.common import registry
 from services.common.blobstore import BlobStore, StoredFile
+from services.common.calls import NEVER, Cancellation
 from services.common.db import Database
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, not_found
+from services.common.errors import Cancelled, FailedPrecondition, InvalidArgument, NotFound, not_found
 from services.common.schema import Checkpoint, Deployment
 from services.rollout import sampling
 from services.rollout.engine import Engine, RequestHandle, RequestOutput
@@ -116,10 +117,15 @@ class SamplingCore:
         self.pinned = pinned  # weight versions sampled by path (services/rollout/pinned.py)
         self._materialize_lock = threading.Lock()
 
-    def sample(self, account_id: str, model: str, prompt: Prompt, params: SamplingParams,
-               api_key: str = "") -> SampleResult:
+    def sample(self, account_id: str, model: str, prompt: Prompt, params: SamplingParams, api_key: str = "",
+               cancel: Cancellation = NEVER) -> SampleResult:
+        """The whole result; when cancel fires (the client left) the engine drops the request and this raises
+        Cancelled."""
         stream = self.sample_stream(account_id, model, prompt, params, api_key)
+        cancel.add_callback(stream.handle.cancel)
         result = stream.handle.result()
+        if cancel.cancelled:
+            raise Cancelled("the client left; the request was dropped")
         return SampleResult(model=model, prompt_tokens=stream.prompt_tokens, sequences=result.sequences,
                             prompt_logprobs=result.prompt_logprobs, router_layers=stream.router_layers,
                             weight_version_id=stream.weight_version_id)

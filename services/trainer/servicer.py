@@ -10,15 +10,15 @@ import dataclasses
 import hashlib
 from collections.abc import Iterable, Iterator
 
-import grpc
 import numpy as np
 import torch
 
 from services.common import calls
 from services.common.auth import current_caller
 from services.common.blobstore import CHUNK
-from services.common.errors import Cancelled, InvalidArgument
+from services.common.errors import InvalidArgument
 from services.common.protoconv import opt, ts
+from services.common.streams import client_messages
 from services.trainer.datums import DatumInput
 from services.trainer.engine import AdamW
 from services.trainer.session_spec import CreateSpec, LoraSpec
@@ -78,20 +78,6 @@ def datum_inputs(data: Iterable[pb.Datum]) -> Iterator[DatumInput]:
     """The datums converted one at a time, as the core asks for them."""
     for i, d in enumerate(data):
         yield datum_input(d, i)
-
-
-def client_messages(messages: Iterable) -> Iterator:
-    """A client stream's messages; a stream the client cancels or breaks ends the call as CANCELLED (the session is
-    not at fault, and the call restores its gradients like any failed call)."""
-    it = iter(messages)
-    while True:
-        try:
-            msg = next(it)
-        except StopIteration:
-            return
-        except grpc.RpcError:
-            raise Cancelled("the client ended the stream before its last message") from None
-        yield msg
 
 
 def stream_request(messages: Iterable[pb.ForwardBackwardStreamRequest]) -> tuple[pb.ForwardBackwardRequest,

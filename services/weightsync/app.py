@@ -5,6 +5,7 @@ import threading
 
 from pydantic import Field
 
+from services.common import calls
 from services.common.auth import current_caller
 from services.common.blobstore import BlobStore
 from services.common.config import TrainyardSettings
@@ -12,7 +13,7 @@ from services.common.db import Database
 from services.common.grpcserver import Server, ServiceSpec, run_service, service_server
 from services.common.protoconv import ts
 from services.common.streams import split_header
-from services.weightsync.store import Chunk, FileSpec, PublishHeader, WeightStore
+from services.weightsync.store import Chunk, FileSpec, PublishHeader, VersionQuotas, WeightStore
 from trainyard.v1 import common_pb2, weightsync_pb2 as pb, weightsync_pb2_grpc as rpc
 
 KINDS = {pb.WEIGHT_KIND_LORA_ADAPTER: "lora_adapter", pb.WEIGHT_KIND_FULL: "full"}
@@ -44,7 +45,7 @@ class WeightSyncServicer(rpc.WeightSyncServiceServicer):
                                base_model=h.base_model, metadata=dict(h.metadata),
                                files=[FileSpec(f.path, f.sha256, f.size_bytes) for f in h.files])
         return version_pb(self.store.publish(current_caller().account_id, header, (
-            Chunk(path=c.path, offset=c.offset, data=c.data, sha256=c.sha256) for c in chunks)))
+            Chunk(path=c.path, offset=c.offset, data=c.data, sha256=c.sha256) for c in chunks), calls.current()))
 
     def GetVersion(self, request, context):
         return version_pb(self.store.get(current_caller().account_id, request.id))
@@ -73,12 +74,17 @@ class WeightSyncServicer(rpc.WeightSyncServiceServicer):
 
 class WeightSyncSettings(TrainyardSettings):
     watch_poll_s: float = Field(default=0.2, gt=0, description="How often WatchLineage looks for a new version.")
+    # Quotas: weight versions one lineage, and one account in all, may hold (versions are kept: every one stays
+    # fetchable and a rollback target). PublishVersion beyond either is RESOURCE_EXHAUSTED, before any byte travels.
+    max_versions_per_lineage: int = Field(default=10_000, ge=1)
+    max_versions_per_account: int = Field(default=100_000, ge=1)
 
 
 def build(settings: WeightSyncSettings) -> Server:
     settings.ensure_dirs()
     db = Database(settings.database_url)
-    store = WeightStore(db, BlobStore(settings.blob_dir))
+    store = WeightStore(db, BlobStore(settings.blob_dir),
+                        VersionQuotas(settings.max_versions_per_lineage, settings.max_versions_per_account))
     stopping = threading.Event()  # set at shutdown: WatchLineage streams end instead of holding the grace period
     spec = ServiceSpec(
         name="weightsync",
