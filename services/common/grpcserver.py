@@ -184,13 +184,10 @@ class Server:
         self.grace_s = grace_s
         size = max_message_mb * 1024 * 1024
         self.account_calls = AccountCalls(max_calls_per_account, spec.name)
-        self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=spec.name),
-            interceptors=[CallInterceptor(authenticate, self.account_calls)],
-            maximum_concurrent_rpcs=2 * workers,
-            options=[("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),
-                     ("grpc.so_reuseport", 0)],
-        )
+        self.interceptor = CallInterceptor(authenticate, self.account_calls)
+        self.server = self._grpc_server(workers, options=[
+            ("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),
+            ("grpc.so_reuseport", 0)])
         spec.register(self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -203,8 +200,20 @@ class Server:
         self.stopping = spec.stopping
         self._threads: list[threading.Thread] = []
 
-    def start(self) -> None:
+    def _grpc_server(self, workers: int, options: list[tuple]) -> grpc.Server:
+        """Threaded: each call holds one of `workers` threads; beyond twice that many calls in flight, new ones are
+        refused (RESOURCE_EXHAUSTED) rather than queued."""
+        return grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=self.spec.name),
+                           interceptors=[self.interceptor], maximum_concurrent_rpcs=2 * workers, options=options)
+
+    def _start_grpc(self) -> None:
         self.server.start()
+
+    def _stop_grpc(self) -> None:
+        self.server.stop(self.grace_s).wait()
+
+    def start(self) -> None:
+        self._start_grpc()
         for fn in self.spec.background:
             t = threading.Thread(target=fn, args=(self.stopping,), daemon=True, name=f"{self.spec.name}-bg")
             t.start()
@@ -220,7 +229,7 @@ class Server:
         self.stopping.set()
         self.health.enter_graceful_shutdown()
         log.info("%s shutting down (grace %.0fs)", self.spec.name, self.grace_s)
-        self.server.stop(self.grace_s).wait()
+        self._stop_grpc()
         for t in self._threads:
             t.join(timeout=self.grace_s)
         if self.spec.on_shutdown is not None:
@@ -245,11 +254,12 @@ class Server:
         self.stop()
 
 
-def service_server(spec: ServiceSpec, settings, port: int, db) -> Server:
-    """A Server for one service, configured from the shared settings and authenticating against db."""
+def service_server(spec: ServiceSpec, settings, port: int, db, server_cls: type[Server] = Server) -> Server:
+    """A Server (or server_cls: services/common/aioserver.py's AsyncServer) for one service, configured from the
+    shared settings and authenticating against db."""
     from services.common.auth import KeyAuthenticator
 
-    return Server(spec, port=port, host=settings.host, authenticate=KeyAuthenticator(db).authenticate,
+    return server_cls(spec, port=port, host=settings.host, authenticate=KeyAuthenticator(db).authenticate,
                   workers=settings.grpc_workers, max_message_mb=settings.grpc_max_message_mb,
                   grace_s=settings.shutdown_grace_s,
                   max_calls_per_account=settings.max_concurrent_calls_per_account)

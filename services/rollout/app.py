@@ -22,7 +22,8 @@ def build(settings: RolloutSettings) -> Server:
     db = Database(settings.database_url)
     engine = Engine(settings.engine_config())
     # Deployments that follow a weight lineage hot-load its versions from the weight-sync service.
-    follower = WeightFollower(engine, settings.weightsync_url, settings.data_dir / "rollout")
+    follower = WeightFollower(engine, settings.weightsync_url, settings.data_dir / "rollout",
+                              load_workers=settings.weight_load_workers)
     # Weight versions sampled by path ("trainyard://weights/<id>"), fetched over the follower's channel.
     pinned = PinnedWeights(engine, follower.stub, settings.data_dir / "rollout" / "pinned",
                            settings.max_pinned_full_versions)

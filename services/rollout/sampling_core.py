@@ -150,7 +150,12 @@ class SamplingCore:
             dep = registry.find_deployment(s, account_id, deployment_id) if deployment_id else None
             if dep is None:
                 raise not_found("deployment", deployment_id)
-        target = self._deployment_target(account_id, dep, api_key)
+        try:
+            target = self._deployment_target(account_id, dep, api_key)
+        except Exception:
+            if dep.lineage and self.follower is not None:  # the deployment fails: stop following its lineage
+                self.follower.forget(dep.id)
+            raise
         if target.adapter_files:
             self.engine.load_adapter(target.adapter_id, target.model_dir, self._adapter_dir(target))
         log.info("deployment %s (%s) loaded on %s", dep.id, dep.name, target.model_dir)

@@ -18,6 +18,9 @@ class RolloutSettings(TrainyardSettings):
     # Full-weight versions sampled by path ("trainyard://weights/<id>") held in memory at once, each a copy of the
     # base model (the least recently used idle one is unloaded first and reloaded from disk on its next use).
     max_pinned_full_versions: int = Field(default=2, ge=1)
+    # Lineage deployments loading a new weight version at once (each load in a thread of a pool this size; the
+    # others wait their turn). Watching their lineages takes no thread per deployment.
+    weight_load_workers: int = Field(default=4, ge=1)
     # Precision and device of the base weights; adapters stay float32 (as peft keeps them).
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = Field(default="cpu", description="torch device for the models, e.g. 'cpu' or 'cuda:0'")

@@ -1,4 +1,5 @@
-"""The weight-sync process: versioned weights over gRPC (python -m services.weightsync)."""
+"""The weight-sync process: versioned weights over gRPC (python -m services.weightsync), on the asyncio runner so
+that WatchLineage streams hold no thread."""
 from __future__ import annotations
 
 import threading
@@ -10,10 +11,12 @@ from services.common.auth import current_caller
 from services.common.blobstore import BlobStore
 from services.common.config import TrainyardSettings
 from services.common.db import Database
+from services.common.aioserver import AsyncServer
 from services.common.grpcserver import Server, ServiceSpec, run_service, service_server
 from services.common.protoconv import ts
 from services.common.streams import split_header
 from services.weightsync.store import Chunk, FileSpec, PublishHeader, VersionQuotas, WeightStore
+from services.weightsync.watch import LineageWatchers
 from trainyard.v1 import common_pb2, weightsync_pb2 as pb, weightsync_pb2_grpc as rpc
 
 KINDS = {pb.WEIGHT_KIND_LORA_ADAPTER: "lora_adapter", pb.WEIGHT_KIND_FULL: "full"}
@@ -34,10 +37,12 @@ def lineage_pb(row, current, latest: int) -> pb.Lineage:
 
 
 class WeightSyncServicer(rpc.WeightSyncServiceServicer):
-    def __init__(self, store: WeightStore, poll_s: float, stopping):
+    """Served by the asyncio runner (services/common/aioserver.py): WatchLineage is an async generator on the event
+    loop (services/weightsync/watch.py), every other method a blocking one run in the thread pool."""
+
+    def __init__(self, store: WeightStore, watchers: LineageWatchers):
         self.store = store
-        self.poll_s = poll_s
-        self.stopping = stopping
+        self.watchers = watchers
 
     def PublishVersion(self, request_iterator, context):
         h, chunks = split_header(request_iterator)
@@ -57,9 +62,8 @@ class WeightSyncServicer(rpc.WeightSyncServiceServicer):
     def GetLineage(self, request, context):
         return lineage_pb(*self.store.lineage(current_caller().account_id, request.lineage))
 
-    def WatchLineage(self, request, context):
-        for state in self.store.watch(current_caller().account_id, request.lineage, self.poll_s, context.is_active,
-                                      self.stopping):
+    async def WatchLineage(self, request, context):
+        async for state in self.watchers.watch(current_caller().account_id, request.lineage):
             yield lineage_pb(*state)
 
     def Rollback(self, request, context):
@@ -78,6 +82,9 @@ class WeightSyncSettings(TrainyardSettings):
     # fetchable and a rollback target). PublishVersion beyond either is RESOURCE_EXHAUSTED, before any byte travels.
     max_versions_per_lineage: int = Field(default=10_000, ge=1)
     max_versions_per_account: int = Field(default=100_000, ge=1)
+    # Quota: WatchLineage streams one account may hold open (each a queue on the event loop, no thread; a rollout
+    # holds one per lineage deployment).
+    max_watches_per_account: int = Field(default=1024, ge=1)
 
 
 def build(settings: WeightSyncSettings) -> Server:
@@ -86,15 +93,16 @@ def build(settings: WeightSyncSettings) -> Server:
     store = WeightStore(db, BlobStore(settings.blob_dir),
                         VersionQuotas(settings.max_versions_per_lineage, settings.max_versions_per_account))
     stopping = threading.Event()  # set at shutdown: WatchLineage streams end instead of holding the grace period
+    watchers = LineageWatchers(store, settings.watch_poll_s, stopping, settings.max_watches_per_account)
     spec = ServiceSpec(
         name="weightsync",
-        register=lambda server: rpc.add_WeightSyncServiceServicer_to_server(
-            WeightSyncServicer(store, settings.watch_poll_s, stopping), server),
+        register=lambda server: rpc.add_WeightSyncServiceServicer_to_server(WeightSyncServicer(store, watchers),
+                                                                            server),
         service_names=[pb.DESCRIPTOR.services_by_name["WeightSyncService"].full_name],
         on_shutdown=db.dispose,
         stopping=stopping,
     )
-    return service_server(spec, settings, settings.weightsync_port, db)
+    return service_server(spec, settings, settings.weightsync_port, db, server_cls=AsyncServer)
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, tuple_
 from safetensors.torch import load_file
 from sqlalchemy.exc import IntegrityError
 
@@ -232,16 +232,13 @@ class WeightStore:
             row.current_version_id, row.updated_at = target.id, utcnow()
         return self.lineage(account_id, lineage)
 
-    def watch(self, account_id: str, lineage: str, poll_s: float, is_active, stopping) -> Iterator:
-        """The lineage's state now, then again whenever its current version changes (polls the database)."""
-        state = self.lineage(account_id, lineage)
-        yield state
-        seen = (state[0].current_version_id, state[0].updated_at)
-        while is_active() and not stopping.wait(poll_s):
-            state = self.lineage(account_id, lineage)
-            if (state[0].current_version_id, state[0].updated_at) != seen:
-                seen = (state[0].current_version_id, state[0].updated_at)
-                yield state
+    def lineage_markers(self, keys: list[tuple[str, str]]) -> dict[tuple[str, str], tuple]:
+        """(current version id, updated at) of each (account, lineage) of keys, in one query (watch.py polls it)."""
+        with self.db.session() as s:
+            rows = s.execute(select(WeightLineage.account_id, WeightLineage.lineage, WeightLineage.current_version_id,
+                                    WeightLineage.updated_at)
+                             .where(tuple_(WeightLineage.account_id, WeightLineage.lineage).in_(keys))).all()
+        return {(r.account_id, r.lineage): (r.current_version_id, r.updated_at) for r in rows}
 
     def get(self, account_id: str, version_id: str) -> WeightVersion:
         with self.db.session() as s:
