@@ -1,0 +1,201 @@
+"""No account can starve another on the rollout: unary Sample stops computing when its client leaves, lineage
+deployments are followed without a thread each and a failed one stops being followed, and live deployments are
+bounded per account (max_deployments_per_account, through the scheduler's core and a real rollout server).
+
+Real weight-sync and rollout servers in process, on SQLite; the session's shared engine for the core checks."""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from safetensors.torch import load_file, save_file
+from sqlalchemy import select
+
+from rollout_reference import SMALL_POOL_MB, write_adapter
+from services.common import registry
+from services.common.auth import create_account
+from services.common.blobstore import BlobStore
+from services.common.calls import Cancellation
+from services.common.channels import auth_metadata
+from services.common.db import Database, migrate
+from services.common.errors import Cancelled, ResourceExhausted, Unavailable
+from services.common.schema import SHARED_SCOPE, Checkpoint, Deployment, new_id, utcnow
+from services.rollout.app import build as build_rollout
+from services.rollout.engine import Engine
+from services.rollout.sampling import SamplingParams
+from services.rollout.sampling_core import Prompt, SamplingCore
+from services.rollout.settings import RolloutSettings
+from services.rollout.weights import WeightFollower
+from services.scheduler.app import RolloutGateway
+from services.scheduler.deployments import DeploymentCore
+from services.weightsync.app import WeightSyncSettings, build as build_weightsync
+from services.weightsync.client import publish_dir
+from trainyard.v1 import rollout_pb2 as rpb, rollout_pb2_grpc, weightsync_pb2 as wpb, weightsync_pb2_grpc
+
+FOLLOWED = 80  # lineage deployments of one rollout (the old design held 2 threads each, and 1 of weight sync's 64)
+
+
+class Env:
+    def __init__(self, root: Path, model_dir: Path):
+        self.root, self.model_dir = root, model_dir
+        common = dict(data_dir=root, host="127.0.0.1", shutdown_grace_s=0)
+        migrate(WeightSyncSettings(**common).database_url)
+        self.ws_settings = WeightSyncSettings(weightsync_port=0, watch_poll_s=0.05, **common)
+        self.db = Database(self.ws_settings.database_url)
+        self.blobs = BlobStore(self.ws_settings.blob_dir)
+        (self.alice, _, self.key), (self.bob, _, self.bob_key) = (create_account(self.db, n) for n in ("alice", "bob"))
+        with self.db.session() as s:
+            registry.register_model(s, SHARED_SCOPE, "tiny", str(model_dir))
+        self.weightsync = build_weightsync(self.ws_settings)
+        self.weightsync.start()
+        self.ws_target = f"127.0.0.1:{self.weightsync.port}"
+        self.rollout = build_rollout(RolloutSettings(rollout_port=0, grpc_workers=4, kv_cache_mb=SMALL_POOL_MB,
+                                                     weightsync_url=self.ws_target, **common))
+        self.rollout.start()
+        self.rollout_target = f"127.0.0.1:{self.rollout.port}"
+        self.channels = [grpc.insecure_channel(t) for t in (self.ws_target, self.rollout_target)]
+        self.ws = weightsync_pb2_grpc.WeightSyncServiceStub(self.channels[0])
+        self.rollout_stub = rollout_pb2_grpc.RolloutServiceStub(self.channels[1])
+        self.parents: dict[str, str] = {}
+
+    def publish(self, lineage: str, directory: Path) -> wpb.WeightVersion:
+        v = publish_dir(self.ws, self.key, lineage=lineage, parent_id=self.parents.get(lineage, ""),
+                        kind=wpb.WEIGHT_KIND_LORA_ADAPTER, base_model="tiny", directory=directory)
+        self.parents[lineage] = v.id
+        return v
+
+    def checkpoint(self, account_id: str, adapter_dir: Path) -> str:
+        files = [f.to_json() for f in self.blobs.put_tree(adapter_dir)]
+        with self.db.session() as s:
+            ckpt = Checkpoint(id=new_id("ckpt"), account_id=account_id, kind="lora_adapter", base_model="tiny",
+                              model_path=str(self.model_dir), files=files, final=True, created_at=utcnow())
+            s.add(ckpt)
+        return ckpt.id
+
+    def close(self) -> None:
+        for ch in self.channels:
+            ch.close()
+        self.rollout.stop()
+        self.weightsync.stop()
+        self.db.dispose()
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, tiny_model_dir):
+    e = Env(tmp_path_factory.mktemp("rollout_fair"), tiny_model_dir)
+    yield e
+    e.close()
+
+
+def _threads(prefix: str) -> int:
+    return sum(1 for t in threading.enumerate() if t.name.startswith(prefix))
+
+
+def test_sample_stops_computing_when_its_client_leaves(env, engine, prompt_ids):
+    core = SamplingCore(env.db, env.blobs, engine, env.root / "adapters")
+    engine_core = engine.base(str(env.model_dir)).core
+    cancel = threading.Timer(0.5, (cancellation := Cancellation()).cancel)
+    cancel.start()
+    started = time.monotonic()
+    with pytest.raises(Cancelled):
+        core.sample(env.alice.id, "tiny", Prompt(tokens=tuple(prompt_ids)),
+                    SamplingParams(temperature=0, max_tokens=1500), cancel=cancellation)
+    assert time.monotonic() - started < 20
+    deadline = time.monotonic() + 10
+    while engine_core.has_work() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    steps = engine_core.num_steps
+    time.sleep(0.3)
+    assert not engine_core.has_work() and engine_core.num_steps == steps  # the request was dropped, not finished
+    assert engine_core.scheduler.blocks.num_free == engine_core.scheduler.blocks.num_blocks
+
+
+@pytest.mark.reliability
+def test_many_lineage_deployments_hold_no_thread_each(env, engine, tmp_path):
+    v1 = env.publish("many", write_adapter(env.model_dir, tmp_path / "v1", seed=61, b_scale=0.5))
+    before = _threads("weights-")
+    follower = WeightFollower(engine, env.ws_target, tmp_path / "follower", retry_s=(0.05, 0.1), load_workers=2)
+    try:
+        for i in range(FOLLOWED):
+            assert follower.serve(f"dep-many-{i}", "many", str(env.model_dir), env.key).version_id == v1.id
+        assert _threads("weights-") - before <= 3  # its watch loop and load pool, whatever the number of deployments
+        assert _threads("weightsync") <= env.ws_settings.grpc_workers + 1
+        v2 = env.publish("many", write_adapter(env.model_dir, tmp_path / "v2", seed=62, b_scale=0.5))
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and any(
+                follower.state(f"dep-many-{i}")[0].version_id != v2.id for i in range(FOLLOWED)):
+            time.sleep(0.05)
+        assert {follower.state(f"dep-many-{i}")[0].version_id for i in range(FOLLOWED)} == {v2.id}
+    finally:
+        follower.close()
+    assert not [a for a in engine.loaded_adapters() if a.startswith("dep-many-")]
+
+
+def _broken_adapter(model_dir: Path, out: Path) -> Path:
+    """An adapter whose tensors do not fit the tiny model (each one a row short)."""
+    write_adapter(model_dir, out, seed=70, b_scale=0.5)
+    tensors = load_file(out / "adapter_model.safetensors")
+    save_file({k: v[:-1].contiguous() for k, v in tensors.items()}, out / "adapter_model.safetensors")
+    return out
+
+
+def test_a_lineage_deployment_that_fails_to_load_stops_being_followed(env, tmp_path):
+    env.publish("broken", _broken_adapter(env.model_dir, tmp_path / "broken"))
+    gateway = RolloutGateway(env.rollout_target, 64)
+    try:
+        with pytest.raises(Unavailable, match="could not load"):
+            DeploymentCore(env.db, gateway.load, gateway.unload).create(env.alice.id, env.key, "broken-dep", "", "",
+                                                                        lineage="broken")
+    finally:
+        gateway.channel.close()
+    with env.db.session() as s:
+        dep = s.scalar(select(Deployment).where(Deployment.name == "broken-dep"))
+        assert dep.status == "failed"
+    time.sleep(0.5)  # a follower still retrying would report its error here
+    loaded = env.rollout_stub.ListLoaded(rpb.ListLoadedRequest(), metadata=auth_metadata(env.key), timeout=30)
+    assert dep.id not in [m.deployment_id for m in loaded.models]
+
+
+def test_live_deployments_are_bounded_per_account(env, adapter_dirs):
+    gateway = RolloutGateway(env.rollout_target, 64)
+    core = DeploymentCore(env.db, gateway.load, gateway.unload, max_per_account=2)
+    ckpt = env.checkpoint(env.alice.id, adapter_dirs["a"])
+    try:
+        first = core.create(env.alice.id, env.key, "quota-a", ckpt, "")
+        core.create(env.alice.id, env.key, "quota-b", ckpt, "")
+        with pytest.raises(ResourceExhausted, match=r"quota max_deployments_per_account \(2\) reached"):
+            core.create(env.alice.id, env.key, "quota-c", ckpt, "")
+        bob = core.create(env.bob.id, env.bob_key, "quota-a", env.checkpoint(env.bob.id, adapter_dirs["b"]), "")
+        core.delete(env.alice.id, env.key, first.id)
+        core.create(env.alice.id, env.key, "quota-c", ckpt, "")  # a deleted deployment frees its place
+        core.delete(env.bob.id, env.bob_key, bob.id)
+    finally:
+        gateway.channel.close()
+
+
+def test_deployments_of_one_base_share_one_bounded_kv_pool(tiny_model_dir, tmp_path, prompt_ids):
+    """A full-weight deployment is a model directory of its own (its own engine loop) with its base's KV layout: it
+    draws from the base's pool instead of reserving another kv_cache_mb, requests that do not fit at once wait for
+    each other's blocks, and the pool holds no memory once they are done."""
+    deployed = tmp_path / "full-deployment"
+    deployed.mkdir()
+    for f in tiny_model_dir.iterdir():
+        (deployed / f.name).symlink_to(f)
+    params = SamplingParams(temperature=0, max_tokens=60)
+    blocks_per_request = -(-(len(prompt_ids) + params.max_tokens) // 16)
+    engine = Engine(kv_cache_blocks=blocks_per_request * 3 // 2, kv_block_size=16, deterministic=True)
+    try:
+        base, full = engine.base(str(tiny_model_dir)), engine.base(str(deployed))
+        assert base.core.arena is full.core.arena and len(engine.kv_arenas()) == 1
+        (alone,) = engine.generate(str(tiny_model_dir), None, prompt_ids, params)
+        assert not base.core.arena.allocated  # idle: the pool's memory went with the last block
+        handles = [engine.submit(d, None, prompt_ids, params) for d in (str(tiny_model_dir), str(deployed)) * 2]
+        for handle in handles:  # deterministic mode: bitwise the request alone, however they waited
+            (seq,) = handle.result().sequences
+            assert (seq.tokens, seq.logprobs) == (alone.tokens, alone.logprobs)
+        assert base.core.arena.num_free == base.core.arena.num_blocks and not base.core.arena.allocated
+    finally:
+        engine.close()
