@@ -12,6 +12,7 @@ from services.rollout.openai_http import OpenAIServer
 from services.rollout.pinned import PinnedWeights
 from services.rollout.servicer import RolloutServicer
 from services.rollout.settings import RolloutSettings
+from services.rollout.templates import TemplateSandbox
 from services.rollout.weights import WeightFollower
 from trainyard.v1 import rollout_pb2, rollout_pb2_grpc as rpc
 
@@ -27,12 +28,15 @@ def build(settings: RolloutSettings) -> Server:
     # Weight versions sampled by path ("trainyard://weights/<id>"), fetched over the follower's channel.
     pinned = PinnedWeights(engine, follower.stub, settings.data_dir / "rollout" / "pinned",
                            settings.max_pinned_full_versions)
-    core = SamplingCore(db, BlobStore(settings.blob_dir), engine, settings.adapters_dir(), follower, pinned)
+    templates = TemplateSandbox(settings.chat_template_workers, settings.chat_template_cpu_s,
+                                settings.chat_template_memory_mb)
+    core = SamplingCore(db, BlobStore(settings.blob_dir), engine, settings.adapters_dir(), follower, pinned, templates)
 
     def register(server) -> None:
         rpc.add_RolloutServiceServicer_to_server(RolloutServicer(core), server)
 
     def shutdown() -> None:
+        templates.close()
         follower.close()
         engine.close()
         db.dispose()

@@ -41,6 +41,12 @@ class RolloutSettings(TrainyardSettings):
     # (one per prompt) are waited on at once, each by a worker thread; more wait for a turn.
     openai_port: int = Field(default=0, ge=0, le=65535)
     openai_max_requests: int = Field(default=512, ge=1)
+    # Chat templates (model content, so untrusted) render in worker processes (services/rollout/templates.py): at
+    # most chat_template_workers at once, each render stopped past chat_template_cpu_s of CPU (whole seconds) or
+    # chat_template_memory_mb of memory, with an error naming the model.
+    chat_template_workers: int = Field(default=2, ge=1)
+    chat_template_cpu_s: int = Field(default=1, ge=1)
+    chat_template_memory_mb: int = Field(default=512, ge=64)
 
     @field_validator("device")
     @classmethod

@@ -5,6 +5,11 @@ bounded per account (max_deployments_per_account, through the scheduler's core a
 Real weight-sync and rollout servers in process, on SQLite; the session's shared engine for the core checks."""
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -19,21 +24,23 @@ from services.common import registry
 from services.common.auth import create_account
 from services.common.blobstore import BlobStore
 from services.common.calls import Cancellation
-from services.common.channels import auth_metadata
+from services.common.channels import auth_metadata, wait_healthy
 from services.common.db import Database, migrate
 from services.common.errors import Cancelled, ResourceExhausted, Unavailable
+from trainyard.localstack import ROOT, free_port
 from services.common.schema import SHARED_SCOPE, Checkpoint, Deployment, new_id, utcnow
 from services.rollout.app import build as build_rollout
 from services.rollout.engine import Engine
 from services.rollout.sampling import SamplingParams
 from services.rollout.sampling_core import Prompt, SamplingCore
 from services.rollout.settings import RolloutSettings
+from services.rollout.templates import TemplateSandbox
 from services.rollout.weights import WeightFollower
 from services.scheduler.app import RolloutGateway
 from services.scheduler.deployments import DeploymentCore
 from services.weightsync.app import WeightSyncSettings, build as build_weightsync
 from services.weightsync.client import publish_dir
-from trainyard.v1 import rollout_pb2 as rpb, rollout_pb2_grpc, weightsync_pb2 as wpb, weightsync_pb2_grpc
+from trainyard.v1 import common_pb2, rollout_pb2 as rpb, rollout_pb2_grpc, weightsync_pb2 as wpb, weightsync_pb2_grpc
 
 FOLLOWED = 80  # lineage deployments of one rollout (the old design held 2 threads each, and 1 of weight sync's 64)
 
@@ -199,3 +206,97 @@ def test_deployments_of_one_base_share_one_bounded_kv_pool(tiny_model_dir, tmp_p
         assert base.core.arena.num_free == base.core.arena.num_blocks and not base.core.arena.allocated
     finally:
         engine.close()
+
+
+LOOP = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}{{ messages[0]['content'] }}"
+HUNGRY = "{{ messages[0]['content'] * 3000000000 }}"
+CHAT = (("user", "hi"),)
+
+
+@pytest.fixture(scope="module")
+def template_models(env, tmp_path_factory):
+    """Copies of the tiny model whose chat template loops for hours ("loopy") or asks for 3 GB ("hungry")."""
+    root = tmp_path_factory.mktemp("templates")
+    for name, template in (("loopy", LOOP), ("hungry", HUNGRY)):
+        model = root / name
+        model.mkdir()
+        for f in env.model_dir.iterdir():
+            if f.name != "tokenizer_config.json":
+                (model / f.name).symlink_to(f)
+        config = json.loads((env.model_dir / "tokenizer_config.json").read_text())
+        (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+        with env.db.session() as s:
+            registry.register_model(s, SHARED_SCOPE, name, str(model))
+    return root
+
+
+def test_templates_past_their_cpu_or_memory_are_stopped_with_an_error_naming_them(env, engine, template_models):
+    sandbox = TemplateSandbox(workers=1, cpu_s=1, memory_mb=256)
+    core = SamplingCore(env.db, env.blobs, engine, env.root / "adapters", templates=sandbox)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    try:
+        started = time.monotonic()
+        with pytest.raises(ResourceExhausted, match=r"chat template of 'loopy' was stopped after 1 s of CPU"):
+            core.sample(env.alice.id, "loopy", Prompt(messages=CHAT), params)
+        assert time.monotonic() - started < 15
+        with pytest.raises(ResourceExhausted, match=r"chat template of 'hungry' needed more than 256 MB"):
+            core.sample(env.alice.id, "hungry", Prompt(messages=CHAT), params)
+        # The one worker recovered from both: a well-behaved template renders as apply_chat_template does.
+        result = core.sample(env.alice.id, "tiny", Prompt(messages=CHAT), params)
+        tokenizer = engine.base(str(env.model_dir)).tokenizer
+        assert result.prompt_tokens == list(tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}], tokenize=True, add_generation_prompt=True, return_dict=False))
+    finally:
+        sandbox.close()
+
+
+def test_closing_the_sandbox_ends_a_busy_render_at_once(template_models):
+    sandbox = TemplateSandbox(workers=1, cpu_s=30)
+    failures = []
+
+    def render():
+        try:
+            sandbox.render("loopy", LOOP, [{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                           variables={})
+        except Unavailable as exc:
+            failures.append(exc)
+
+    t = threading.Thread(target=render)
+    t.start()
+    time.sleep(2)  # the worker started and is looping
+    closed = time.monotonic()
+    sandbox.close()
+    t.join(10)
+    assert not t.is_alive() and time.monotonic() - closed < 5 and "shutting down" in str(failures[0])
+
+
+@pytest.mark.reliability
+def test_a_busy_template_does_not_hold_the_rollouts_shutdown(env, template_models, tmp_path):
+    """The rollout as its own process with a 30 s grace period: SIGTERM while a looping template renders, and it is
+    gone long before the grace period is over."""
+    port = free_port()
+    proc_env = {**os.environ, "PYTHONPATH": str(ROOT), "TRAINYARD_DATA_DIR": str(env.root), "TRAINYARD_HOST":
+                "127.0.0.1", "TRAINYARD_ROLLOUT_PORT": str(port), "TRAINYARD_WEIGHTSYNC_URL": env.ws_target,
+                "TRAINYARD_SHUTDOWN_GRACE_S": "30", "TRAINYARD_TORCH_THREADS": "1",
+                "TRAINYARD_KV_CACHE_MB": str(SMALL_POOL_MB), "TRAINYARD_CHAT_TEMPLATE_CPU_S": "5"}
+    log = open(tmp_path / "rollout.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "services.rollout"], env=proc_env, cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(f"127.0.0.1:{port}", timeout_s=120)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = rollout_pb2_grpc.RolloutServiceStub(channel).Sample.future(
+                rpb.SampleRequest(model="loopy", messages=common_pb2.ChatMessages(messages=[
+                    common_pb2.ChatMessage(role="user", content="hi")]), params=rpb.SamplingParams(max_tokens=4)),
+                metadata=auth_metadata(env.key), timeout=120)
+            time.sleep(2)  # rendering
+            proc.send_signal(signal.SIGTERM)
+            sent = time.monotonic()
+            proc.wait(timeout=25)
+            assert time.monotonic() - sent < 25
+            assert call.exception().code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
