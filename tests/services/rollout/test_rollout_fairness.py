@@ -66,6 +66,7 @@ class Env:
         self.channels = [grpc.insecure_channel(t) for t in (self.ws_target, self.rollout_target)]
         self.ws = weightsync_pb2_grpc.WeightSyncServiceStub(self.channels[0])
         self.rollout_stub = rollout_pb2_grpc.RolloutServiceStub(self.channels[1])
+        self.gateway = RolloutGateway(self.rollout_target, 64)  # the scheduler's way to the rollout
         self.parents: dict[str, str] = {}
 
     def publish(self, lineage: str, directory: Path) -> wpb.WeightVersion:
@@ -83,7 +84,7 @@ class Env:
         return ckpt.id
 
     def close(self) -> None:
-        for ch in self.channels:
+        for ch in [*self.channels, self.gateway.channel]:
             ch.close()
         self.rollout.stop()
         self.weightsync.stop()
@@ -151,13 +152,9 @@ def _broken_adapter(model_dir: Path, out: Path) -> Path:
 
 def test_a_lineage_deployment_that_fails_to_load_stops_being_followed(env, tmp_path):
     env.publish("broken", _broken_adapter(env.model_dir, tmp_path / "broken"))
-    gateway = RolloutGateway(env.rollout_target, 64)
-    try:
-        with pytest.raises(Unavailable, match="could not load"):
-            DeploymentCore(env.db, gateway.load, gateway.unload).create(env.alice.id, env.key, "broken-dep", "", "",
-                                                                        lineage="broken")
-    finally:
-        gateway.channel.close()
+    with pytest.raises(Unavailable, match="could not load"):
+        DeploymentCore(env.db, env.gateway.load, env.gateway.unload).create(env.alice.id, env.key, "broken-dep", "",
+                                                                            "", lineage="broken")
     with env.db.session() as s:
         dep = s.scalar(select(Deployment).where(Deployment.name == "broken-dep"))
         assert dep.status == "failed"
@@ -167,20 +164,16 @@ def test_a_lineage_deployment_that_fails_to_load_stops_being_followed(env, tmp_p
 
 
 def test_live_deployments_are_bounded_per_account(env, adapter_dirs):
-    gateway = RolloutGateway(env.rollout_target, 64)
-    core = DeploymentCore(env.db, gateway.load, gateway.unload, max_per_account=2)
+    core = DeploymentCore(env.db, env.gateway.load, env.gateway.unload, max_per_account=2)
     ckpt = env.checkpoint(env.alice.id, adapter_dirs["a"])
-    try:
-        first = core.create(env.alice.id, env.key, "quota-a", ckpt, "")
-        core.create(env.alice.id, env.key, "quota-b", ckpt, "")
-        with pytest.raises(ResourceExhausted, match=r"quota max_deployments_per_account \(2\) reached"):
-            core.create(env.alice.id, env.key, "quota-c", ckpt, "")
-        bob = core.create(env.bob.id, env.bob_key, "quota-a", env.checkpoint(env.bob.id, adapter_dirs["b"]), "")
-        core.delete(env.alice.id, env.key, first.id)
-        core.create(env.alice.id, env.key, "quota-c", ckpt, "")  # a deleted deployment frees its place
-        core.delete(env.bob.id, env.bob_key, bob.id)
-    finally:
-        gateway.channel.close()
+    first = core.create(env.alice.id, env.key, "quota-a", ckpt, "")
+    core.create(env.alice.id, env.key, "quota-b", ckpt, "")
+    with pytest.raises(ResourceExhausted, match=r"quota max_deployments_per_account \(2\) reached"):
+        core.create(env.alice.id, env.key, "quota-c", ckpt, "")
+    bob = core.create(env.bob.id, env.bob_key, "quota-a", env.checkpoint(env.bob.id, adapter_dirs["b"]), "")
+    core.delete(env.alice.id, env.key, first.id)
+    core.create(env.alice.id, env.key, "quota-c", ckpt, "")  # a deleted deployment frees its place
+    core.delete(env.bob.id, env.bob_key, bob.id)
 
 
 def test_deployments_of_one_base_share_one_bounded_kv_pool(tiny_model_dir, tmp_path, prompt_ids):
