@@ -4,8 +4,10 @@ cost, so thousands can be open with the default grpc_workers.
 
 Every other handler is an ordinary blocking servicer method and runs as the threaded server runs it: wrapped by the
 same CallInterceptor (authentication, per-account calls in flight, the call's Cancellation, the mapping of errors to
-statuses), in a pool of grpc_workers threads. The messages of a stream move between the loop and the pool one at a
-time, so a thread is busy only while a message is produced or consumed, never while the network is slow. An async
+statuses), in a pool of grpc_workers threads. A server stream's messages move from the pool to the loop one at a
+time, so its thread is busy only while a message is produced, never while the client reads slowly; a client stream
+(an upload) is read by its handler in the pool, message by message from the loop, and counts against its account's
+calls in flight like any pooled call. An async
 handler is authenticated in the pool and its errors map through the same function; it is not counted against
 max_concurrent_calls_per_account (it holds no thread; what it waits on bounds itself, e.g. max_watches_per_account).
 

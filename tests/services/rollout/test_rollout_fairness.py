@@ -121,6 +121,19 @@ def test_sample_stops_computing_when_its_client_leaves(env, engine, prompt_ids):
     assert engine_core.scheduler.blocks.num_free == engine_core.scheduler.blocks.num_blocks
 
 
+def test_a_sample_whose_client_leaves_stops_computing_over_grpc(env, prompt_ids):
+    """1500 tokens take the tiny model seconds; the client gives up after one, and the rollout goes idle at once."""
+    request = rpb.SampleRequest(model="tiny", tokens=common_pb2.TokenList(tokens=prompt_ids),
+                                params=rpb.SamplingParams(temperature=0, max_tokens=1500))
+    with pytest.raises(grpc.RpcError) as late:
+        env.rollout_stub.Sample(request, metadata=auth_metadata(env.key), timeout=1.0)
+    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    time.sleep(0.5)  # the abort reaches the engine loop between two steps
+    cpu = time.process_time()
+    time.sleep(2)
+    assert time.process_time() - cpu < 0.5  # this process (the rollout's engine included) computes nothing
+
+
 @pytest.mark.reliability
 def test_many_lineage_deployments_hold_no_thread_each(env, engine, tmp_path):
     v1 = env.publish("many", write_adapter(env.model_dir, tmp_path / "v1", seed=61, b_scale=0.5))
