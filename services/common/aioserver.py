@@ -1,38 +1,37 @@
 """The asyncio variant of the service runner (grpcserver.Server), for a service whose long streams must not each hold
-a thread: a stream written as an async generator (weightsync's WatchLineage) waits on the event loop at no thread's
-cost, so thousands can be open with the default grpc_workers.
+a thread: weightsync's WatchLineage, open for as long as a lineage deployment lives. A threaded gRPC server gives
+every open stream a thread whatever its handler does; here a stream waits on the event loop, so thousands can be
+open with the default grpc_workers.
 
-Every other handler is an ordinary blocking servicer method and runs as the threaded server runs it: wrapped by the
-same CallInterceptor (authentication, per-account calls in flight, the call's Cancellation, the mapping of errors to
-statuses), in a pool of grpc_workers threads. A server stream's messages move from the pool to the loop one at a
-time, so its thread is busy only while a message is produced, never while the client reads slowly; a client stream
-(an upload) is read by its handler in the pool, message by message from the loop, and counts against its account's
-calls in flight like any pooled call. An async
-handler is authenticated in the pool and its errors map through the same function; it is not counted against
-max_concurrent_calls_per_account (it holds no thread; what it waits on bounds itself, e.g. max_watches_per_account).
+Handlers stay ordinary blocking servicer methods, wrapped by the same CallInterceptor as on the threaded servers
+(authentication, per-account calls in flight, the call's Cancellation, the mapping of errors to statuses), and run
+in a pool of grpc_workers threads:
+- a unary call runs in the pool from start to end;
+- a client stream (an upload) is read by its handler in the pool, message by message from the loop;
+- a server stream's messages are produced in the pool one at a time and sent from the loop, so its thread is busy
+  only while a message is produced. A handler with nothing to send yields calls.Wait: the loop waits for its
+  on_ready callback (or its timeout) without a thread, then asks for the next message. Server streams hold no
+  thread between messages, so they do not count against max_concurrent_calls_per_account here (what they wait on
+  bounds itself: max_watches_per_account).
 
-Ordering of one pooled call: the loop accepts it -> the wrapped handler runs in the pool under one
-contextvars.Context for the whole call (a stream's steps share it, so its caller and Cancellation stay set) -> the
-result, each streamed message or the abort it recorded goes back to the loop. The call's Cancellation fires from the
-loop when the RPC ends (client cancel, deadline or completion), which also ends a pooled client-stream read.
+Ordering of one call: the loop accepts it -> every step of the wrapped handler runs in the pool under one
+contextvars.Context (a stream's steps share it, so its caller and Cancellation stay set), one step at a time -> the
+result, each message or the abort the handler recorded goes back to the loop. The call's Cancellation fires from the
+loop when the RPC ends (client cancel, deadline or completion), which also ends a pooled read of a client stream.
 """
 from __future__ import annotations
 
 import asyncio
 import contextvars
-import inspect
-import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent import futures
 
 import grpc
 
-from services.common import auth, calls
+from services.common import calls
 from services.common.errors import Cancelled
-from services.common.grpcserver import PUBLIC_PREFIXES, Server, _fail
-
-log = logging.getLogger("trainyard.grpc")
+from services.common.grpcserver import PUBLIC_PREFIXES, Server
 
 _END = object()
 
@@ -122,6 +121,16 @@ class _PooledCall:
                 yield message
         return read()
 
+    async def wait(self, wait: calls.Wait) -> None:
+        ready = self.loop.create_future()
+
+        def set_ready() -> None:
+            if not ready.done():
+                ready.set_result(None)
+
+        wait.on_ready(lambda: self.loop.call_soon_threadsafe(set_ready))
+        await asyncio.wait([ready], timeout=wait.timeout_s)
+
     async def abort(self, context: grpc.aio.ServicerContext) -> None:
         code, details, trailing = self.pool_context.aborted
         await context.abort(code, details, trailing)
@@ -137,13 +146,8 @@ class AsyncCallInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if handler is None or method.startswith(PUBLIC_PREFIXES):
             return handler
-        fn = handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
-        kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
-        if inspect.isasyncgenfunction(fn) and handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(self._native_stream(fn, handler_call_details), **kw)
-        assert not inspect.iscoroutinefunction(fn) and not inspect.isasyncgenfunction(fn), (
-            f"{method}: async handlers are served for unary-stream methods only")
         wrapped = self._sync.intercept_service(lambda _details: handler, handler_call_details)
+        kw = dict(request_deserializer=wrapped.request_deserializer, response_serializer=wrapped.response_serializer)
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(self._pooled_unary(wrapped.unary_unary), **kw)
         if handler.stream_unary:
@@ -176,41 +180,23 @@ class AsyncCallInterceptor(grpc.aio.ServerInterceptor):
             messages = wrapped(request, call.pool_context)  # a generator: nothing runs until its first step
             try:
                 while (message := await call.run(next, messages, _END)) is not _END:
-                    yield message
+                    if isinstance(message, calls.Wait):
+                        await call.wait(message)
+                    else:
+                        yield message
             except _Aborted:
                 await call.abort(context)
             finally:
                 call.submit(messages.close)  # a client that left: the handler's cleanup runs in the pool
         return handle
 
-    def _native_stream(self, fn, handler_call_details):
-        authenticate, method = self._sync._authenticate, handler_call_details.method
-        key = auth.key_from_metadata(handler_call_details.invocation_metadata)
-
-        async def handle(request, context) -> AsyncIterator:
-            call = _PooledCall(self._pool, context)
-            caller_token = cancellation_token = None
-            try:
-                caller = await call.run(authenticate, key)
-                caller_token, cancellation_token = auth.set_caller(caller), calls.set_current(call.cancellation)
-                async for message in fn(request, context):
-                    yield message
-            except Exception as exc:  # noqa: BLE001 - mapped by the threaded interceptor's one function
-                try:
-                    _fail(call.pool_context, method, exc)
-                except _Aborted:
-                    await call.abort(context)
-            finally:
-                if caller_token is not None:
-                    calls.reset_current(cancellation_token)
-                    auth.reset_caller(caller_token)
-        return handle
-
 
 class AsyncServer(Server):
-    """grpcserver.Server on a grpc.aio server: its event loop runs in a thread of its own, blocking handlers in a
-    pool of `workers` threads. The number of calls in flight is not capped here (streams on the loop cost no
-    thread); each account's pooled calls are (max_concurrent_calls_per_account)."""
+    """grpcserver.Server on a grpc.aio server: its event loop runs in a thread of its own, handlers in a pool of
+    `workers` threads. The number of calls in flight is not capped here (streams on the loop cost no thread); each
+    account's unary calls and uploads are (max_concurrent_calls_per_account)."""
+
+    streams_hold_threads = False
 
     def _grpc_server(self, workers: int, options: list[tuple]):
         self.loop = asyncio.new_event_loop()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextvars
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 
 class Cancellation:
@@ -68,3 +69,14 @@ def set_current(cancellation: Cancellation) -> contextvars.Token:
 
 def reset_current(token: contextvars.Token) -> None:
     _current.reset(token)
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Yielded by a blocking server-stream handler that has nothing to send yet: the asyncio server
+    (services/common/aioserver.py) then waits on its event loop, holding no thread, until the callback it gives
+    `on_ready` runs (from any thread, once) or timeout_s passes, and asks the handler for its next message. The
+    call's interceptor sees every Wait go by, as it sees messages."""
+
+    on_ready: Callable[[Callable[[], None]], None]
+    timeout_s: float

@@ -106,9 +106,13 @@ class CallInterceptor(grpc.ServerInterceptor):
     """Authenticates (unless the method is public), bounds each account's calls in flight, gives the call its
     Cancellation, and translates exceptions, for all four RPC shapes."""
 
-    def __init__(self, authenticate: Callable[[str | None], auth.Caller], account_calls: AccountCalls):
+    def __init__(self, authenticate: Callable[[str | None], auth.Caller], account_calls: AccountCalls,
+                 count_streams: bool = True):
+        """count_streams: whether a server stream counts against its account's calls in flight for its whole life
+        (it holds a thread on a threaded server; not on the asyncio one)."""
         self._authenticate = authenticate
         self._account_calls = account_calls
+        self._count_streams = count_streams
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -116,12 +120,15 @@ class CallInterceptor(grpc.ServerInterceptor):
         if handler is None or method.startswith(PUBLIC_PREFIXES):
             return handler
         metadata = handler_call_details.invocation_metadata
-        authenticate, account_calls = self._authenticate, self._account_calls
+        authenticate = self._authenticate
+        counted = self._count_streams or not handler.unary_stream
+        account_calls = self._account_calls if counted else None
 
         def enter(context):
             try:
                 caller = authenticate(auth.key_from_metadata(metadata))
-                account_calls.acquire(caller.account_id)
+                if account_calls is not None:
+                    account_calls.acquire(caller.account_id)
             except Exception as exc:  # noqa: BLE001 - e.g. the database is down while checking the key
                 _fail(context, method, exc)
             return caller, auth.set_caller(caller), calls.set_current(_cancellation(context))
@@ -130,7 +137,8 @@ class CallInterceptor(grpc.ServerInterceptor):
             caller, caller_token, cancellation_token = entered
             calls.reset_current(cancellation_token)
             auth.reset_caller(caller_token)
-            account_calls.release(caller.account_id)
+            if account_calls is not None:
+                account_calls.release(caller.account_id)
 
         def unary(fn):
             def wrapped(request, context):
@@ -178,13 +186,15 @@ class ServiceSpec:
 
 
 class Server:
+    streams_hold_threads = True  # each open server stream holds a thread of the pool (see _grpc_server)
+
     def __init__(self, spec: ServiceSpec, *, port: int, host: str, authenticate, workers: int,
                  max_message_mb: int, grace_s: float, max_calls_per_account: int):
         self.spec = spec
         self.grace_s = grace_s
         size = max_message_mb * 1024 * 1024
         self.account_calls = AccountCalls(max_calls_per_account, spec.name)
-        self.interceptor = CallInterceptor(authenticate, self.account_calls)
+        self.interceptor = CallInterceptor(authenticate, self.account_calls, self.streams_hold_threads)
         self.server = self._grpc_server(workers, options=[
             ("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),
             ("grpc.so_reuseport", 0)])

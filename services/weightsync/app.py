@@ -7,11 +7,12 @@ import threading
 from pydantic import Field
 
 from services.common import calls
+from services.common.aioserver import AsyncServer
 from services.common.auth import current_caller
 from services.common.blobstore import BlobStore
+from services.common.calls import Wait
 from services.common.config import TrainyardSettings
 from services.common.db import Database
-from services.common.aioserver import AsyncServer
 from services.common.grpcserver import Server, ServiceSpec, run_service, service_server
 from services.common.protoconv import ts
 from services.common.streams import split_header
@@ -37,8 +38,8 @@ def lineage_pb(row, current, latest: int) -> pb.Lineage:
 
 
 class WeightSyncServicer(rpc.WeightSyncServiceServicer):
-    """Served by the asyncio runner (services/common/aioserver.py): WatchLineage is an async generator on the event
-    loop (services/weightsync/watch.py), every other method a blocking one run in the thread pool."""
+    """Served by the asyncio runner (services/common/aioserver.py), so that WatchLineage waits between versions on the
+    event loop (services/weightsync/watch.py) rather than in a thread."""
 
     def __init__(self, store: WeightStore, watchers: LineageWatchers):
         self.store = store
@@ -62,9 +63,9 @@ class WeightSyncServicer(rpc.WeightSyncServiceServicer):
     def GetLineage(self, request, context):
         return lineage_pb(*self.store.lineage(current_caller().account_id, request.lineage))
 
-    async def WatchLineage(self, request, context):
-        async for state in self.watchers.watch(current_caller().account_id, request.lineage):
-            yield lineage_pb(*state)
+    def WatchLineage(self, request, context):
+        for state in self.watchers.watch(current_caller().account_id, request.lineage, context.is_active):
+            yield state if isinstance(state, Wait) else lineage_pb(*state)
 
     def Rollback(self, request, context):
         return lineage_pb(*self.store.rollback(current_caller().account_id, request.lineage, request.version_id))
@@ -82,9 +83,10 @@ class WeightSyncSettings(TrainyardSettings):
     # fetchable and a rollback target). PublishVersion beyond either is RESOURCE_EXHAUSTED, before any byte travels.
     max_versions_per_lineage: int = Field(default=10_000, ge=1)
     max_versions_per_account: int = Field(default=100_000, ge=1)
-    # Quota: WatchLineage streams one account may hold open (each a queue on the event loop, no thread; a rollout
-    # holds one per lineage deployment).
+    # Quota: WatchLineage streams one account may hold open (a rollout holds one per lineage deployment). They wait
+    # on the event loop, no thread each; an idle one wakes every watch_heartbeat_s to look at its call.
     max_watches_per_account: int = Field(default=1024, ge=1)
+    watch_heartbeat_s: float = Field(default=2.0, gt=0)
 
 
 def build(settings: WeightSyncSettings) -> Server:
@@ -93,7 +95,8 @@ def build(settings: WeightSyncSettings) -> Server:
     store = WeightStore(db, BlobStore(settings.blob_dir),
                         VersionQuotas(settings.max_versions_per_lineage, settings.max_versions_per_account))
     stopping = threading.Event()  # set at shutdown: WatchLineage streams end instead of holding the grace period
-    watchers = LineageWatchers(store, settings.watch_poll_s, stopping, settings.max_watches_per_account)
+    watchers = LineageWatchers(store, settings.watch_poll_s, settings.watch_heartbeat_s, stopping,
+                               settings.max_watches_per_account)
     spec = ServiceSpec(
         name="weightsync",
         register=lambda server: rpc.add_WeightSyncServiceServicer_to_server(WeightSyncServicer(store, watchers),

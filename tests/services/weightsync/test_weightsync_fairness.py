@@ -160,17 +160,17 @@ def test_watchers_are_bounded_per_account(tmp_path):
     store = WeightStore(db, BlobStore(tmp_path / "blobs"), VersionQuotas())
     for account in (alice, bob):
         store.publish(account, PublishHeader("l", "", "lora_adapter", "tiny", [FileSpec("f", _sha(b""), 0)], {}), [])
-    watchers = LineageWatchers(store, 0.05, threading.Event(), max_per_account=2)
-
-    async def run():
-        streams = [watchers.watch(alice, "l") for _ in range(2)]
-        for s in streams:
-            await anext(s)
-        with pytest.raises(ResourceExhausted, match=r"quota max_watches_per_account \(2\) reached"):
-            await anext(watchers.watch(alice, "l"))
-        await anext(watchers.watch(bob, "l"))  # another account's quota is its own
-        await streams[0].aclose()
-        await anext(watchers.watch(alice, "l"))  # a closed stream frees its place
-
-    asyncio.run(run())
+    stopping = threading.Event()
+    watchers = LineageWatchers(store, 0.05, 1.0, stopping, max_per_account=2)
+    active = lambda: True  # noqa: E731
+    streams = [watchers.watch(alice, "l", active) for _ in range(2)]
+    for stream in streams:
+        next(stream)
+    assert watchers.count(alice) == 2
+    with pytest.raises(ResourceExhausted, match=r"quota max_watches_per_account \(2\) reached"):
+        next(watchers.watch(alice, "l", active))
+    next(watchers.watch(bob, "l", active))  # another account's quota is its own
+    streams[0].close()
+    next(watchers.watch(alice, "l", active))  # a closed stream frees its place
+    stopping.set()
     db.dispose()
