@@ -13,6 +13,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class RolloutSettings(TrainyardSettings):
+    # Serving threads: a unary Sample waits in one for the engine, so they bound the requests in flight, and one
+    # account's calls are bounded below them (the engine batches up to max_num_seqs sequences; a sampling loop with
+    # more requests in flight than the quota asks for n samples per request, or queues them).
+    grpc_workers: int = Field(default=256, ge=1)
+    max_concurrent_calls_per_account: int = Field(default=128, ge=1)
     # LoRA adapters holding weights at once (least recently used are freed first and reloaded on their next use).
     max_loaded_adapters: int = Field(default=8, ge=1)
     # Full-weight versions sampled by path ("trainyard://weights/<id>") held in memory at once, each a copy of the
