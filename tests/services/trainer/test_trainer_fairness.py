@@ -71,8 +71,8 @@ def test_abandoned_far_future_calls_leave_other_accounts_served(trainer):
     time.sleep(0.5)
     finished = [f for f in futures if not f.cancel()]  # cancel() is False for a call that had ended already
     assert {f.exception().code() for f in finished} <= {grpc.StatusCode.RESOURCE_EXHAUSTED}
-    _wait_idle(server, env.bob)  # the waits ended with their clients, not after order_timeout_s
-    _served(stub, md["alice"], alice, 1)
+    _served(stub, md["alice"], alice, 1)  # the server's threads are not all held by bob's abandoned waits
+    _wait_idle(server, env.bob)  # which ended with their clients, not after order_timeout_s
     # bob's session did not use the abandoned seq_ids: its next call is seq_id 1
     _served(stub, md["bob"], bob, 1)
     for sess, who in ((alice, "alice"), (bob, "bob")):
