@@ -41,6 +41,8 @@ class Env:
         self.stub = weightsync_pb2_grpc.WeightSyncServiceStub(self.channel)
         self.parents: dict[str, str] = {}
         self.root = root
+        # An asyncio client's loop, closed after the server stops (gRPC hands it the last events of its calls then).
+        self.client_loop = asyncio.new_event_loop()
 
     def publish(self, lineage: str, content: bytes) -> wpb.WeightVersion:
         directory = self.root / "src" / lineage / str(len(self.parents))
@@ -57,6 +59,7 @@ class Env:
     def close(self) -> None:
         self.channel.close()
         self.server.stop()
+        self.client_loop.close()
         self.db.dispose()
 
 
@@ -91,7 +94,7 @@ def test_500_watchers_with_the_default_thread_count(env):
             for s in streams:
                 s.cancel()
 
-    asyncio.run(watch_all())
+    env.client_loop.run_until_complete(watch_all())
     # The pool's threads (grpc_workers) and the event loop's: none per watcher.
     assert peak["threads"] <= env.settings.grpc_workers + 1, peak
 
