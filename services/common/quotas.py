@@ -9,7 +9,7 @@ from services.common.errors import ResourceExhausted
 
 
 def quota_reached(name: str, limit: int, detail: str) -> ResourceExhausted:
-    """RESOURCE_EXHAUSTED: "quota max_sessions_per_account (8) reached: <detail> (the operator sets it with
+    """RESOURCE_EXHAUSTED: "quota max_sessions_per_account (64) reached: <detail> (the operator sets it with
     TRAINYARD_MAX_SESSIONS_PER_ACCOUNT)"."""
     return ResourceExhausted(f"quota {name} ({limit}) reached: {detail} (the operator sets it with "
                              f"TRAINYARD_{name.upper()})")

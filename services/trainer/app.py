@@ -28,7 +28,7 @@ class TrainerSettings(TrainyardSettings):
     micro_batch_tokens: int = Field(default=2048, ge=1)
     # Quota: open Training API sessions per account on this trainer (each holds an adapter and its AdamW state, or
     # for a full-parameter session a copy of the model); CreateSession beyond it is RESOURCE_EXHAUSTED.
-    max_sessions_per_account: int = Field(default=8, ge=1)
+    max_sessions_per_account: int = Field(default=64, ge=1)
 
 
 WEIGHT_KINDS = {"lora_adapter": weightsync_pb2.WEIGHT_KIND_LORA_ADAPTER, "full": weightsync_pb2.WEIGHT_KIND_FULL}

@@ -159,7 +159,7 @@ def _state_checkpoint_id(path: str, field_name: str) -> str:
 class SessionManager:
     def __init__(self, db: Database, blobs: BlobStore, publish, order_timeout_s: float = 600.0,
                  deterministic: bool = False, micro_batch_tokens: int = 2048, device: str | None = None,
-                 max_sessions_per_account: int = 8):
+                 max_sessions_per_account: int = 64):
         self.db = db
         self.blobs = blobs
         # (api_key, session, directory, kind "lora_adapter" | "full") -> version id; Unavailable when it cannot
