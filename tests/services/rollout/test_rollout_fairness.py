@@ -16,10 +16,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+from rollout_reference import SMALL_POOL_MB, write_adapter
 from safetensors.torch import load_file, save_file
 from sqlalchemy import select
 
-from rollout_reference import SMALL_POOL_MB, write_adapter
 from services.common import registry
 from services.common.auth import create_account
 from services.common.blobstore import BlobStore
@@ -27,7 +27,6 @@ from services.common.calls import Cancellation
 from services.common.channels import auth_metadata, wait_healthy
 from services.common.db import Database, migrate
 from services.common.errors import Cancelled, ResourceExhausted, Unavailable
-from trainyard.localstack import ROOT, free_port
 from services.common.schema import SHARED_SCOPE, Checkpoint, Deployment, new_id, utcnow
 from services.rollout.app import build as build_rollout
 from services.rollout.engine import Engine
@@ -38,9 +37,13 @@ from services.rollout.templates import TemplateSandbox
 from services.rollout.weights import WeightFollower
 from services.scheduler.app import RolloutGateway
 from services.scheduler.deployments import DeploymentCore
-from services.weightsync.app import WeightSyncSettings, build as build_weightsync
+from services.weightsync.app import WeightSyncSettings
+from services.weightsync.app import build as build_weightsync
 from services.weightsync.client import publish_dir
-from trainyard.v1 import common_pb2, rollout_pb2 as rpb, rollout_pb2_grpc, weightsync_pb2 as wpb, weightsync_pb2_grpc
+from trainyard.localstack import ROOT, free_port
+from trainyard.v1 import common_pb2, rollout_pb2_grpc, weightsync_pb2_grpc
+from trainyard.v1 import rollout_pb2 as rpb
+from trainyard.v1 import weightsync_pb2 as wpb
 
 FOLLOWED = 80  # lineage deployments of one rollout (the old design held 2 threads each, and 1 of weight sync's 64)
 
@@ -285,9 +288,9 @@ def test_a_busy_template_does_not_hold_the_rollouts_shutdown(env, template_model
                 "127.0.0.1", "TRAINYARD_ROLLOUT_PORT": str(port), "TRAINYARD_WEIGHTSYNC_URL": env.ws_target,
                 "TRAINYARD_SHUTDOWN_GRACE_S": "30", "TRAINYARD_TORCH_THREADS": "1",
                 "TRAINYARD_KV_CACHE_MB": str(SMALL_POOL_MB), "TRAINYARD_CHAT_TEMPLATE_CPU_S": "5"}
-    log = open(tmp_path / "rollout.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "services.rollout"], env=proc_env, cwd=ROOT, stdout=log,
-                            stderr=subprocess.STDOUT)
+    with open(tmp_path / "rollout.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "services.rollout"], env=proc_env, cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT)
     try:
         wait_healthy(f"127.0.0.1:{port}", timeout_s=120)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -305,4 +308,3 @@ def test_a_busy_template_does_not_hold_the_rollouts_shutdown(env, template_model
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        log.close()

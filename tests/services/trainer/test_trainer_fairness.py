@@ -12,14 +12,15 @@ import time
 
 import grpc
 import pytest
-
 from api_helpers import ADAM, ApiEnv, lora, sft_datum, wire
+
 from services.common.auth import issue_key
 from services.common.calls import Cancellation
 from services.common.channels import auth_metadata
 from services.common.errors import Cancelled
 from services.trainer.app import TrainerSettings, build
-from trainyard.v1 import trainer_pb2 as pb, trainer_pb2_grpc
+from trainyard.v1 import trainer_pb2 as pb
+from trainyard.v1 import trainer_pb2_grpc
 
 WORKERS = 8
 PER_ACCOUNT = 4

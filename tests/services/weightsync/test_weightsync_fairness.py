@@ -21,7 +21,8 @@ from services.weightsync.app import WeightSyncSettings, build
 from services.weightsync.client import publish_dir
 from services.weightsync.store import FileSpec, PublishHeader, VersionQuotas, WeightStore, check_header
 from services.weightsync.watch import LineageWatchers
-from trainyard.v1 import common_pb2, weightsync_pb2 as wpb, weightsync_pb2_grpc
+from trainyard.v1 import common_pb2, weightsync_pb2_grpc
+from trainyard.v1 import weightsync_pb2 as wpb
 
 WATCHERS = 500
 
@@ -165,7 +166,10 @@ def test_watchers_are_bounded_per_account(tmp_path):
         store.publish(account, PublishHeader("l", "", "lora_adapter", "tiny", [FileSpec("f", _sha(b""), 0)], {}), [])
     stopping = threading.Event()
     watchers = LineageWatchers(store, 0.05, 1.0, stopping, max_per_account=2)
-    active = lambda: True  # noqa: E731
+
+    def active() -> bool:
+        return True
+
     streams = [watchers.watch(alice, "l", active) for _ in range(2)]
     for stream in streams:
         next(stream)
