@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent import futures
 
 import grpc
@@ -103,7 +103,7 @@ class _PooledCall:
         """Run fn in the pool without waiting for it (e.g. closing a stream the client left)."""
         self.pool.submit(self._in_context, fn, *args)
 
-    def requests(self, request_iterator) -> object:
+    def requests(self, request_iterator) -> Iterator:
         """The client's async stream of messages as a blocking iterator for the pool; it ends the call as
         CANCELLED when the client goes away."""
         def read():
@@ -204,7 +204,6 @@ class AsyncServer(Server):
                                              name=f"{self.spec.name}-loop")
         self._loop_thread.start()
         self.pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=self.spec.name)
-        self.loop.set_default_executor(self.pool)  # asyncio.to_thread in async handlers: the same bounded pool
 
         async def make():
             return grpc.aio.server(self.pool, interceptors=[AsyncCallInterceptor(self.interceptor, self.pool)],

@@ -148,10 +148,6 @@ class WeightFollower:
         with follow.cv:
             return follow.served, follow.error
 
-    def following(self) -> list[str]:
-        with self._lock:
-            return list(self._follows)
-
     def forget(self, deployment_id: str) -> bool:
         """Stop following; unload what was served (running requests finish first)."""
         with self._lock:
