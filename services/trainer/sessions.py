@@ -13,8 +13,7 @@ Ordering: every call carries seq_id (0 = the next one); a session runs seq_id n 
 wait up to order_timeout_s, so clients may pipeline). A ForwardBackwardStream's turn starts when its header arrives
 and its seq_id is the session's next; it keeps the turn until its last datum is in. A call whose client leaves (cancels,
 or its deadline passes) while it waits for its turn returns at once (CANCELLED) without using its seq_id, so the
-client may send that seq_id again; waiting costs the server nothing once the client is gone. A call computes outside
-the session's condition lock, holding the turn (`running`), so leaving calls and new arrivals never wait for it.
+client may send that seq_id again; waiting costs the server nothing once the client is gone.
 
 Failure: a call with bad input fails with INVALID_ARGUMENT naming the field ("data[2].loss_fn_inputs['advantages']")
 in its turn, uses up its seq_id and changes nothing: every datum of a unary call is checked before any compute; a
@@ -51,7 +50,7 @@ from services.common import registry
 from services.common.blobstore import BlobStore, StoredFile
 from services.common.calls import NEVER, Cancellation
 from services.common.db import Database
-from services.common.errors import FailedPrecondition, InvalidArgument, not_found
+from services.common.errors import Cancelled, FailedPrecondition, InvalidArgument, TrainyardError, not_found
 from services.common.quotas import check_quota
 from services.common.schema import Checkpoint, TrainingSession, new_id, utcnow
 from services.trainer.bases import ModelHolder, ModelPool
@@ -61,7 +60,6 @@ from services.trainer.engine.checkpoint import (
     STATE_DIR, WEIGHTS_DIR, CheckpointMismatch, EngineCheckpoint, is_training_state, read_checkpoint,
 )
 from services.trainer.engine.forward_backward import LossCall, check_loss_request, run_call
-from services.trainer.ordering import run_in_order
 from services.trainer.session_spec import (
     CreateSpec, LoraSpec, check_create_matches_state, resolve_lora, state_mismatch,
 )
@@ -182,20 +180,14 @@ class SessionManager:
             raise InvalidArgument("must be unset for a full-parameter session", field="lora")
         if spec.with_optimizer and not spec.from_state:
             raise InvalidArgument("only applies with from_state", field="with_optimizer")
-        with self._session_slot(account_id):
-            return self._create(account_id, spec)
-
-    @contextlib.contextmanager
-    def _session_slot(self, account_id: str) -> Iterator[None]:
-        """Room for one more open session of the account (quota max_sessions_per_account), held while it is built."""
-        with self._lock:
+        with self._lock:  # room for one more open session of the account, held while it is built
             open_now = sum(1 for sess in self._sessions.values() if sess.account_id == account_id)
             check_quota("max_sessions_per_account", self.max_sessions_per_account,
                         open_now + self._creating[account_id],
                         "the account has that many open training sessions on this trainer; close one first")
             self._creating[account_id] += 1
         try:
-            yield
+            return self._create(account_id, spec)
         finally:
             with self._lock:
                 self._creating[account_id] -= 1
@@ -328,7 +320,44 @@ class SessionManager:
 
     # -- ordered calls ---------------------------------------------------------------------------------------------
     def _in_order(self, sess: Session, seq_id: int, fn, cancel: Cancellation = NEVER):
-        return run_in_order(sess, seq_id, fn, cancel, self.order_timeout_s)
+        """fn() in seq_id's turn, computed outside sess.cond holding the turn (`running`), so a waiting call whose
+        client leaves (cancel) returns at once."""
+        def wake() -> None:
+            with sess.cond:
+                sess.cond.notify_all()
+
+        cancel.add_callback(wake)
+        with sess.cond:
+            first_free = sess.next_seq_id + sess.running
+            if seq_id == 0:
+                seq_id = first_free
+            if seq_id < first_free:
+                raise InvalidArgument(f"seq_id {seq_id} was already used; the session expects {first_free}",
+                                      field="seq_id")
+            turn = sess.cond.wait_for(lambda: (sess.next_seq_id == seq_id and not sess.running) or sess.closed
+                                      or cancel.cancelled, self.order_timeout_s)
+            if cancel.cancelled:
+                raise Cancelled(f"the client left before seq_id {seq_id}'s turn; the seq_id was not used")
+            if not turn:
+                raise FailedPrecondition(f"seq_id {seq_id} waited {self.order_timeout_s:.0f}s for seq_id "
+                                         f"{sess.next_seq_id}, which never arrived")
+            if sess.closed:
+                raise FailedPrecondition(f"session '{sess.id}' is closed")
+            sess.running = True
+        try:
+            if sess.error:
+                raise FailedPrecondition(f"session '{sess.id}' failed earlier ({sess.error}); create a new one")
+            return fn()
+        except TrainyardError:
+            raise
+        except Exception as exc:
+            sess.error = f"seq_id {seq_id}: {type(exc).__name__}: {exc}"
+            raise
+        finally:
+            with sess.cond:
+                sess.next_seq_id = seq_id + 1
+                sess.running = False
+                sess.cond.notify_all()
 
     def _loss_call(self, sess: Session, loss_fn: str, config: dict, micro_batch_tokens: int, backward: bool,
                    prefix: str = "") -> LossCall:
