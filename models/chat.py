@@ -32,7 +32,7 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_genera
     return _encode(tokenizer, text)
 
 
-def _check_messages(tokenizer: PreTrainedTokenizerBase, messages) -> None:
+def check_messages(tokenizer: PreTrainedTokenizerBase, messages) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("The tokenizer has no chat template; use prompt/completion rows or a chat model's tokenizer")
     if not isinstance(messages, list) or not messages:
@@ -44,7 +44,7 @@ def _check_messages(tokenizer: PreTrainedTokenizerBase, messages) -> None:
 
 def encode_chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
     """Token ids of the conversation followed by the assistant generation prompt, ready for sampling."""
-    _check_messages(tokenizer, messages)
+    check_messages(tokenizer, messages)
     return _render(tokenizer, messages, add_generation_prompt=True)
 
 
@@ -53,7 +53,7 @@ def _is_prefix(prefix: list[int], full: list[int]) -> bool:
 
 
 def _chat_example(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> SftExample:
-    _check_messages(tokenizer, messages)
+    check_messages(tokenizer, messages)
     if messages[0]["role"] == "assistant":
         # The assistant header can only be located by rendering the (empty) conversation before it, which
         # transformers refuses to render.

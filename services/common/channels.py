@@ -5,18 +5,29 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
+def _options(max_message_mb: int) -> list[tuple[str, int]]:
+    size = max_message_mb * 1024 * 1024
+    return [("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),
+            ("grpc.enable_http_proxy", 0), ("grpc.use_local_subchannel_pool", 1),
+            ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]
+
+
 def open_channel(target: str, max_message_mb: int = 64,
                  credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
     """A channel between services: TLS with credentials (TrainyardSettings.channel_credentials()), else plain TCP.
     Reconnect backoff is capped at 2 s (gRPC's default grows to 2 minutes), so a restarted peer is reached again
     within seconds."""
-    size = max_message_mb * 1024 * 1024
-    options = [("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),
-               ("grpc.enable_http_proxy", 0), ("grpc.use_local_subchannel_pool", 1),
-               ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]
     if credentials is not None:
-        return grpc.secure_channel(target, credentials, options=options)
-    return grpc.insecure_channel(target, options=options)
+        return grpc.secure_channel(target, credentials, options=_options(max_message_mb))
+    return grpc.insecure_channel(target, options=_options(max_message_mb))
+
+
+def open_aio_channel(target: str, max_message_mb: int = 64,
+                     credentials: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
+    """open_channel's asyncio twin, for many long streams served by one event loop (call it on that loop)."""
+    if credentials is not None:
+        return grpc.aio.secure_channel(target, credentials, options=_options(max_message_mb))
+    return grpc.aio.insecure_channel(target, options=_options(max_message_mb))
 
 
 def ready(channel: grpc.Channel, timeout_s: float) -> bool:

@@ -64,6 +64,10 @@ class TrainyardSettings(BaseSettings):
     # Threads serving RPCs per service. Long calls (WatchJob streams, ordered Training API calls waiting their turn)
     # hold one each; beyond twice this many calls in flight a service answers RESOURCE_EXHAUSTED instead of queueing.
     grpc_workers: int = Field(default=64, ge=1)
+    # Quota: calls one account may have in flight on one service (each holds a serving thread while it runs or
+    # waits, e.g. an ordered Training API call waiting for its turn). Beyond it the account's calls are refused with
+    # RESOURCE_EXHAUSTED, so keep it below grpc_workers: the threads left over serve the other accounts.
+    max_concurrent_calls_per_account: int = Field(default=32, ge=1)
     grpc_max_message_mb: int = Field(default=64, ge=4, le=2047)
     shutdown_grace_s: float = Field(default=30.0, ge=0, description="How long SIGTERM waits for in-flight calls.")
     # CPU threads for torch in this process (0 = torch's default). Several processes sharing few cores run far

@@ -9,6 +9,10 @@
   session or job the request names), and logs the call: at DEBUG when it succeeded, at INFO with its code otherwise.
 - A server stream re-checks its caller's key every auth_recheck_s: once the key is revoked, the stream ends with
   UNAUTHENTICATED (the servicer's context.is_active() turns False, so watch loops stop at their next poll).
+- It bounds the calls one account has in flight (max_concurrent_calls_per_account, RESOURCE_EXHAUSTED naming the
+  quota), so one account cannot take every serving thread from the others, and gives each call a Cancellation
+  (services/common/calls.py, `calls.current()`) that is cancelled when the client cancels, the deadline passes or the
+  call ends, which servicers hand to their cores.
 - TLS when the settings name a certificate (services/common/config.py), mutual TLS when they name a client CA.
 - The standard grpc.health.v1 service and server reflection are registered for every service.
 - SIGTERM/SIGINT: health flips to NOT_SERVING, new calls are refused, in-flight calls get shutdown_grace_s to finish,
@@ -23,6 +27,7 @@ import secrets
 import signal
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -35,8 +40,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
-from services.common import auth, logs, metrics, request_checks
+from services.common import auth, calls, logs, metrics, request_checks
 from services.common.errors import InvalidArgument, TrainyardError, Unauthenticated, log_internal
+from services.common.quotas import quota_reached
 
 log = logging.getLogger("trainyard.grpc")
 rpc_log = logging.getLogger("trainyard.rpc")
@@ -91,6 +97,41 @@ def _fail(context: grpc.ServicerContext, method: str, exc: Exception) -> None:
     context.abort_with_status(rpc_status.to_status(status))
 
 
+class AccountCalls:
+    """Calls in flight per account, at most `limit` each."""
+
+    def __init__(self, limit: int, service: str):
+        self.limit, self.service = limit, service
+        self._lock = threading.Lock()
+        self._in_flight: Counter[str] = Counter()
+
+    def acquire(self, account_id: str) -> None:
+        with self._lock:
+            if self._in_flight[account_id] >= self.limit:
+                raise quota_reached("max_concurrent_calls_per_account", self.limit,
+                                    f"the account has {self.limit} calls in flight on the {self.service}; "
+                                    "retry when some have finished")
+            self._in_flight[account_id] += 1
+
+    def release(self, account_id: str) -> None:
+        with self._lock:
+            self._in_flight[account_id] -= 1
+            if not self._in_flight[account_id]:
+                del self._in_flight[account_id]
+
+    def in_flight(self, account_id: str) -> int:
+        with self._lock:
+            return self._in_flight[account_id]
+
+
+def _cancellation(context: grpc.ServicerContext) -> calls.Cancellation:
+    """Cancelled when the call terminates: client cancel, deadline, or its end (add_callback's contract)."""
+    cancellation = calls.Cancellation()
+    if not context.add_callback(cancellation.cancel):  # the call has terminated already
+        cancellation.cancel()
+    return cancellation
+
+
 class _KeyWatch:
     """Whether a long call's API key still authenticates, asked of the database at most every recheck_s."""
 
@@ -128,12 +169,17 @@ class _StreamContext:
 
 
 class CallInterceptor(grpc.ServerInterceptor):
-    """Authenticates (unless the method is public), checks the request and translates exceptions for all four RPC
-    shapes."""
+    """Authenticates (unless the method is public), bounds each account's calls in flight, gives the call its
+    Cancellation, checks the request, observes the call and translates exceptions, for all four RPC shapes."""
 
-    def __init__(self, authenticate: Callable[[str | None], auth.Caller], auth_recheck_s: float = 2.0):
+    def __init__(self, authenticate: Callable[[str | None], auth.Caller], account_calls: AccountCalls,
+                 auth_recheck_s: float = 2.0, count_streams: bool = True):
+        """count_streams: whether a server stream counts against its account's calls in flight for its whole life
+        (it holds a thread on a threaded server; not on the asyncio one)."""
         self._authenticate = authenticate
+        self._account_calls = account_calls
         self._recheck_s = auth_recheck_s
+        self._count_streams = count_streams
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -144,13 +190,25 @@ class CallInterceptor(grpc.ServerInterceptor):
         key = auth.key_from_metadata(metadata)
         authenticate, recheck_s = self._authenticate, self._recheck_s
 
+        counted = self._count_streams or not handler.unary_stream
+        account_calls = self._account_calls if counted else None
+
         def enter(context):
             try:
                 caller = authenticate(key)
+                if account_calls is not None:
+                    account_calls.acquire(caller.account_id)
             except Exception as exc:  # noqa: BLE001 - e.g. the database is down while checking the key
                 _fail(context, method, exc)
             logs.annotate(account_id=caller.account_id)
-            return auth.set_caller(caller)
+            return caller, auth.set_caller(caller), calls.set_current(_cancellation(context))
+
+        def leave(entered) -> None:
+            caller, caller_token, cancellation_token = entered
+            calls.reset_current(cancellation_token)
+            auth.reset_caller(caller_token)
+            if account_calls is not None:
+                account_calls.release(caller.account_id)
 
         def checked(request, streamed: bool):
             return request_checks.check_stream(request) if streamed else request_checks.check(request)
@@ -158,19 +216,19 @@ class CallInterceptor(grpc.ServerInterceptor):
         def unary(fn, streamed: bool):
             def wrapped(request, context):
                 with observed(method, metadata, request, context):
-                    token = enter(context)
+                    entered = enter(context)
                     try:
                         return fn(checked(request, streamed), context)
                     except Exception as exc:  # noqa: BLE001 - the one place exceptions become statuses
                         _fail(context, method, exc)
                     finally:
-                        auth.reset_caller(token)
+                        leave(entered)
             return wrapped
 
         def streaming(fn, streamed: bool):
             def wrapped(request, context):
                 with observed(method, metadata, request, context):
-                    token = enter(context)
+                    entered = enter(context)
                     live = _KeyWatch(authenticate, key, recheck_s)
                     try:
                         for item in fn(checked(request, streamed), _StreamContext(context, live)):
@@ -180,7 +238,7 @@ class CallInterceptor(grpc.ServerInterceptor):
                     except Exception as exc:  # noqa: BLE001 - the one place exceptions become statuses
                         _fail(context, method, exc)
                     finally:
-                        auth.reset_caller(token)
+                        leave(entered)
             return wrapped
 
         kw = dict(request_deserializer=request_checks.deserializer(handler.request_deserializer),
@@ -245,21 +303,22 @@ class ServiceSpec:
 class Server:
     """credentials: TLS (grpc.ssl_server_credentials), None for plain TCP."""
 
+    streams_hold_threads = True  # each open server stream holds a thread of the pool (see _grpc_server)
+
     def __init__(self, spec: ServiceSpec, *, port: int, host: str, authenticate, workers: int,
-                 max_message_mb: int, grace_s: float, auth_recheck_s: float = 2.0,
+                 max_message_mb: int, grace_s: float, max_calls_per_account: int, auth_recheck_s: float = 2.0,
                  credentials: grpc.ServerCredentials | None = None, metrics_port: int = 0):
         self.spec = spec
         self.grace_s = grace_s
         self.host, self.metrics_port = host, metrics_port
         self._metrics = None
         size = max_message_mb * 1024 * 1024
-        self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=spec.name),
-            interceptors=[CallInterceptor(authenticate, auth_recheck_s)],
-            maximum_concurrent_rpcs=2 * workers,
-            options=[("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),
-                     ("grpc.so_reuseport", 0)],
-        )
+        self.account_calls = AccountCalls(max_calls_per_account, spec.name)
+        self.interceptor = CallInterceptor(authenticate, self.account_calls, auth_recheck_s,
+                                           self.streams_hold_threads)
+        self.server = self._grpc_server(workers, options=[
+            ("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),
+            ("grpc.so_reuseport", 0)])
         spec.register(self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -275,10 +334,22 @@ class Server:
         self.stopping = spec.stopping
         self._threads: list[threading.Thread] = []
 
+    def _grpc_server(self, workers: int, options: list[tuple]) -> grpc.Server:
+        """Threaded: each call holds one of `workers` threads; beyond twice that many calls in flight, new ones are
+        refused (RESOURCE_EXHAUSTED) rather than queued."""
+        return grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=self.spec.name),
+                           interceptors=[self.interceptor], maximum_concurrent_rpcs=2 * workers, options=options)
+
+    def _start_grpc(self) -> None:
+        self.server.start()
+
+    def _stop_grpc(self) -> None:
+        self.server.stop(self.grace_s).wait()
+
     def start(self) -> None:
         if self.metrics_port:
             self._metrics = metrics.serve(self.host, self.metrics_port)
-        self.server.start()
+        self._start_grpc()
         for fn in self.spec.background:
             t = threading.Thread(target=fn, args=(self.stopping,), daemon=True, name=f"{self.spec.name}-bg")
             t.start()
@@ -294,7 +365,7 @@ class Server:
         self.stopping.set()
         self.health.enter_graceful_shutdown()
         log.info("%s shutting down (grace %.0fs)", self.spec.name, self.grace_s)
-        self.server.stop(self.grace_s).wait()
+        self._stop_grpc()
         for t in self._threads:
             t.join(timeout=self.grace_s)
         if self.spec.on_shutdown is not None:
@@ -321,14 +392,17 @@ class Server:
         self.stop()
 
 
-def service_server(spec: ServiceSpec, settings, port: int, db) -> Server:
-    """A Server for one service, configured from the shared settings and authenticating against db."""
+def service_server(spec: ServiceSpec, settings, port: int, db, server_cls: type[Server] = Server) -> Server:
+    """A Server (or server_cls: services/common/aioserver.py's AsyncServer) for one service, configured from the
+    shared settings and authenticating against db."""
     from services.common.auth import KeyAuthenticator
 
-    return Server(spec, port=port, host=settings.host, authenticate=KeyAuthenticator(db).authenticate,
-                  workers=settings.grpc_workers, max_message_mb=settings.grpc_max_message_mb,
-                  grace_s=settings.shutdown_grace_s, auth_recheck_s=settings.auth_recheck_s,
-                  credentials=settings.server_credentials(), metrics_port=settings.metrics_port)
+    return server_cls(spec, port=port, host=settings.host, authenticate=KeyAuthenticator(db).authenticate,
+                      workers=settings.grpc_workers, max_message_mb=settings.grpc_max_message_mb,
+                      grace_s=settings.shutdown_grace_s,
+                      max_calls_per_account=settings.max_concurrent_calls_per_account,
+                      auth_recheck_s=settings.auth_recheck_s, credentials=settings.server_credentials(),
+                      metrics_port=settings.metrics_port)
 
 
 def run_service(settings_cls, build: Callable[..., Server]) -> None:

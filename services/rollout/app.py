@@ -13,20 +13,22 @@ from services.rollout.openai_http import OpenAIServer
 from services.rollout.pinned import PinnedWeights
 from services.rollout.servicer import RolloutServicer
 from services.rollout.settings import RolloutSettings
+from services.rollout.templates import TemplateSandbox
 from services.rollout.weights import WeightFollower
 from trainyard.v1 import rollout_pb2, rollout_pb2_grpc as rpc
 
 
 def kv_gauges(engine: Engine) -> metrics.Gauges:
-    """trainyard_kv_cache_blocks{model, state=used|total} of every loaded base model, read when scraped."""
+    """trainyard_kv_cache_blocks{model, state=used|total} of every KV pool (named by the models sharing it), read when
+    scraped."""
     def read() -> dict[str, dict]:
         values = {}
         for model_dir, (used, total) in engine.kv_usage().items():
             values[(model_dir, "used")], values[(model_dir, "total")] = used, total
         return {"trainyard_kv_cache_blocks": values}
 
-    return metrics.Gauges({"trainyard_kv_cache_blocks": ("KV cache blocks of each loaded base model: in use and in "
-                                                         "its pool", ["model", "state"])}, read)
+    return metrics.Gauges({"trainyard_kv_cache_blocks": ("KV cache blocks of each KV pool (the models sharing it): "
+                                                         "in use and in the pool", ["model", "state"])}, read)
 
 
 def build(settings: RolloutSettings) -> Server:
@@ -37,16 +39,19 @@ def build(settings: RolloutSettings) -> Server:
     metrics.register("kv_cache", kv_gauges(engine))
     # Deployments that follow a weight lineage hot-load its versions from the weight-sync service.
     follower = WeightFollower(engine, settings.weightsync_url, settings.data_dir / "rollout",
-                              credentials=settings.channel_credentials())
+                              credentials=settings.channel_credentials(), load_workers=settings.weight_load_workers)
     # Weight versions sampled by path ("trainyard://weights/<id>"), fetched over the follower's channel.
     pinned = PinnedWeights(engine, follower.stub, settings.data_dir / "rollout" / "pinned",
                            settings.max_pinned_full_versions)
-    core = SamplingCore(db, BlobStore(settings.blob_dir), engine, settings.adapters_dir(), follower, pinned)
+    templates = TemplateSandbox(settings.chat_template_workers, settings.chat_template_cpu_s,
+                                settings.chat_template_memory_mb)
+    core = SamplingCore(db, BlobStore(settings.blob_dir), engine, settings.adapters_dir(), follower, pinned, templates)
 
     def register(server) -> None:
         rpc.add_RolloutServiceServicer_to_server(RolloutServicer(core), server)
 
     def shutdown() -> None:
+        templates.close()
         follower.close()
         engine.close()
         db.dispose()

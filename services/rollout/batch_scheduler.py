@@ -15,6 +15,8 @@ partial last block copied on first write. Each step (`schedule`):
    admitted when its first chunk's blocks fit and the batch has room for its samples (a request with n samples
    counts n; one alone is admitted even when n exceeds max_num_seqs, and its samples then run max_num_seqs at a
    time).
+When the allocator is shared (a KVArena: other engine cores hold some blocks), a step may schedule nothing: this
+core's sequences were preempted or wait, holding no block, until the others return theirs.
 A prefill longer than the remaining budget is split into chunks (chunked prefill); a chunk that does not reach the
 end of a sequence's known tokens produces no sample.
 """
@@ -102,9 +104,10 @@ class BatchSchedulerOutput:
 
 
 class BatchScheduler:
-    def __init__(self, config: BatchSchedulerConfig):
+    def __init__(self, config: BatchSchedulerConfig, blocks: BlockAllocator | None = None):
+        """blocks: the allocator, when it is shared with other schedulers (a KVArena); else a private one."""
         self.config = config
-        self.blocks = BlockAllocator(config.num_blocks, config.block_size)
+        self.blocks = blocks if blocks is not None else BlockAllocator(config.num_blocks, config.block_size)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._ids = itertools.count()
@@ -133,14 +136,13 @@ class BatchScheduler:
         while i < len(self.running) and budget > 0 and len(scheduled) < cfg.max_num_seqs:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed, budget)
-            while not self.blocks.can_append(seq.block_table, seq.num_computed, num_new):
+            while not self._try_append(seq, num_new, copies, scheduled):
                 victim = self.running.pop()  # the newest; never one scheduled already (those are before i)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                self._append(seq, num_new, copies, scheduled)
                 budget -= num_new
                 i += 1
         # A prompt sequence becomes n sample sequences: count them as such against the batch size.
@@ -152,20 +154,24 @@ class BatchScheduler:
                 break
             occupied += samples
             num_new = min(seq.num_tokens - seq.num_computed, budget)
-            if not self.blocks.can_append(seq.block_table, seq.num_computed, num_new):
+            if not self._try_append(seq, num_new, copies, scheduled):
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
-            self._append(seq, num_new, copies, scheduled)
             budget -= num_new
         return BatchSchedulerOutput(scheduled=scheduled, block_copies=copies, preempted=preempted)
 
-    def _append(self, seq: Sequence, num_new: int, copies: list, scheduled: list) -> None:
-        copy = self.blocks.append(seq.block_table, seq.num_computed, num_new)
+    def _try_append(self, seq: Sequence, num_new: int, copies: list, scheduled: list) -> bool:
+        """Take the blocks seq's next num_new tokens need and schedule it; False (nothing taken) if they are not
+        free. One step of the allocator, which a KVArena shares with other engine cores."""
+        ok, copy = self.blocks.try_append(seq.block_table, seq.num_computed, num_new)
+        if not ok:
+            return False
         if copy is not None:
             copies.append(copy)
         scheduled.append(ScheduledSeq(seq, num_new, samples=seq.num_computed + num_new == seq.num_tokens))
+        return True
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free(seq.block_table)

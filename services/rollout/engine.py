@@ -14,6 +14,11 @@ Each base model has one EngineCore (services/rollout/engine_core.py: schedule ->
 thread that runs its steps while it has requests. Requests from any thread join the running batch between steps
 (continuous batching); requests for different adapters of one base and for the base itself share every step.
 
+KV memory: one pool (services/rollout/kv_blocks.py's KVArena, kv_cache_mb) per KV layout, shared by every base model
+that caches that layout: a base and the full-weight versions or deployments of it (each its own model and loop) draw
+blocks from the same bounded pool, which holds memory only while some request holds blocks. A loop whose requests
+find no free block waits until another returns some (a request that could never fit is refused at submit).
+
 Adapters are opaque slots: an adapter id (a deployment id, or one per weight version of a deployment) names a PEFT
 directory; its weights live in the base model under an internal slot name while loaded. At most
 max_loaded_adapters hold weights at once: loading another evicts the least recently used adapter that no unfinished
@@ -45,7 +50,8 @@ from models.lora import load_peft_adapter, remove_adapter, set_active_adapter
 from models.tokenizer import eos_token_ids, load_tokenizer
 from services.common.errors import FailedPrecondition, NotFound, Unavailable
 from services.rollout import sampling
-from services.rollout.engine_core import EngineConfig, EngineCore, RequestOutput
+from services.rollout.engine_core import EngineConfig, EngineCore, RequestOutput, new_arena
+from services.rollout.kv_blocks import KVArena, KVLayout
 from services.rollout.sampling import SampledSequence, SamplingParams
 
 log = logging.getLogger("trainyard.rollout.engine")
@@ -138,6 +144,7 @@ class Engine:
         self._load_lock = threading.Lock()  # base-model loads are rare and slow; one at a time
         self._cv = threading.Condition()
         self._bases: dict[str, BaseModel] = {}
+        self._arenas: dict[KVLayout, KVArena] = {}  # one KV pool per layout, shared by its bases
         self._adapters: dict[str, _Adapter] = {}
         self._lru: OrderedDict[_Adapter, None] = OrderedDict()  # adapters holding weights, least recent first
         self._slots = itertools.count()
@@ -168,8 +175,11 @@ class Engine:
                 eos_ids = tuple(eos_token_ids(tokenizer, model_dir))
             except (OSError, ValueError) as exc:  # ModelDirError is a ValueError: the directory is not usable
                 raise FailedPrecondition(f"cannot load the base model in {model_dir}: {exc}") from None
+            layout = KVLayout.of(model.args)
+            with self._lock:
+                arena = self._arenas.get(layout) or self._arenas.setdefault(layout, new_arena(layout, cfg))
             base = BaseModel(model_dir=model_dir, model=model, tokenizer=tokenizer, eos_ids=eos_ids,
-                             core=EngineCore(model, tokenizer, cfg))
+                             core=EngineCore(model, tokenizer, cfg, arena))
             base.loop = _Loop(base)
             base.loop.start()
             with self._lock:
@@ -192,13 +202,21 @@ class Engine:
         with self._lock:
             return list(self._bases)
 
-    def kv_usage(self) -> dict[str, tuple[int, int]]:
-        """Model directory -> (KV cache blocks in use, blocks in its pool), for every loaded base model. Read
-        without the loop's lock: a scrape may see a count one step old."""
+    def kv_arenas(self) -> list[KVArena]:
         with self._lock:
-            bases = list(self._bases.values())
-        return {b.model_dir: (b.core.scheduler.blocks.num_blocks - b.core.scheduler.blocks.num_free,
-                              b.core.scheduler.blocks.num_blocks) for b in bases}
+            return list(self._arenas.values())
+
+    def kv_usage(self) -> dict[str, tuple[int, int]]:
+        """KV pool -> (blocks in use, blocks in the pool), for every pool (one per model shape, shared by the bases
+        and full-weight versions of that shape), named by the model directories on it. Read without the arenas'
+        locks: a scrape may see a count one step old."""
+        with self._lock:
+            bases, arenas = list(self._bases.values()), list(self._arenas.items())
+        names: dict[int, list[str]] = {}
+        for b in bases:
+            names.setdefault(id(b.core.scheduler.blocks), []).append(b.model_dir)
+        return {", ".join(sorted(names.get(id(a), [str(layout)]))): (a.num_blocks - a.num_free, a.num_blocks)
+                for layout, a in arenas}
 
     # ---- adapters ----------------------------------------------------------------------------------------------
 
@@ -380,10 +398,17 @@ class _Loop:
         self._collected: list[RequestOutput] = []
         self._stopped = False
         self._draining = False  # stop once there is no work left
+        self._freed = 0  # times another core (or this one) returned KV blocks to the shared arena
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"rollout-loop-{id(self):x}")
 
     def start(self) -> None:
+        self.core.arena.listen(self._on_free)
         self._thread.start()
+
+    def _on_free(self) -> None:
+        with self._cv:
+            self._freed += 1
+            self._cv.notify()
 
     def submit(self, request_id: str, add: Callable[[], None], handle: RequestHandle,
                finished: Callable[[], None]) -> None:
@@ -442,16 +467,20 @@ class _Loop:
             self._cv.notify()
 
     def _run(self) -> None:
+        starved_at = None  # _freed when the last step found every KV block held by other cores
         while True:
             with self._cv:
-                while not self._inbox and not self.core.has_work() and not self._stopped:
-                    if self._draining:
+                while not self._inbox and not self._stopped:
+                    if self.core.has_work() and starved_at != self._freed:
+                        break
+                    if self._draining and not self.core.has_work():
                         self._stopped = True
                         break
-                    self._cv.wait()
+                    self._cv.wait()  # for requests, or for blocks another core returns
                 if self._stopped:
                     break
                 inbox, self._inbox = self._inbox, []
+                freed = self._freed
             with self.base.lock:
                 for action in inbox:
                     action()
@@ -460,7 +489,9 @@ class _Loop:
                 except Exception as exc:  # the step's requests fail with it; the loop goes on
                     log.exception("engine step failed; failing its requests")
                     self.core.fail_all(exc)
+            starved_at = freed if self.core.has_work() and self.core.last_batch_size == 0 else None
             self._deliver()
+        self.core.arena.unlisten(self._on_free)
         shutting_down = Unavailable("the rollout engine is shutting down")
         self.core.fail_all(shutting_down)
         self._deliver()

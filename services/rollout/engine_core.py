@@ -22,7 +22,7 @@ import torch
 from models.moe import MoE
 from services.common import metrics
 from services.common.errors import InvalidArgument
-from services.rollout.kv_blocks import KVLayout, KVPool
+from services.rollout.kv_blocks import KVArena, KVLayout, KVPool
 from services.rollout.runner import ModelRunner, RowSample, StepBatch, StepRow
 from services.rollout.sampling import SamplingParams, SequenceBuilder, sample_generators
 from services.rollout.batch_scheduler import Request, ScheduledSeq, BatchScheduler, BatchSchedulerConfig, Sequence
@@ -36,8 +36,8 @@ class EngineConfig:
     max_num_seqs: int = 256  # sequences in one step's batch
     max_num_batched_tokens: int = 2048  # tokens in one step's forward; longer prefills are chunked
     kv_block_size: int = 16  # tokens per KV block
-    kv_cache_blocks: int | None = None  # blocks in each base model's pool; None: from kv_cache_mb
-    kv_cache_mb: int = 1024  # memory of each base model's KV pool when kv_cache_blocks is None
+    kv_cache_blocks: int | None = None  # blocks in each KV pool (one per layout); None: from kv_cache_mb
+    kv_cache_mb: int = 1024  # memory of each KV pool when kv_cache_blocks is None
     deterministic: bool = False  # batch-invariant numerics (slower): a request's output never depends on the batch
 
     def num_blocks(self, layout: KVLayout) -> int:
@@ -94,16 +94,22 @@ class _RequestState:
     forked: bool = False
 
 
+def new_arena(layout: KVLayout, config: EngineConfig) -> KVArena:
+    return KVArena(layout, config.num_blocks(layout), config.kv_block_size, config.dtype, config.device)
+
+
 class EngineCore:
-    def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig):
+    def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig, arena: KVArena | None = None):
+        """arena: the KV blocks this core shares with others of the same layout (services/rollout/engine.py keeps
+        one per layout); by default a pool of its own."""
         self.model, self.tokenizer, self.config = model, tokenizer, config
         layout = KVLayout.of(model.args)
-        num_blocks = config.num_blocks(layout)
-        self.pool = KVPool(layout, num_blocks, config.kv_block_size, config.dtype, config.device)
+        self.arena = arena if arena is not None else new_arena(layout, config)
+        assert self.arena.layout == layout, (self.arena.layout, layout)
         self.scheduler = BatchScheduler(BatchSchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            num_blocks=num_blocks, block_size=config.kv_block_size))
-        self.runner = ModelRunner(model, self.pool, deterministic=config.deterministic)
+            num_blocks=self.arena.num_blocks, block_size=config.kv_block_size), blocks=self.arena)
+        self.runner = ModelRunner(model, self.arena, deterministic=config.deterministic)
         self.moe_layers = [int(i) for i, layer in model.model.layers.items() if isinstance(layer.mlp, MoE)]
         self._requests: dict[str, _RequestState] = {}
         self.num_steps = 0
@@ -160,9 +166,14 @@ class EngineCore:
 
     # ---- the step ---------------------------------------------------------------------------------------------
 
+    @property
+    def pool(self) -> KVPool:
+        return self.arena.pool
+
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
-        if not sched.scheduled:
+        if not sched.scheduled:  # with work left: the shared arena's blocks are all held by other cores
+            self.last_batch_size = 0
             return []
         batch = StepBatch([self._row(item) for item in sched.scheduled], sched.block_copies)
         results = self.runner.execute(batch)

@@ -12,10 +12,16 @@ A sequence's block table is a list of block ids: block i holds its positions i*B
 Prefix sharing: `fork` gives another sequence the same blocks (each reference counted), e.g. the n samples of one
 prompt share the prompt's blocks. Full blocks are never written again, so only the partial last block can need a
 private copy: `append` copies it (copy-on-write) before a sequence writes into a block someone else holds.
+
+Sharing between models: a KVArena is the allocator and the pool of every engine core whose model caches the same
+layout (a base model, the full-weight versions and deployments of it, each its own model and engine loop), so their
+KV memory together stays within one pool of kv_cache_mb. Its tensors exist only while a block is in use.
 """
 from __future__ import annotations
 
+import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +70,12 @@ class BlockAllocator:
             copy = (src, dst)
         table.extend(self._take() for _ in range(new))
         return copy
+
+    def try_append(self, table: list[int], num_computed: int, num_new: int) -> tuple[bool, tuple[int, int] | None]:
+        """can_append and append as one step: (False, None) when the blocks are not free, else (True, the copy)."""
+        if not self.can_append(table, num_computed, num_new):
+            return False, None
+        return True, self.append(table, num_computed, num_new)
 
     def fork(self, table: list[int]) -> list[int]:
         """A second reference to every block of table (a new table for another sequence)."""
@@ -128,3 +140,68 @@ class KVPool:
         dst = torch.tensor([d for _, d in copies], device=self.k.device)
         self.k[:, :, dst] = self.k[:, :, src]
         self.v[:, :, dst] = self.v[:, :, src]
+
+
+class KVArena(BlockAllocator):
+    """A BlockAllocator shared by engine cores stepping in their own threads, with the KVPool its blocks index.
+
+    - Thread-safe: every operation holds the arena's lock, and try_append checks and takes a step's blocks at once.
+    - A core that finds no free block (the others hold them) does not grow anything: it waits until blocks come back
+      (`listen`: called after every free) and its requests run then; one request that could never fit the pool is
+      refused when it is submitted (EngineCore.check).
+    - The device tensors are allocated on first use and dropped when the last block comes back (every core idle), so
+      an idle arena holds no KV memory; a step holds blocks from schedule to update, so they never go mid-step.
+    """
+
+    def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str):
+        super().__init__(num_blocks, block_size)
+        self.layout, self.dtype, self.device = layout, dtype, device
+        self._lock = threading.RLock()
+        self._pool: KVPool | None = None
+        self._listeners: list[Callable[[], None]] = []
+
+    @property
+    def pool(self) -> KVPool:
+        with self._lock:
+            if self._pool is None:
+                self._pool = KVPool(self.layout, self.num_blocks, self.block_size, self.dtype, self.device)
+            return self._pool
+
+    @property
+    def allocated(self) -> bool:
+        """Whether the device tensors exist now."""
+        return self._pool is not None
+
+    def listen(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            self._listeners.append(fn)
+
+    def unlisten(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            self._listeners.remove(fn)
+
+    def can_append(self, table: list[int], num_computed: int, num_new: int) -> bool:
+        with self._lock:
+            return super().can_append(table, num_computed, num_new)
+
+    def append(self, table: list[int], num_computed: int, num_new: int) -> tuple[int, int] | None:
+        with self._lock:
+            return super().append(table, num_computed, num_new)
+
+    def try_append(self, table: list[int], num_computed: int, num_new: int) -> tuple[bool, tuple[int, int] | None]:
+        with self._lock:
+            return super().try_append(table, num_computed, num_new)
+
+    def fork(self, table: list[int]) -> list[int]:
+        with self._lock:
+            return super().fork(table)
+
+    def free(self, table: list[int]) -> None:
+        with self._lock:
+            super().free(table)
+            if self.num_free == self.num_blocks:
+                self._pool = None
+            listeners = list(self._listeners)
+        for fn in listeners:
+            fn()

@@ -27,7 +27,7 @@ from kernels.batch_invariant import batch_invariant_mode
 from kernels.paged_attention import SeqSpan
 from models.lora import LoRALinear, RowAdapters, per_row_adapters
 from models.moe import Experts, RouterReplay
-from services.rollout.kv_blocks import KVPool
+from services.rollout.kv_blocks import KVArena
 from services.rollout.paged_cache import PagedStepCache
 from services.rollout.sampling import Sampled, SampleRow, SamplingParams, sample
 
@@ -66,9 +66,9 @@ class RowResult:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, pool: KVPool, *, deterministic: bool):
-        self.model, self.pool, self.deterministic = model, pool, deterministic
-        self.device = pool.k.device
+    def __init__(self, model: torch.nn.Module, arena: KVArena, *, deterministic: bool):
+        self.model, self.arena, self.deterministic = model, arena, deterministic
+        self.device = torch.device(arena.device)
         self._mode = batch_invariant_mode if deterministic else contextlib.nullcontext
         self._workspace: dict[str, torch.Tensor] = {}  # the paged cache's gather buffers, reused every step
         self.refresh_lora()
@@ -80,7 +80,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> list[RowResult]:
-        self.pool.copy_blocks(batch.block_copies)
+        pool = self.arena.pool  # allocated while the step's sequences hold blocks
+        pool.copy_blocks(batch.block_copies)
         ids: list[int] = []
         positions: list[int] = []
         spans: list[SeqSpan] = []
@@ -90,7 +91,7 @@ class ModelRunner:
             positions += range(row.start_pos, row.start_pos + len(row.tokens))
         ids_1N = torch.tensor([ids], dtype=torch.long, device=self.device)
         positions_1N = torch.tensor([positions], dtype=torch.long, device=self.device)
-        cache = PagedStepCache(self.pool, spans, deterministic=self.deterministic, workspace=self._workspace)
+        cache = PagedStepCache(pool, spans, deterministic=self.deterministic, workspace=self._workspace)
         recorder = RouterReplay.record() if any(r.record_router for r in batch.rows) else None
         adapters_N = [row.adapter for row in batch.rows for _ in row.tokens]
 

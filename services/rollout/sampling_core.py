@@ -27,16 +27,18 @@ from pathlib import Path
 
 from sqlalchemy import select
 
-from models.chat import encode_chat_prompt
+from models.chat import check_messages
 from services.common import registry
 from services.common.blobstore import BlobStore, StoredFile
+from services.common.calls import NEVER, Cancellation
 from services.common.db import Database
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, not_found
+from services.common.errors import Cancelled, FailedPrecondition, InvalidArgument, NotFound, not_found
 from services.common.schema import Checkpoint, Deployment
 from services.rollout import sampling
 from services.rollout.engine import Engine, RequestHandle, RequestOutput
 from services.rollout.pinned import WEIGHTS_PREFIX, PinnedWeights
 from services.rollout.sampling import SampledSequence, SamplingParams
+from services.rollout.templates import TemplateSandbox
 from services.rollout.weights import WeightFollower
 
 log = logging.getLogger("trainyard.rollout")
@@ -108,19 +110,27 @@ class _Target:
 
 class SamplingCore:
     def __init__(self, db: Database, blobs: BlobStore, engine: Engine, adapters_dir: Path,
-                 follower: WeightFollower | None = None, pinned: PinnedWeights | None = None):
+                 follower: WeightFollower | None = None, pinned: PinnedWeights | None = None,
+                 templates: TemplateSandbox | None = None):
         self.db = db
         self.blobs = blobs
         self.engine = engine
         self.adapters_dir = adapters_dir
         self.follower = follower  # deployments that follow a weight lineage (services/rollout/weights.py)
         self.pinned = pinned  # weight versions sampled by path (services/rollout/pinned.py)
+        # Chat templates render in worker processes with CPU and memory limits (services/rollout/templates.py).
+        self.templates = templates if templates is not None else TemplateSandbox()
         self._materialize_lock = threading.Lock()
 
-    def sample(self, account_id: str, model: str, prompt: Prompt, params: SamplingParams,
-               api_key: str = "") -> SampleResult:
+    def sample(self, account_id: str, model: str, prompt: Prompt, params: SamplingParams, api_key: str = "",
+               cancel: Cancellation = NEVER) -> SampleResult:
+        """The whole result; when cancel fires (the client left) the engine drops the request and this raises
+        Cancelled."""
         stream = self.sample_stream(account_id, model, prompt, params, api_key)
+        cancel.add_callback(stream.handle.cancel)
         result = stream.handle.result()
+        if cancel.cancelled:
+            raise Cancelled("the client left; the request was dropped")
         return SampleResult(model=model, prompt_tokens=stream.prompt_tokens, sequences=result.sequences,
                             prompt_logprobs=result.prompt_logprobs, router_layers=stream.router_layers,
                             weight_version_id=stream.weight_version_id)
@@ -134,7 +144,7 @@ class SamplingCore:
             if target.adapter_files:
                 self.engine.load_adapter(target.adapter_id, target.model_dir, self._adapter_dir(target), eager=False)
             base = self.engine.base(target.model_dir)
-            prompt_ids = self._encode(base.tokenizer, prompt)
+            prompt_ids = self._encode(base.tokenizer, prompt, target.info.name)
             handle = self.engine.submit(target.model_dir, target.adapter_id, prompt_ids, params)
         layers = list(base.core.moe_layers) if params.return_router_ids else None
         return SampleStream(model=model, prompt_tokens=prompt_ids, router_layers=layers, handle=handle,
@@ -145,7 +155,12 @@ class SamplingCore:
             dep = registry.find_deployment(s, account_id, deployment_id) if deployment_id else None
             if dep is None:
                 raise not_found("deployment", deployment_id)
-        target = self._deployment_target(account_id, dep, api_key)
+        try:
+            target = self._deployment_target(account_id, dep, api_key)
+        except Exception:
+            if dep.lineage and self.follower is not None:  # the deployment fails: stop following its lineage
+                self.follower.forget(dep.id)
+            raise
         if target.adapter_files:
             self.engine.load_adapter(target.adapter_id, target.model_dir, self._adapter_dir(target))
         log.info("deployment %s (%s) loaded on %s", dep.id, dep.name, target.model_dir)
@@ -299,8 +314,7 @@ class SamplingCore:
 
     # ---- prompts ------------------------------------------------------------------------------------------------
 
-    @staticmethod
-    def _encode(tokenizer, prompt: Prompt) -> list[int]:
+    def _encode(self, tokenizer, prompt: Prompt, model: str) -> list[int]:
         if prompt.tokens is not None:
             return list(prompt.tokens)
         if prompt.text is not None:
@@ -310,10 +324,15 @@ class SamplingCore:
                 if role not in CHAT_ROLES:
                     raise InvalidArgument(f"must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
                                           field=f"prompt.messages[{i}].role")
+            messages = [{"role": r, "content": c} for r, c in prompt.messages]
             try:
-                return encode_chat_prompt(tokenizer, [{"role": r, "content": c} for r, c in prompt.messages])
+                check_messages(tokenizer, messages)
             except ValueError as exc:  # no chat template, or an empty conversation
                 raise InvalidArgument(str(exc), field="prompt.messages") from None
+            # As encode_chat_prompt does, with the template rendered in the sandbox rather than in this process.
+            text = self.templates.render(model, tokenizer.get_chat_template(), messages, add_generation_prompt=True,
+                                         variables=dict(tokenizer.special_tokens_map))
+            return list(tokenizer(text, add_special_tokens=False)["input_ids"])
         raise InvalidArgument("set one of text, tokens or messages", field="prompt")
 
 

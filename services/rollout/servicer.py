@@ -5,6 +5,7 @@ import contextlib
 
 import torch
 
+from services.common import calls
 from services.common.auth import current_caller
 from services.common.protoconv import opt
 from services.rollout.sampling_core import LoadedInfo, Prompt, SamplingCore
@@ -70,7 +71,7 @@ class RolloutServicer(rpc.RolloutServiceServicer):
     def Sample(self, request, context):
         caller = current_caller()
         result = self.core.sample(caller.account_id, request.model, prompt(request), sampling_params(request.params),
-                                  caller.api_key)
+                                  caller.api_key, calls.current())
         return pb.SampleResponse(model=result.model, prompt_tokens=result.prompt_tokens,
                                  sequences=[sampled_sequence(s, result.router_layers) for s in result.sequences],
                                  prompt_logprobs=result.prompt_logprobs or [],

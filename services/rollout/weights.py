@@ -18,9 +18,16 @@ A failure in 2-3 leaves n serving, is recorded (LoadedModel.weight_error, the lo
 long as m is the lineage's current version; damaged stored bytes (DATA_LOSS from the weight-sync service, which
 verifies every read) are not retried until the lineage moves on, and a deployment whose first version fails so is
 refused with DATA_LOSS.
+
+Threads: no deployment holds one. Every WatchLineage stream of this process is a task on one event loop (a thread of
+the follower's, with an asyncio channel); a new target queues its deployment's load (2-3) in a pool of load_workers
+threads, at most one load per deployment at a time (a target that arrives meanwhile is loaded next), and retries wait
+on the loop's timers. A deployment that stops being followed (forget: undeployed, or it failed to load its first
+version) cancels its watch and frees what it served: its adapter, or its full-weight copy of the base model.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import shutil
@@ -28,6 +35,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +45,7 @@ from safetensors.torch import load_file
 from models.families import family_for_config
 from models.model_dir import read_config
 from services.common import metrics
-from services.common.channels import auth_metadata, open_channel
+from services.common.channels import auth_metadata, open_aio_channel, open_channel
 from services.common.errors import DataLoss, FailedPrecondition, Unavailable
 from services.weightsync.client import fetch_delta, fetch_version
 from services.weightsync.codec import apply_delta
@@ -68,9 +76,8 @@ class _Follow:
     lineage: str
     base_model_dir: str
     api_key: str
-    served: Served | None = None
-    target: wpb.WeightVersion | None = None
-    kind: int = wpb.WEIGHT_KIND_UNSPECIFIED
+    served: Served | None = None  # switched under cv
+    target: wpb.WeightVersion | None = None  # the lineage's current version, as last watched
     error: str = ""
     data_loss: bool = False  # error is the weight-sync service's DATA_LOSS: retried only for a newer target
     fallback: str = ""  # the last delta that could not be used, and that the version was fetched whole instead
@@ -78,21 +85,34 @@ class _Follow:
     held_version_id: str = ""
     cv: threading.Condition = field(default_factory=threading.Condition)
     stopped: bool = False
-    stream: object = None  # the WatchLineage call, cancelled by forget()
-    threads: list[threading.Thread] = field(default_factory=list)
+    watch: futures.Future | None = None  # the watch task on the follower's loop
+    # Only on the loop: a load is queued or running; the timer of the next retry and the failures so far.
+    loading: bool = False
+    retry: asyncio.TimerHandle | None = None
+    failures: int = 0
 
 
 class WeightFollower:
     def __init__(self, engine, weightsync_target: str, root: Path, *,
                  stub_factory: Callable[[grpc.Channel], object] = weightsync_pb2_grpc.WeightSyncServiceStub,
-                 retry_s: tuple[float, ...] = RETRY_S, credentials: grpc.ChannelCredentials | None = None):
+                 retry_s: tuple[float, ...] = RETRY_S, credentials: grpc.ChannelCredentials | None = None,
+                 load_workers: int = 4):
         self.engine = engine
         self.root = Path(root)
         self.retry_s = retry_s
         self._channel = open_channel(weightsync_target, credentials=credentials)
-        self.stub = stub_factory(self._channel)
+        self.stub = stub_factory(self._channel)  # fetches (and the pinned versions' lookups)
         self._follows: dict[str, _Follow] = {}
         self._lock = threading.Lock()
+        self._pool = futures.ThreadPoolExecutor(max_workers=load_workers, thread_name_prefix="weights-load")
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, daemon=True, name="weights-watch").start()
+
+        async def watch_stub():
+            self._watch_channel = open_aio_channel(weightsync_target, credentials=credentials)
+            return weightsync_pb2_grpc.WeightSyncServiceStub(self._watch_channel)
+
+        self._watch_stub = asyncio.run_coroutine_threadsafe(watch_stub(), self._loop).result()
 
     # ---- what requests use -------------------------------------------------------------------------------------
 
@@ -107,7 +127,8 @@ class WeightFollower:
 
     def serve(self, deployment_id: str, lineage: str, base_model_dir: str, api_key: str) -> Served:
         """The version requests of this deployment run on now. The first call starts following the lineage and
-        returns once its current version is loaded (raising if that fails); later calls return at once."""
+        returns once its current version is loaded (raising Unavailable as soon as watching or loading fails);
+        later calls return at once."""
         with self._lock:
             follow = self._follows.get(deployment_id)
             if follow is None:
@@ -117,13 +138,16 @@ class WeightFollower:
             follow.api_key = api_key  # the newest caller's key: a revoked key stops being used
             if follow.served is not None:
                 return follow.served
-            if not follow.threads:
-                self._start(follow)
+            if follow.watch is None:
+                follow.watch = asyncio.run_coroutine_threadsafe(self._watch(follow), self._loop)
             while follow.served is None and not follow.stopped:
                 if follow.error and follow.target is not None:
                     raise (DataLoss if follow.data_loss else Unavailable)(
                         f"deployment {deployment_id} could not load version {follow.target.version} of lineage "
                         f"'{lineage}': {follow.error}")
+                if follow.error:
+                    raise Unavailable(f"deployment {deployment_id} could not load lineage '{lineage}': "
+                                      f"{follow.error}")
                 follow.cv.wait(0.2)
             if follow.served is None:
                 raise Unavailable(f"deployment {deployment_id} is being unloaded")
@@ -146,93 +170,104 @@ class WeightFollower:
         with follow.cv:
             follow.stopped = True
             follow.cv.notify_all()
-            served, stream = follow.served, follow.stream
-        if stream is not None:
-            stream.cancel()
-        if served is not None and served.adapter_id is not None:
-            self.engine.unload_adapter(served.adapter_id)
+            served = follow.served
+        if follow.watch is not None:
+            follow.watch.cancel()
+        self._loop.call_soon_threadsafe(lambda: follow.retry and follow.retry.cancel())
+        if served is not None:
+            self._unload(served)
         return True
 
     def close(self) -> None:
         for deployment_id in list(self._follows):
             self.forget(deployment_id)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        asyncio.run_coroutine_threadsafe(self._watch_channel.close(), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
         self._channel.close()
 
-    # ---- following ---------------------------------------------------------------------------------------------
+    def _unload(self, served: Served) -> None:
+        if served.adapter_id is not None:
+            self.engine.unload_adapter(served.adapter_id)  # freed when its last running request ends
+        else:  # the deployment's own copy of the base model
+            self.engine.unload_base(served.model_dir)
 
-    def _start(self, follow: _Follow) -> None:
-        for target, name in ((self._watch, "watch"), (self._sync, "sync")):
-            t = threading.Thread(target=target, args=(follow,), daemon=True,
-                                 name=f"weights-{name}-{follow.deployment_id}")
-            follow.threads.append(t)
-            t.start()
+    # ---- following (on the loop, loads in the pool) ------------------------------------------------------------
 
-    def _watch(self, follow: _Follow) -> None:
+    async def _watch(self, follow: _Follow) -> None:
         """Keeps follow.target at the lineage's current version; reconnects after a dropped stream."""
         attempt = 0
         while not follow.stopped:
             try:
-                stream = self.stub.WatchLineage(wpb.WatchLineageRequest(lineage=follow.lineage),
-                                                metadata=auth_metadata(follow.api_key))
-                with follow.cv:
-                    follow.stream = stream
-                for state in stream:
+                stream = self._watch_stub.WatchLineage(wpb.WatchLineageRequest(lineage=follow.lineage),
+                                                       metadata=auth_metadata(follow.api_key))
+                async for state in stream:
                     attempt = 0
-                    with follow.cv:
-                        follow.kind = state.kind
-                        follow.target = state.current
-                        follow.cv.notify_all()
-                    if follow.stopped:
-                        stream.cancel()
+                    follow.target = state.current
+                    self._schedule(follow)
             except grpc.RpcError as exc:
-                if follow.stopped:
-                    return
-                with follow.cv:
-                    follow.error = f"watching lineage '{follow.lineage}': {exc.details()}"
+                follow.error = f"watching lineage '{follow.lineage}': {exc.details()}"
+                with follow.cv:  # brief: serve() waiting for the first version sees the error
                     follow.cv.notify_all()
                 log.warning("deployment %s: %s", follow.deployment_id, follow.error)
-            with follow.cv:
-                follow.cv.wait(self.retry_s[min(attempt, len(self.retry_s) - 1)])
+            await asyncio.sleep(self.retry_s[min(attempt, len(self.retry_s) - 1)])
             attempt += 1
 
-    def _sync(self, follow: _Follow) -> None:
-        """Moves the served version to follow.target, retrying failures with backoff while the target stands."""
-        attempt = 0
-        while True:
+    def _schedule(self, follow: _Follow) -> None:
+        """Queue a load of follow.target unless one is queued or running, or it is served already."""
+        target = follow.target
+        if follow.stopped or follow.loading or target is None or (
+                follow.served is not None and follow.served.version_id == target.id):
+            return
+        if follow.retry is not None:
+            follow.retry.cancel()
+            follow.retry = None
+        follow.loading = True
+        self._pool.submit(self._sync, follow, target)
+
+    def _sync(self, follow: _Follow, target: wpb.WeightVersion) -> None:
+        """In the pool: move the served version to target; on failure keep the previous one and retry later."""
+        start = time.perf_counter()
+        try:
+            served = self._load(follow, target)
+        except Exception as exc:  # noqa: BLE001 - any failure keeps the previous version serving
+            follow.error = f"version {target.version} ({target.id}): {_describe(exc)}"
             with follow.cv:
-                while not follow.stopped and (follow.target is None or (
-                        follow.served is not None and follow.served.version_id == follow.target.id)):
-                    follow.cv.wait()
-                if follow.stopped:
-                    return
-                target = follow.target
-            start = time.perf_counter()
-            try:
-                served = self._load(follow, target)
-            except Exception as exc:  # noqa: BLE001 - any failure keeps the previous version serving
-                attempt += 1
-                lost = isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.DATA_LOSS
-                with follow.cv:
-                    follow.error = f"version {target.version} ({target.id}): {_describe(exc)}"
-                    follow.data_loss = lost
-                    follow.cv.notify_all()
-                log.warning("deployment %s keeps serving %s: %s", follow.deployment_id,
-                            follow.served.version_id if follow.served else "nothing", follow.error)
-                # Wait for a newer target; a transient failure is retried before that, damaged stored bytes are not
-                # (fetching them again gives the same damage).
-                with follow.cv:
-                    follow.cv.wait_for(lambda: follow.stopped or follow.target is not target,
-                                       None if lost else self.retry_s[min(attempt - 1, len(self.retry_s) - 1)])
-                continue
-            attempt = 0
-            with follow.cv:  # no submit is between serve and pinning its adapter (see using())
-                previous, follow.served, follow.error, follow.data_loss = follow.served, served, "", False
+                follow.data_loss = isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.DATA_LOSS
                 follow.cv.notify_all()
-                if previous is not None and previous.adapter_id is not None:
-                    self.engine.unload_adapter(previous.adapter_id)  # freed when its last running request ends
-            metrics.WEIGHT_SWAP_SECONDS.observe(time.perf_counter() - start)
-            log.info("deployment %s now serves version %d (%s) of lineage '%s'", follow.deployment_id,
-                     target.version, target.id, follow.lineage)
+            log.warning("deployment %s keeps serving %s: %s", follow.deployment_id,
+                        follow.served.version_id if follow.served else "nothing", follow.error)
+            self._loop.call_soon_threadsafe(self._failed, follow, target)
+            return
+        with follow.cv:  # no submit is between serve and pinning its adapter (see using())
+            if follow.stopped:  # forgotten while it loaded: it was never served
+                self._unload(served)
+                return
+            previous, follow.served, follow.error, follow.data_loss = follow.served, served, "", False
+            follow.cv.notify_all()
+            if previous is not None and previous.adapter_id is not None:
+                self.engine.unload_adapter(previous.adapter_id)  # freed when its last running request ends
+        metrics.WEIGHT_SWAP_SECONDS.observe(time.perf_counter() - start)
+        log.info("deployment %s now serves version %d (%s) of lineage '%s'", follow.deployment_id,
+                 target.version, target.id, follow.lineage)
+        self._loop.call_soon_threadsafe(self._loaded, follow)
+
+    def _loaded(self, follow: _Follow) -> None:
+        follow.loading, follow.failures = False, 0
+        self._schedule(follow)  # a newer target may have arrived meanwhile
+
+    def _failed(self, follow: _Follow, target: wpb.WeightVersion) -> None:
+        """A transient failure is retried with backoff while the target stands; damaged stored bytes (DATA_LOSS) are
+        not (fetching them again gives the same damage): only a newer target is loaded."""
+        follow.loading = False
+        follow.failures += 1
+        if follow.target is not target:  # a newer version arrived meanwhile: load it now
+            self._schedule(follow)
+            return
+        if follow.data_loss:
+            return
+        delay = self.retry_s[min(follow.failures - 1, len(self.retry_s) - 1)]
+        follow.retry = self._loop.call_later(delay, self._schedule, follow)
 
     def _load(self, follow: _Follow, target: wpb.WeightVersion) -> Served:
         if target.kind == wpb.WEIGHT_KIND_LORA_ADAPTER:

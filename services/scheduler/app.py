@@ -127,8 +127,9 @@ def build(settings: SchedulerSettings) -> Server:
     accounts = AccountCore(db, blobs, settings.model_import_roots, [settings.data_dir, settings.blob_dir])
     planner = Planner(blobs)
     jobs = JobCore(db, ledger, dispatch, settings.watch_poll_s, stopping, planner)
-    deployments = DeploymentCore(db, rollout.load, rollout.unload)
-    datasets = DatasetStore(db, blobs, settings.max_dataset_mb * 1024 * 1024)
+    deployments = DeploymentCore(db, rollout.load, rollout.unload, settings.max_deployments_per_account)
+    datasets = DatasetStore(db, blobs, settings.max_dataset_mb * 1024 * 1024, settings.max_datasets_per_account,
+                            settings.max_dataset_mb_per_account)
 
     def register(server) -> None:
         rpc.add_AccountServiceServicer_to_server(AccountServicer(accounts), server)

@@ -11,14 +11,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 
 from services.common import blobrefs
 from services.common.blobstore import BlobStore, TooLarge
 from services.common.db import Database
 from services.common.errors import FailedPrecondition, InvalidArgument, not_found
-from services.common.schema import Dataset, Job, new_id, utcnow
+from services.common.quotas import check_quota, quota_reached
+from services.common.schema import Account, Dataset, Job, new_id, utcnow
 from services.scheduler.dataset_formats import DatasetFormat, ValidationResult, read_rows, validate_jsonl
 
 
@@ -37,10 +38,13 @@ class Staged:
 
 
 class DatasetStore:
-    def __init__(self, db: Database, blobs: BlobStore, max_bytes: int):
+    def __init__(self, db: Database, blobs: BlobStore, max_bytes: int, max_per_account: int = 1000,
+                 max_mb_per_account: int = 51_200):
         self.db = db
         self.blobs = blobs
         self.max_bytes = max_bytes
+        self.max_per_account = max_per_account
+        self.max_mb_per_account = max_mb_per_account
 
     # -- upload ------------------------------------------------------------------------------------------------
     def stage(self, chunks: Iterable[bytes]) -> Staged:
@@ -60,6 +64,8 @@ class DatasetStore:
             staged.path.unlink(missing_ok=True)
 
     def upload(self, account_id: str, header: UploadHeader, chunks: Iterable[bytes]) -> tuple[Dataset, bool]:
+        with self.db.session() as s:  # refused before the bytes travel when the count is already reached
+            self._check_quotas(s, account_id, 0)
         staged = self.stage(chunks)
         try:
             result = validate_jsonl(staged.path, header.format)
@@ -69,6 +75,8 @@ class DatasetStore:
             existing = self._live_by_sha(account_id, staged.sha256, fmt)
             if existing is not None:
                 return existing, True
+            with self.db.session() as s:  # before storing anything; checked again with the row, under the lock
+                self._check_quotas(s, account_id, staged.size_bytes)
             name = (header.name or Path(header.filename).stem or "dataset")[:256]
             row = Dataset(id=new_id("ds"), account_id=account_id, name=name,
                           filename=header.filename, format=fmt, num_rows=result.num_rows,
@@ -77,6 +85,8 @@ class DatasetStore:
                 save.commit(staged.path, staged.sha256)
                 try:
                     with self.db.session() as s:
+                        s.get(Account, account_id, with_for_update=True)  # one account's uploads count one at a time
+                        self._check_quotas(s, account_id, staged.size_bytes)
                         s.add(row)
                 except IntegrityError:  # the same content raced in from another upload: that one wins
                     existing = self._live_by_sha(account_id, staged.sha256, fmt)
@@ -86,6 +96,18 @@ class DatasetStore:
             return row, False
         finally:
             staged.path.unlink(missing_ok=True)
+
+    def _check_quotas(self, s, account_id: str, adding_bytes: int) -> None:
+        """Quotas on the account's live datasets: their count, and their bytes with adding_bytes more."""
+        count, size = s.execute(select(func.count(), func.coalesce(func.sum(Dataset.size_bytes), 0)).where(
+            Dataset.account_id == account_id, Dataset.deleted_at.is_(None))).one()
+        check_quota("max_datasets_per_account", self.max_per_account, count,
+                    "the account has that many datasets; delete one first")
+        limit = self.max_mb_per_account * (1 << 20)
+        if size + adding_bytes > limit:
+            raise quota_reached("max_dataset_mb_per_account", self.max_mb_per_account,
+                                f"the account's datasets hold {size / (1 << 20):.1f} MB and this one "
+                                f"{adding_bytes / (1 << 20):.1f} MB more; delete some first")
 
     def _live_by_sha(self, account_id: str, sha: str, fmt: str) -> Dataset | None:
         with self.db.session() as s:

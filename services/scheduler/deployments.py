@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable
 
 import grpc
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 
 from services.common import registry
@@ -26,7 +26,8 @@ from services.common.errors import (
     Unavailable,
     not_found,
 )
-from services.common.schema import Checkpoint, Deployment, Job, WeightLineage, new_id, utcnow
+from services.common.quotas import check_quota
+from services.common.schema import Account, Checkpoint, Deployment, Job, WeightLineage, new_id, utcnow
 
 log = logging.getLogger("trainyard.deployments")
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -41,10 +42,11 @@ LoadFn = Callable[[str, str], None]
 
 
 class DeploymentCore:
-    def __init__(self, db: Database, load: LoadFn, unload: LoadFn):
+    def __init__(self, db: Database, load: LoadFn, unload: LoadFn, max_per_account: int = 32):
         self.db = db
         self.load = load
         self.unload = unload
+        self.max_per_account = max_per_account
 
     def create(self, account_id: str, api_key: str, name: str, checkpoint_id: str, job_id: str,
                lineage: str = "") -> Deployment:
@@ -54,6 +56,12 @@ class DeploymentCore:
         if sum(map(bool, (checkpoint_id, job_id, lineage))) != 1:
             raise InvalidArgument("give exactly one of checkpoint_id, job_id and lineage", field="checkpoint_id")
         with self.db.session() as s:
+            s.get(Account, account_id, with_for_update=True)  # one account's creates count one at a time
+            live = s.scalar(select(func.count()).select_from(Deployment).where(
+                Deployment.account_id == account_id, Deployment.deleted_at.is_(None),
+                Deployment.status.in_(("deploying", "ready"))))
+            check_quota("max_deployments_per_account", self.max_per_account, live,
+                        "the account has that many live deployments; delete one first")
             if lineage:
                 followed = s.scalar(select(WeightLineage).where(WeightLineage.account_id == account_id,
                                                                 WeightLineage.lineage == lineage))

@@ -11,6 +11,12 @@ from services.common.jobqueue import JobQueueSettings
 
 class SchedulerSettings(JobQueueSettings):
     max_dataset_mb: int = Field(default=2048, ge=1)
+    # Quotas per account, each refused with RESOURCE_EXHAUSTED naming it: live (not deleted) datasets and the bytes
+    # they hold (checked before an upload's bytes travel, and with its size before it is stored), and live
+    # deployments (deploying or ready: each holds weights in the rollout).
+    max_datasets_per_account: int = Field(default=1000, ge=1)
+    max_dataset_mb_per_account: int = Field(default=51_200, ge=1)
+    max_deployments_per_account: int = Field(default=32, ge=1)
     # A running job whose worker has not heartbeaten for worker_lost_after_s is retried.
     worker_lost_after_s: float = Field(default=30.0, gt=0)
     reaper_interval_s: float = Field(default=5.0, gt=0)

@@ -34,6 +34,9 @@ class TrainerSettings(TrainyardSettings):
     # the model's size per save, so turn it off where such sessions publish often).
     session_state_every_steps: int = Field(default=50, ge=0)
     session_state_with_weights: bool = True
+    # Quota: open Training API sessions per account on this trainer (each holds an adapter and its AdamW state, or
+    # for a full-parameter session a copy of the model); CreateSession beyond it is RESOURCE_EXHAUSTED.
+    max_sessions_per_account: int = Field(default=64, ge=1)
 
 
 WEIGHT_KINDS = {"lora_adapter": weightsync_pb2.WEIGHT_KIND_LORA_ADAPTER, "full": weightsync_pb2.WEIGHT_KIND_FULL}
@@ -72,7 +75,8 @@ def build(settings: TrainerSettings) -> Server:
     sessions = SessionManager(db, blobs, make_publisher(weightsync), settings.order_timeout_s,
                               settings.deterministic, settings.micro_batch_tokens,
                               state_every_steps=settings.session_state_every_steps,
-                              state_with_weights=settings.session_state_with_weights)
+                              state_with_weights=settings.session_state_with_weights,
+                              max_sessions_per_account=settings.max_sessions_per_account)
 
     def refuse_waiting_calls(stopping) -> None:
         stopping.wait()

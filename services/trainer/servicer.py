@@ -11,14 +11,15 @@ import hashlib
 import math
 from collections.abc import Iterable, Iterator
 
-import grpc
 import numpy as np
 import torch
 
+from services.common import calls
 from services.common.auth import current_caller
 from services.common.blobstore import CHUNK
-from services.common.errors import Cancelled, InvalidArgument
+from services.common.errors import InvalidArgument
 from services.common.protoconv import opt, ts
+from services.common.streams import client_messages
 from services.trainer.datums import DatumInput
 from services.trainer.engine import AdamW
 from services.trainer.session_spec import CreateSpec, LoraSpec
@@ -32,7 +33,8 @@ MAX_DIMS = 8
 ANSWERED_KEY = "trainyard-answered-seq-id"
 
 
-def answered_seq_id(context: grpc.ServicerContext) -> int:
+def answered_seq_id(context) -> int:
+    """context: the call's grpc.ServicerContext."""
     value = dict(context.invocation_metadata()).get(ANSWERED_KEY, "0")
     if not (isinstance(value, str) and value.isdigit() and len(value) <= 18):
         raise InvalidArgument(f"must be a seq_id (up to 18 digits), got {value!r}", field=f"metadata {ANSWERED_KEY}")
@@ -91,20 +93,6 @@ def datum_inputs(data: Iterable[pb.Datum]) -> Iterator[DatumInput]:
     """The datums converted one at a time, as the core asks for them."""
     for i, d in enumerate(data):
         yield datum_input(d, i)
-
-
-def client_messages(messages: Iterable) -> Iterator:
-    """A client stream's messages; a stream the client cancels or breaks ends the call as CANCELLED (the session is
-    not at fault, and the call restores its gradients like any failed call)."""
-    it = iter(messages)
-    while True:
-        try:
-            msg = next(it)
-        except StopIteration:
-            return
-        except grpc.RpcError:
-            raise Cancelled("the client ended the stream before its last message") from None
-        yield msg
 
 
 def stream_request(messages: Iterable[pb.ForwardBackwardStreamRequest]) -> tuple[pb.ForwardBackwardRequest,
@@ -171,42 +159,46 @@ class TrainerServicer(rpc.TrainerServiceServicer):
     def Forward(self, request, context):
         return forward_response(*self.sessions.forward(
             current_caller().account_id, request.session_id, request.seq_id, datum_inputs(request.data),
-            request.loss_fn, dict(request.loss_fn_config), backward=False, answered=answered_seq_id(context)))
+            request.loss_fn, dict(request.loss_fn_config), backward=False, answered=answered_seq_id(context),
+            cancel=calls.current()))
 
     def ForwardBackward(self, request, context):
         return forward_response(*self.sessions.forward(
             current_caller().account_id, request.session_id, request.seq_id, datum_inputs(request.data),
             request.loss_fn, dict(request.loss_fn_config), backward=True,
-            micro_batch_tokens=request.micro_batch_tokens, answered=answered_seq_id(context)))
+            micro_batch_tokens=request.micro_batch_tokens, answered=answered_seq_id(context), cancel=calls.current()))
 
     def ForwardBackwardStream(self, request_iterator, context):
         header, datums = stream_request(request_iterator)
         return forward_response(*self.sessions.forward(
             current_caller().account_id, header.session_id, header.seq_id, datums, header.loss_fn,
             dict(header.loss_fn_config), backward=True, micro_batch_tokens=header.micro_batch_tokens, streamed=True,
-            answered=answered_seq_id(context)))
+            answered=answered_seq_id(context), cancel=calls.current()))
 
     def OptimStep(self, request, context):
         step, metrics = self.sessions.optim_step(current_caller().account_id, request.session_id, request.seq_id,
-                                                 adamw(request.adam), answered=answered_seq_id(context))
+                                                 adamw(request.adam), answered=answered_seq_id(context),
+                                                 cancel=calls.current())
         return pb.OptimStepResponse(step=step, metrics=metrics)
 
     def SaveWeights(self, request, context):
         caller = current_caller()
         ckpt_id, version_id, path = self.sessions.save_weights(caller.account_id, caller.api_key, request.session_id,
                                                                request.seq_id, request.name,
-                                                               answered=answered_seq_id(context))
+                                                               answered=answered_seq_id(context),
+                                                               cancel=calls.current())
         return pb.SaveWeightsResponse(checkpoint_id=ckpt_id, version_id=version_id, path=path)
 
     def SaveState(self, request, context):
         ckpt_id, path = self.sessions.save_state(current_caller().account_id, request.session_id, request.seq_id,
-                                                 request.name, answered=answered_seq_id(context))
+                                                 request.name, answered=answered_seq_id(context),
+                                                 cancel=calls.current())
         return pb.SaveStateResponse(checkpoint_id=ckpt_id, path=path)
 
     def LoadState(self, request, context):
         return self._session(self.sessions.load_state(current_caller().account_id, request.session_id,
                                                       request.seq_id, request.path, request.with_optimizer,
-                                                      answered=answered_seq_id(context)))
+                                                      answered=answered_seq_id(context), cancel=calls.current()))
 
     def GetTokenizer(self, request, context):
         for path in self.sessions.tokenizer_files(current_caller().account_id, request.session_id):

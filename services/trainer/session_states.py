@@ -24,6 +24,7 @@ from sqlalchemy import select
 from models.lora import LoraConfig
 from services.common import blobrefs, logs, registry
 from services.common.blobstore import BlobStore, StoredFile
+from services.common.calls import NEVER, Cancellation
 from services.common.db import Database
 from services.common.errors import InvalidArgument
 from services.common.schema import Checkpoint, TrainingSession, new_id, utcnow
@@ -160,7 +161,7 @@ class StateCalls:
 
     # -- weights and states ----------------------------------------------------------------------------------------
     def save_weights(self, account_id: str, api_key: str, session_id: str, seq_id: int, name: str,
-                     answered: int = 0) -> tuple[str, str, str]:
+                     answered: int = 0, cancel: Cancellation = NEVER) -> tuple[str, str, str]:
         """(checkpoint id, weight version id, path "trainyard://weights/<version id>"). With state_with_weights the
         checkpoint holds the session's state next to the weights and becomes its recorded state."""
         sess = self.get(account_id, session_id)
@@ -174,10 +175,10 @@ class StateCalls:
             sess.weight_version_id = version_id
             return ckpt.id, version_id, WEIGHTS_PREFIX + version_id
 
-        return self._in_order(sess, seq_id, run, answered)
+        return self._in_order(sess, seq_id, run, answered, cancel)
 
     def save_state(self, account_id: str, session_id: str, seq_id: int, name: str,
-                   answered: int = 0) -> tuple[str, str]:
+                   answered: int = 0, cancel: Cancellation = NEVER) -> tuple[str, str]:
         """(checkpoint id, path "trainyard://state/<checkpoint id>"). The checkpoint's files are the weights (an
         adapter or a model directory, its kind), its state the optimizer and counters (engine/checkpoint.py); it
         becomes the session's recorded state."""
@@ -189,10 +190,10 @@ class StateCalls:
                                         next_seq_id=sess.next_seq_id + 1)
             return ckpt.id, STATE_PREFIX + ckpt.id
 
-        return self._in_order(sess, seq_id, run, answered)
+        return self._in_order(sess, seq_id, run, answered, cancel)
 
     def load_state(self, account_id: str, session_id: str, seq_id: int, path: str, with_optimizer: bool,
-                   answered: int = 0):
+                   answered: int = 0, cancel: Cancellation = NEVER):
         """Replace the session's weights (and with_optimizer its AdamW state and step count) with a saved state of
         the same base model, kind and LoRA config; pending gradients are dropped. Without with_optimizer the
         optimizer state stays as it is."""
@@ -212,7 +213,7 @@ class StateCalls:
                         raise InvalidArgument(str(exc), field="path") from None
             return sess
 
-        return self._in_order(sess, seq_id, run, answered)
+        return self._in_order(sess, seq_id, run, answered, cancel)
 
     def _store_state(self, sess, name: str, *, final: bool, next_seq_id: int | None, publish_kind: str = "",
                      api_key: str = ""):
@@ -328,6 +329,7 @@ class StateCalls:
             sessions = list(self._sessions.values())
         for sess in sessions:
             with sess.cond, logs.scope(account_id=sess.account_id, session_id=sess.id):
+                sess.cond.wait_for(lambda s=sess: not s.running)  # a call past the grace period finishes first
                 if sess.closed or sess.error or sess.next_seq_id == sess.recorded_seq_id:
                     continue
                 try:

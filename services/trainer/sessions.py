@@ -11,7 +11,9 @@ session. Sessions of another account are NOT_FOUND.
 
 Ordering: every call carries seq_id (0 = the next one); a session runs seq_id n only after n-1 finished (later ones
 wait up to order_timeout_s, so clients may pipeline). A ForwardBackwardStream's turn starts when its header arrives
-and its seq_id is the session's next; it keeps the turn until its last datum is in.
+and its seq_id is the session's next; it keeps the turn until its last datum is in. A call whose client leaves (cancels,
+or its deadline passes) while it waits for its turn returns at once (CANCELLED) without using its seq_id, so the
+client may send that seq_id again; waiting costs the server nothing once the client is gone.
 
 Failure: a call with bad input fails with INVALID_ARGUMENT naming the field ("data[2].loss_fn_inputs['advantages']")
 in its turn, uses up its seq_id and changes nothing: every datum of a unary call is checked before any compute; a
@@ -55,6 +57,7 @@ import contextlib
 import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,10 +68,12 @@ import torch
 from models.lora import LoraConfig, apply_lora, remove_adapter, set_trainable
 from services.common import logs, metrics, registry
 from services.common.blobstore import BlobStore
+from services.common.calls import NEVER, Cancellation
 from services.common.db import Database
 from services.common.errors import (
-    Aborted, FailedPrecondition, InvalidArgument, TrainyardError, Unavailable, not_found,
+    Aborted, Cancelled, FailedPrecondition, InvalidArgument, TrainyardError, Unavailable, not_found,
 )
+from services.common.quotas import check_quota
 from services.common.schema import TrainingSession, new_id, utcnow
 from services.trainer.bases import ModelHolder, ModelPool
 from services.trainer.datums import DatumInput, check_datum
@@ -104,6 +109,7 @@ class Session:
     recorded_seq_id: int = 1  # next_seq_id as of the session's recorded state: a later one means unrecorded calls
     compute_s: float = 0.0  # compute of the calls since the last OptimStep (trainyard_training_step_seconds)
     restored_at: int = 0  # the seq_id a restarted trainer restored the session at (0: never restored)
+    running: bool = False  # a call holds the turn (next_seq_id) and is computing
     cond: threading.Condition = field(default_factory=threading.Condition)
 
     @property
@@ -165,7 +171,7 @@ SESSION_ADAMW = AdamW(learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-12, weig
 class SessionManager(StateCalls):
     def __init__(self, db: Database, blobs: BlobStore, publish, order_timeout_s: float = 600.0,
                  deterministic: bool = False, micro_batch_tokens: int = 2048, device: str | None = None,
-                 state_every_steps: int = 0, state_with_weights: bool = False):
+                 state_every_steps: int = 0, state_with_weights: bool = False, max_sessions_per_account: int = 64):
         self.db = db
         self.blobs = blobs
         self.states = SessionStates(db, blobs)
@@ -180,7 +186,9 @@ class SessionManager(StateCalls):
         self.state_every_steps, self.state_with_weights = state_every_steps, state_with_weights
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.pool = ModelPool(self.device)
+        self.max_sessions_per_account = max_sessions_per_account
         self._sessions: dict[str, Session] = {}
+        self._creating: Counter[str] = Counter()  # sessions being built, per account (they count against the quota)
         self._lock = threading.Lock()
         # Sessions an earlier trainer held (open rows now): restored by restore_all or on first use. Sessions this
         # manager creates are never among them.
@@ -196,6 +204,19 @@ class SessionManager(StateCalls):
         if spec.with_optimizer and not spec.from_state:
             raise InvalidArgument("only applies with from_state", field="with_optimizer")
         from_ckpt = state_checkpoint_id(spec.from_state, "from_state") if spec.from_state else None
+        with self._lock:  # room for one more open session of the account, held while it is built
+            open_now = sum(1 for sess in self._sessions.values() if sess.account_id == account_id)
+            check_quota("max_sessions_per_account", self.max_sessions_per_account,
+                        open_now + self._creating[account_id],
+                        "the account has that many open training sessions on this trainer; close one first")
+            self._creating[account_id] += 1
+        try:
+            return self._create(account_id, spec, from_ckpt)
+        finally:
+            with self._lock:
+                self._creating[account_id] -= 1
+
+    def _create(self, account_id: str, spec: CreateSpec, from_ckpt: str | None) -> Session:
         with contextlib.ExitStack() as stack:
             saved = None
             if from_ckpt:
@@ -332,6 +353,7 @@ class SessionManager(StateCalls):
                     self._mark_closed(session_id)
                     return self.describe(account_id, session_id)
         with sess.cond:  # after the running call, if any; waiting ones then see closed
+            sess.cond.wait_for(lambda: not sess.running)
             if sess.closed:
                 raise FailedPrecondition(f"session '{session_id}' is closed")
             sess.closed = True
@@ -354,24 +376,35 @@ class SessionManager(StateCalls):
         sess.engine.release()
 
     # -- ordered calls ---------------------------------------------------------------------------------------------
-    def _in_order(self, sess: Session, seq_id: int, fn, answered: int = 0):
-        """Run fn in seq_id's turn. answered: the highest seq_id whose answer the client has (0: not told); one the
-        session has not reached means those calls were lost with a restart, so the call fails at once (ABORTED)
-        instead of waiting for seq_ids the client will not send again."""
+    def _in_order(self, sess: Session, seq_id: int, fn, answered: int = 0, cancel: Cancellation = NEVER):
+        """fn() in seq_id's turn, computed outside sess.cond while holding the turn (`running`), so a waiting call
+        whose client leaves (cancel) returns at once, its seq_id unused. answered: the highest seq_id whose answer the
+        client has (0: not told); one the session has not reached means those calls were lost with a restart, so the
+        call fails at once (ABORTED) instead of waiting for seq_ids the client will not send again."""
         logs.annotate(session_id=sess.id)
+
+        def wake() -> None:
+            with sess.cond:
+                sess.cond.notify_all()
+
+        cancel.add_callback(wake)
         with sess.cond:
             if answered >= sess.next_seq_id:
                 raise Aborted(f"session '{sess.id}' is at seq_id {sess.next_seq_id} (optimizer step "
                               f"{sess.optim_steps}) but the client has answers up to seq_id {answered}: a trainer "
                               "restart took the session back to its last recorded state and those calls were lost; "
                               f"go on at seq_id {sess.next_seq_id}")
+            first_free = sess.next_seq_id + sess.running
             if seq_id == 0:
-                seq_id = sess.next_seq_id
-            if seq_id < sess.next_seq_id:
-                raise InvalidArgument(f"seq_id {seq_id} was already used; the session expects {sess.next_seq_id}",
+                seq_id = first_free
+            if seq_id < first_free:
+                raise InvalidArgument(f"seq_id {seq_id} was already used; the session expects {first_free}",
                                       field="seq_id")
-            if not sess.cond.wait_for(lambda: sess.next_seq_id == seq_id or sess.closed or self._stopping.is_set(),
-                                      self.order_timeout_s):
+            turn = sess.cond.wait_for(lambda: (sess.next_seq_id == seq_id and not sess.running) or sess.closed
+                                      or cancel.cancelled or self._stopping.is_set(), self.order_timeout_s)
+            if cancel.cancelled:
+                raise Cancelled(f"the client left before seq_id {seq_id}'s turn; the seq_id was not used")
+            if not turn:
                 lost = (f" (the trainer restarted and restored this session at seq_id {sess.restored_at}: the "
                         "calls after its last recorded state were lost)" if sess.restored_at else "")
                 raise FailedPrecondition(f"seq_id {seq_id} waited {self.order_timeout_s:.0f}s for seq_id "
@@ -381,17 +414,20 @@ class SessionManager(StateCalls):
             if self._stopping.is_set():
                 raise Unavailable(f"the trainer is restarting; seq_id {seq_id} did not run: send it again (the "
                                   f"session continues at seq_id {sess.next_seq_id} after the restart)")
-            try:
-                if sess.error:
-                    raise FailedPrecondition(f"session '{sess.id}' failed earlier ({sess.error}); create a new one")
-                return fn()
-            except (TrainyardError, sqlalchemy.exc.SQLAlchemyError):
-                raise  # bad input, or the database failed (the model is only read or written before it): goes on
-            except Exception as exc:
-                sess.error = f"seq_id {seq_id}: {type(exc).__name__}: {exc}"
-                raise
-            finally:
+            sess.running = True
+        try:
+            if sess.error:
+                raise FailedPrecondition(f"session '{sess.id}' failed earlier ({sess.error}); create a new one")
+            return fn()
+        except (TrainyardError, sqlalchemy.exc.SQLAlchemyError):
+            raise  # bad input, or the database failed (the model is only read or written before it): goes on
+        except Exception as exc:
+            sess.error = f"seq_id {seq_id}: {type(exc).__name__}: {exc}"
+            raise
+        finally:
+            with sess.cond:
                 sess.next_seq_id = seq_id + 1
+                sess.running = False
                 sess.cond.notify_all()
 
     def _loss_call(self, sess: Session, loss_fn: str, config: dict, micro_batch_tokens: int, backward: bool,
@@ -401,7 +437,8 @@ class SessionManager(StateCalls):
 
     def forward(self, account_id: str, session_id: str, seq_id: int, data: Iterable[DatumInput], loss_fn: str,
                 loss_fn_config: dict[str, float], backward: bool, micro_batch_tokens: int = 0,
-                streamed: bool = False, answered: int = 0) -> tuple[list[torch.Tensor], dict[str, float]]:
+                streamed: bool = False, answered: int = 0,
+                cancel: Cancellation = NEVER) -> tuple[list[torch.Tensor], dict[str, float]]:
         """Forward (backward=False) or ForwardBackward: (per-datum logprobs, metrics). data is consumed in the
         call's turn: all of it checked before any compute, or, streamed (ForwardBackwardStream, whose loss settings
         are its header's), each datum as it arrives, its micro-batches running as soon as they are complete."""
@@ -420,10 +457,10 @@ class SessionManager(StateCalls):
                 metrics.TRAINING_TOKENS.labels("session").inc(sum(o.shape[0] for o in outputs))
             return outputs, out_metrics
 
-        return self._in_order(sess, seq_id, run, answered)
+        return self._in_order(sess, seq_id, run, answered, cancel)
 
-    def optim_step(self, account_id: str, session_id: str, seq_id: int, adam: AdamW,
-                   answered: int = 0) -> tuple[int, dict]:
+    def optim_step(self, account_id: str, session_id: str, seq_id: int, adam: AdamW, answered: int = 0,
+                   cancel: Cancellation = NEVER) -> tuple[int, dict]:
         sess = self.get(account_id, session_id)
         checks = (("learning_rate", 0 < adam.learning_rate < 1, "> 0 and < 1"),
                   ("beta1", 0 <= adam.beta1 < 1, "in [0, 1)"), ("beta2", 0 <= adam.beta2 < 1, "in [0, 1)"),
@@ -448,7 +485,7 @@ class SessionManager(StateCalls):
                 self._record_step(sess)
             return sess.optim_steps, {"grad_norm": norm, "learning_rate": adam.learning_rate}
 
-        return self._in_order(sess, seq_id, run, answered)
+        return self._in_order(sess, seq_id, run, answered, cancel)
 
     # -- model facts -----------------------------------------------------------------------------------------------
     def tokenizer_files(self, account_id: str, session_id: str) -> list[Path]:

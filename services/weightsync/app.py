@@ -1,19 +1,23 @@
-"""The weight-sync process: versioned weights over gRPC (python -m services.weightsync)."""
+"""The weight-sync process: versioned weights over gRPC (python -m services.weightsync), on the asyncio runner so
+that WatchLineage streams hold no thread."""
 from __future__ import annotations
 
 import threading
 
 from pydantic import Field
 
-from services.common import metrics
+from services.common import calls, metrics
+from services.common.aioserver import AsyncServer
 from services.common.auth import current_caller
 from services.common.blobstore import BlobStore
+from services.common.calls import Wait
 from services.common.config import TrainyardSettings
 from services.common.db import Database
 from services.common.grpcserver import Server, ServiceSpec, run_service, service_server
 from services.common.protoconv import ts
 from services.common.streams import split_header
-from services.weightsync.store import Chunk, FileSpec, PublishHeader, WeightStore
+from services.weightsync.store import Chunk, FileSpec, PublishHeader, VersionQuotas, WeightStore
+from services.weightsync.watch import LineageWatchers
 from trainyard.v1 import common_pb2, weightsync_pb2 as pb, weightsync_pb2_grpc as rpc
 
 KINDS = {pb.WEIGHT_KIND_LORA_ADAPTER: "lora_adapter", pb.WEIGHT_KIND_FULL: "full"}
@@ -39,10 +43,12 @@ def received(chunk: Chunk) -> Chunk:
 
 
 class WeightSyncServicer(rpc.WeightSyncServiceServicer):
-    def __init__(self, store: WeightStore, poll_s: float, stopping):
+    """Served by the asyncio runner (services/common/aioserver.py), so that WatchLineage waits between versions on the
+    event loop (services/weightsync/watch.py) rather than in a thread."""
+
+    def __init__(self, store: WeightStore, watchers: LineageWatchers):
         self.store = store
-        self.poll_s = poll_s
-        self.stopping = stopping
+        self.watchers = watchers
 
     def PublishVersion(self, request_iterator, context):
         h, chunks = split_header(request_iterator)
@@ -50,7 +56,8 @@ class WeightSyncServicer(rpc.WeightSyncServiceServicer):
                                base_model=h.base_model, metadata=dict(h.metadata),
                                files=[FileSpec(f.path, f.sha256, f.size_bytes) for f in h.files])
         return version_pb(self.store.publish(current_caller().account_id, header, (
-            received(Chunk(path=c.path, offset=c.offset, data=c.data, sha256=c.sha256)) for c in chunks)))
+            received(Chunk(path=c.path, offset=c.offset, data=c.data, sha256=c.sha256)) for c in chunks),
+            calls.current()))
 
     def GetVersion(self, request, context):
         return version_pb(self.store.get(current_caller().account_id, request.id))
@@ -63,9 +70,8 @@ class WeightSyncServicer(rpc.WeightSyncServiceServicer):
         return lineage_pb(*self.store.lineage(current_caller().account_id, request.lineage))
 
     def WatchLineage(self, request, context):
-        for state in self.store.watch(current_caller().account_id, request.lineage, self.poll_s, context.is_active,
-                                      self.stopping):
-            yield lineage_pb(*state)
+        for state in self.watchers.watch(current_caller().account_id, request.lineage, context.is_active):
+            yield state if isinstance(state, Wait) else lineage_pb(*state)
 
     def Rollback(self, request, context):
         return lineage_pb(*self.store.rollback(current_caller().account_id, request.lineage, request.version_id))
@@ -80,6 +86,14 @@ class WeightSyncServicer(rpc.WeightSyncServiceServicer):
 
 class WeightSyncSettings(TrainyardSettings):
     watch_poll_s: float = Field(default=0.2, gt=0, description="How often WatchLineage looks for a new version.")
+    # Quotas: weight versions one lineage, and one account in all, may hold (versions are kept: every one stays
+    # fetchable and a rollback target). PublishVersion beyond either is RESOURCE_EXHAUSTED, before any byte travels.
+    max_versions_per_lineage: int = Field(default=10_000, ge=1)
+    max_versions_per_account: int = Field(default=100_000, ge=1)
+    # Quota: WatchLineage streams one account may hold open (a rollout holds one per lineage deployment). They wait
+    # on the event loop, no thread each; an idle one wakes every watch_heartbeat_s to look at its call.
+    max_watches_per_account: int = Field(default=1024, ge=1)
+    watch_heartbeat_s: float = Field(default=2.0, gt=0)
 
 
 def build(settings: WeightSyncSettings) -> Server:
@@ -87,17 +101,19 @@ def build(settings: WeightSyncSettings) -> Server:
     db = Database(settings.database_url)
     blobs = BlobStore(settings.blob_dir)
     blobs.sweep_staging()  # publishes cut by a killed weight-sync service
-    store = WeightStore(db, blobs)
+    store = WeightStore(db, blobs, VersionQuotas(settings.max_versions_per_lineage, settings.max_versions_per_account))
     stopping = threading.Event()  # set at shutdown: WatchLineage streams end instead of holding the grace period
+    watchers = LineageWatchers(store, settings.watch_poll_s, settings.watch_heartbeat_s, stopping,
+                               settings.max_watches_per_account)
     spec = ServiceSpec(
         name="weightsync",
-        register=lambda server: rpc.add_WeightSyncServiceServicer_to_server(
-            WeightSyncServicer(store, settings.watch_poll_s, stopping), server),
+        register=lambda server: rpc.add_WeightSyncServiceServicer_to_server(WeightSyncServicer(store, watchers),
+                                                                            server),
         service_names=[pb.DESCRIPTOR.services_by_name["WeightSyncService"].full_name],
         on_shutdown=db.dispose,
         stopping=stopping,
     )
-    return service_server(spec, settings, settings.weightsync_port, db)
+    return service_server(spec, settings, settings.weightsync_port, db, server_cls=AsyncServer)
 
 
 def main() -> None:

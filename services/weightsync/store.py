@@ -22,14 +22,16 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from safetensors.torch import load
-from sqlalchemy import delete, select
+from sqlalchemy import delete, func, select, tuple_
 from sqlalchemy.exc import IntegrityError
 
 from services.common import blobrefs
 from services.common.blobstore import BlobStore
+from services.common.calls import NEVER, Cancellation
 from services.common.db import Database
-from services.common.errors import DataLoss, FailedPrecondition, InvalidArgument, not_found
-from services.common.schema import WeightDelta, WeightLineage, WeightVersion, new_id, utcnow
+from services.common.errors import Cancelled, DataLoss, FailedPrecondition, InvalidArgument, not_found
+from services.common.quotas import check_quota
+from services.common.schema import Account, WeightDelta, WeightLineage, WeightVersion, new_id, utcnow
 from services.weightsync.codec import iter_encode_delta
 
 DELTA_FILE = "delta"  # the one file of a delta fetch (codec.py's format)
@@ -75,26 +77,39 @@ def check_header(h: PublishHeader) -> None:
                               field="header.metadata")
     if not h.files:
         raise InvalidArgument("a version needs at least one file", field="header.files")
-    paths: set[PurePosixPath] = set()
+    # Linear in the header's size: each path is checked against the sets of paths and of their directories so far.
+    paths: set[str] = set()
+    dirs: set[str] = set()
     for i, f in enumerate(h.files):
         p = PurePosixPath(f.path)
         if (not f.path or len(f.path) > 512 or p.is_absolute() or p.as_posix() != f.path
                 or any(part in (".", "..") for part in p.parts)):
             raise InvalidArgument(f"must be a normalized relative path, got {f.path!r}", field=f"header.files[{i}].path")
-        if p in paths or any(q in p.parents or p in q.parents for q in paths):
+        parents = [q.as_posix() for q in p.parents][:-1]  # without the root "."
+        if f.path in paths or f.path in dirs or any(q in paths for q in parents):
             raise InvalidArgument(f"{f.path!r} repeats or nests inside another file's path",
                                   field=f"header.files[{i}].path")
         if not re.fullmatch(r"[0-9a-f]{64}", f.sha256):
             raise InvalidArgument("must be a lowercase hex sha256", field=f"header.files[{i}].sha256")
         if f.size_bytes < 0:
             raise InvalidArgument("must be >= 0", field=f"header.files[{i}].size_bytes")
-        paths.add(p)
+        paths.add(f.path)
+        dirs.update(parents)
+
+
+@dataclass(frozen=True)
+class VersionQuotas:
+    """Weight versions an account may hold: per lineage and in all (WeightSyncSettings declares both)."""
+
+    per_lineage: int = 10_000
+    per_account: int = 100_000
 
 
 class WeightStore:
-    def __init__(self, db: Database, blobs: BlobStore):
+    def __init__(self, db: Database, blobs: BlobStore, quotas: VersionQuotas = VersionQuotas()):
         self.db = db
         self.blobs = blobs
+        self.quotas = quotas
 
     def latest(self, account_id: str, lineage: str) -> WeightVersion | None:
         with self.db.session() as s:
@@ -102,13 +117,19 @@ class WeightStore:
                                                         WeightVersion.lineage == lineage)
                             .order_by(WeightVersion.version.desc()).limit(1))
 
-    def publish(self, account_id: str, header: PublishHeader, chunks: Iterable[Chunk]) -> WeightVersion:
+    def publish(self, account_id: str, header: PublishHeader, chunks: Iterable[Chunk],
+                cancel: Cancellation = NEVER) -> WeightVersion:
+        """Stops (CANCELLED, nothing stored) as soon as cancel fires: the client left."""
         check_header(header)
         parent = self._check_parent(account_id, header)
+        with self.db.session() as s:  # before the bytes travel; checked again, serialized, when the row goes in
+            self._check_quotas(s, account_id, header.lineage)
         staged: list[tuple[FileSpec, Path]] = []
         try:
             it = iter(chunks)
             for spec in header.files:
+                if cancel.cancelled:
+                    raise Cancelled("the client left during the upload; nothing was stored")
                 f, tmp = self.blobs.staging_file()
                 staged.append((spec, tmp))
                 h = hashlib.sha256()
@@ -148,6 +169,8 @@ class WeightStore:
     def _insert(self, account_id: str, header: PublishHeader, row: WeightVersion) -> None:
         try:
             with self.db.session() as s:
+                s.get(Account, account_id, with_for_update=True)  # one account's publishes count one at a time
+                self._check_quotas(s, account_id, header.lineage)
                 s.add(row)
                 s.flush()
                 lineage = s.scalar(select(WeightLineage).where(WeightLineage.account_id == account_id,
@@ -161,6 +184,16 @@ class WeightStore:
         except IntegrityError:
             raise FailedPrecondition(f"lineage '{header.lineage}' gained version {row.version} while this one was "
                                      "uploading; publish again on top of the latest version") from None
+
+    def _check_quotas(self, s, account_id: str, lineage: str) -> None:
+        in_lineage = s.scalar(select(func.count()).select_from(WeightVersion).where(
+            WeightVersion.account_id == account_id, WeightVersion.lineage == lineage))
+        check_quota("max_versions_per_lineage", self.quotas.per_lineage, in_lineage,
+                    f"lineage '{lineage}' holds that many weight versions")
+        in_account = s.scalar(select(func.count()).select_from(WeightVersion).where(
+            WeightVersion.account_id == account_id))
+        check_quota("max_versions_per_account", self.quotas.per_account, in_account,
+                    "the account holds that many weight versions")
 
     def _check_parent(self, account_id: str, header: PublishHeader) -> WeightVersion | None:
         parent = self.latest(account_id, header.lineage)
@@ -208,16 +241,13 @@ class WeightStore:
             row.current_version_id, row.updated_at = target.id, utcnow()
         return self.lineage(account_id, lineage)
 
-    def watch(self, account_id: str, lineage: str, poll_s: float, is_active, stopping) -> Iterator:
-        """The lineage's state now, then again whenever its current version changes (polls the database)."""
-        state = self.lineage(account_id, lineage)
-        yield state
-        seen = (state[0].current_version_id, state[0].updated_at)
-        while is_active() and not stopping.wait(poll_s):
-            state = self.lineage(account_id, lineage)
-            if (state[0].current_version_id, state[0].updated_at) != seen:
-                seen = (state[0].current_version_id, state[0].updated_at)
-                yield state
+    def lineage_markers(self, keys: list[tuple[str, str]]) -> dict[tuple[str, str], tuple]:
+        """(current version id, updated at) of each (account, lineage) of keys, in one query (watch.py polls it)."""
+        with self.db.session() as s:
+            rows = s.execute(select(WeightLineage.account_id, WeightLineage.lineage, WeightLineage.current_version_id,
+                                    WeightLineage.updated_at)
+                             .where(tuple_(WeightLineage.account_id, WeightLineage.lineage).in_(keys))).all()
+        return {(r.account_id, r.lineage): (r.current_version_id, r.updated_at) for r in rows}
 
     def get(self, account_id: str, version_id: str) -> WeightVersion:
         with self.db.session() as s:

@@ -10,7 +10,7 @@ from sqlalchemy import update
 from services.common import auth
 from services.common.blobstore import BlobStore
 from services.common.db import Database, migrate
-from services.common.errors import InvalidArgument, Unavailable
+from services.common.errors import InvalidArgument, ResourceExhausted, Unavailable
 from services.common.schema import SHARED_SCOPE, Job, utcnow
 from services.common import registry
 from services.scheduler.datasets import DatasetStore, UploadHeader
@@ -44,6 +44,27 @@ def test_upload_over_the_size_limit_stores_nothing(env, tmp_path):
     assert not (tmp_path / "blobs" / "sha256").exists()
     ds, dedup = store.upload(account, UploadHeader("ok", None, "ok.jsonl"), iter([ROW]))
     assert ds.num_rows == 1 and not dedup
+
+
+def test_dataset_quotas_count_live_datasets_and_their_bytes(env, tmp_path):
+    db, blobs, account = env
+    other, _, _ = auth.create_account(db, "other")
+    row = lambda i: ROW.replace(b"hi", f"hi {i}".encode())  # noqa: E731 - distinct contents, no deduplication
+    store = DatasetStore(db, blobs, 1 << 20, max_per_account=2, max_mb_per_account=1)
+    first, _ = store.upload(account, UploadHeader("a", None, ""), iter([row(0)]))
+    store.upload(account, UploadHeader("b", None, ""), iter([row(1)]))
+    with pytest.raises(ResourceExhausted, match=r"quota max_datasets_per_account \(2\) reached"):
+        store.upload(account, UploadHeader("c", None, ""), iter([row(2)]))
+    store.upload(other.id, UploadHeader("c", None, ""), iter([row(2)]))  # another account's quota is its own
+    store.delete(account, first.id)
+    store.upload(account, UploadHeader("c", None, ""), iter([row(2)]))
+    # Bytes: 1 MB in all for the account's live datasets; a refused upload stores nothing.
+    store = DatasetStore(db, blobs, 2 << 20, max_per_account=10, max_mb_per_account=1)
+    big = [row(3)] * ((1 << 20) // len(row(3)))
+    with pytest.raises(ResourceExhausted, match=r"quota max_dataset_mb_per_account \(1\) reached"):
+        store.upload(account, UploadHeader("big", None, ""), iter(big))
+    assert [p.name for p in blobs.staging_dir().iterdir()] == [".lock"]
+    assert len(store.list(account, 0, 50)[0]) == 2
 
 
 def _job(db, blobs, account, dispatch=lambda job_id: None) -> tuple[JobCore, str]:
@@ -151,7 +172,7 @@ def test_weight_version_paths_must_be_normalized_and_distinct():
     from services.weightsync.store import FileSpec, PublishHeader, check_header
 
     sha = "0" * 64
-    for paths in (["a", "a/b"], ["x/../y"], ["./a"], ["/abs"], ["a", "a"], [""]):
+    for paths in (["a", "a/b"], ["a/b", "a"], ["x/../y"], ["./a"], ["/abs"], ["a", "a"], [""]):
         with pytest.raises(InvalidArgument, match="header.files"):
             check_header(PublishHeader("lin", "", "full", "", [FileSpec(p, sha, 1) for p in paths], {}))
     check_header(PublishHeader("lin", "", "full", "", [FileSpec("a/b", sha, 1), FileSpec("a/c", sha, 1)], {}))
