@@ -288,8 +288,9 @@ class StateCalls:
                 return None
             with self._lock:
                 self._sessions[sess.id] = sess
-            log.info("session %s restored at seq_id %d (optimizer step %d)", sess.id, sess.next_seq_id,
-                     sess.optim_steps)
+            with logs.scope(account_id=sess.account_id, session_id=sess.id):  # restore_all runs outside any call
+                log.info("session %s restored at seq_id %d (optimizer step %d)", sess.id, sess.next_seq_id,
+                         sess.optim_steps)
             return sess
 
     def _rebuild(self, rec: Recorded):

@@ -190,7 +190,8 @@ def wait_serving(stubs: Stubs, acct, model: str, version_id: str, timeout_s: flo
 
 def test_a_damaged_delta_falls_back_to_the_whole_version(rstack, stubs, acct, client, blob_dir):
     """A full-weight follower moving v3 -> v2 -> v3 fetches the delta v2 -> v3 cached by its first move; damaged,
-    it must get v3 whole instead (and weight sync must say DATA_LOSS for the delta)."""
+    it must get v3 whole instead. Weight sync said DATA_LOSS for the delta, quarantined its blob and dropped it, so
+    the next request for the delta encodes it again: the same bytes, whole."""
     sid = session(stubs, acct, seed=106, full=True)
     save(stubs, acct, sid, "v1")
     follower = client.create_deployment("damaged-full", lineage=sid)
@@ -212,9 +213,11 @@ def test_a_damaged_delta_falls_back_to_the_whole_version(rstack, stubs, acct, cl
         damage(blob_dir, delta)
         stubs.weights.Rollback(wpb.RollbackRequest(lineage=sid, version_id=v3), metadata=acct.md)
         wait_serving(stubs, acct, follower.name, v3, timeout_s=30)
-        with pytest.raises(grpc.RpcError) as exc:
-            list(stubs.weights.FetchVersion(wpb.FetchVersionRequest(id=v3, base_version_id=v2), metadata=acct.md))
-        assert exc.value.code() == grpc.StatusCode.DATA_LOSS
+        quarantined = blob_dir / "quarantine" / delta
+        assert quarantined.exists() and hashlib.sha256(quarantined.read_bytes()).hexdigest() != delta
+        chunks = list(stubs.weights.FetchVersion(wpb.FetchVersionRequest(id=v3, base_version_id=v2),
+                                                 metadata=acct.md))
+        assert hashlib.sha256(b"".join(c.data for c in chunks)).hexdigest() == delta  # encoded again, deterministic
     finally:  # a follower that retries forever would keep fetching for the rest of the run
         client.delete_deployment(follower.name)
 
@@ -257,8 +260,17 @@ def test_fsck_reports_and_quarantines_damaged_blobs_and_orphans(rstack, stubs, a
     orphan_path.write_bytes(orphan_bytes)
     day_ago = time.time() - 86400  # no upload still in progress could own it
     os.utime(orphan_path, (day_ago, day_ago))
-    out = subprocess.run([sys.executable, "-m", "trainyard.cli.main", "admin", "fsck"], check=False,
-                         env=rstack.env_for("scheduler"), cwd=ROOT, capture_output=True, text=True, timeout=600)
-    report = out.stdout + out.stderr
-    assert damaged in report and orphan in report, report[-3000:]
+
+    def fsck(*flags: str) -> tuple[int, str]:
+        out = subprocess.run([sys.executable, "-m", "trainyard.cli.main", "admin", "fsck", *flags], check=False,
+                             env=rstack.env_for("scheduler"), cwd=ROOT, capture_output=True, text=True, timeout=600)
+        return out.returncode, out.stdout + out.stderr
+
+    rc, report = fsck()  # a report only: nothing moves
+    assert rc == 1 and damaged in report and orphan in report, report[-3000:]
+    assert damaged_path.exists() and orphan_path.exists(), "fsck without --quarantine moved a blob"
+    rc, report = fsck("--quarantine")
+    assert rc == 1 and damaged in report and orphan in report, report[-3000:]
     assert not damaged_path.exists() and not orphan_path.exists(), "fsck left the damaged blob or the orphan in place"
+    quarantined = blob_dir / "quarantine"
+    assert (quarantined / damaged).exists() and (quarantined / orphan).read_bytes() == orphan_bytes

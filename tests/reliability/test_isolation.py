@@ -24,6 +24,7 @@ import grpc
 import pytest
 
 from services.common.channels import auth_metadata
+from services.common.config import TrainyardSettings
 from tests.reliability.figures import FIGURES
 from tests.reliability.references import BY_FIELD, PLAIN, kind_of, ref_fields, short, string_fields, values
 from tests.reliability.rpcs import REFUSALS, Outcome, Rpc, all_rpcs, invoke
@@ -231,6 +232,9 @@ def test_default_import_roots_keep_other_accounts_weights_out(rstack, owner, int
         rstack.wait_ready("scheduler")
 
 
+AUTH_RECHECK_S = TrainyardSettings.model_fields["auth_recheck_s"].default  # the stack runs with the default
+
+
 def test_revoking_a_key_ends_its_open_streams(owner, stubs):
     """A's second key watches A's lineage; once it is revoked, the stream must not deliver A's next version."""
     second = sg.AccountServiceStub(stubs.channels["scheduler"]).CreateApiKey(
@@ -241,7 +245,7 @@ def test_revoking_a_key_ends_its_open_streams(owner, stubs):
     first = next(stream)
     sg.AccountServiceStub(stubs.channels["scheduler"]).RevokeApiKey(spb.RevokeApiKeyRequest(id=second.key.id),
                                                                     metadata=owner.md)
-    time.sleep(1)
+    time.sleep(AUTH_RECHECK_S + 1)  # the promise (docs/security.md): an open stream re-checks its key this often
     publish = next(r for r in RPCS if r.full == "WeightSyncService.PublishVersion")
     published = invoke(stubs.channels["weightsync"], publish, Requests(stubs, owner).build(publish, {}), owner.md)
     assert published.ok, published.details
