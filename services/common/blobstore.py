@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import io
 import json
 import logging
 import os
@@ -276,6 +277,17 @@ class BlobStore(_Puts):
         except FileNotFoundError:
             raise DataLoss(f"{what}: blob {sha256} is missing from the object store") from None
 
+    @contextlib.contextmanager
+    def open_verified(self, sha256: str, what: str, size: int | None = None) -> Iterator[BinaryIO]:
+        """The blob as a binary file object for a reader that may stop early (a preview reading its first rows):
+        leaving the block reads the rest, so the whole blob is hashed in that one pass, and raises DataLoss as
+        read_verified does. What was read must not be acted on before the block is left."""
+        chunks = self.read_verified(sha256, what, size=size)
+        reader = io.BufferedReader(_ChunkReader(chunks), buffer_size=CHUNK)
+        yield reader
+        for _ in chunks:  # the rest, for the hash
+            pass
+
     def read_bytes(self, sha256: str, what: str, size: int | None = None) -> bytes:
         return b"".join(self.read_verified(sha256, what, size=size))
 
@@ -332,3 +344,21 @@ def sha256_file(path: str | os.PathLike) -> str:
         for chunk in iter(lambda: f.read(CHUNK), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+class _ChunkReader(io.RawIOBase):
+    """A raw binary stream over an iterator of byte chunks (BlobStore.open_verified)."""
+
+    def __init__(self, chunks: Iterator[bytes]):
+        self._chunks, self._pending = chunks, b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        if not self._pending:
+            self._pending = next(self._chunks, b"")
+        n = min(len(buffer), len(self._pending))
+        buffer[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        return n

@@ -135,7 +135,9 @@ class DatasetStore:
         if limit < 0 or limit > 100:
             raise InvalidArgument(f"must be between 0 and 100 (0 = 10), got {limit}", field="limit")
         d = self.get(account_id, dataset_id)
-        return d, read_rows(self.blobs.path(d.sha256), offset=offset, limit=limit or 10)
+        with self.blobs.open_verified(d.sha256, f"dataset {d.id}", size=d.size_bytes) as f:
+            rows = read_rows(f, offset=offset, limit=limit or 10)
+        return d, rows
 
     def path(self, d: Dataset) -> Path:
         return self.blobs.path(d.sha256)

@@ -82,7 +82,7 @@ class JobCore:
         """The checked request and its plan (services/scheduler/planner.py); nothing is stored."""
         checked = self.check(account_id, req)
         return checked, self.planner.plan(checked.method.name, checked.model.path, checked.dataset.sha256,
-                                          checked.settings.to_json())
+                                          checked.settings.to_json(), what=f"dataset {checked.dataset.id}")
 
     def create(self, account_id: str, req: NewJob) -> Job:
         checked = self.check(account_id, req)

@@ -15,7 +15,7 @@ import threading
 from collections import OrderedDict
 
 from services.common.blobstore import BlobStore
-from services.common.errors import TrainyardError
+from services.common.errors import DataLoss, TrainyardError
 
 PLANS_KEPT = 256
 
@@ -33,8 +33,9 @@ class Planner:
         self._lock = threading.Lock()
         self._plans: OrderedDict[str, dict] = OrderedDict()
 
-    def plan(self, method: str, model_path: str, dataset_sha256: str, settings: dict) -> dict:
-        """The plan of a checked request (the child's answer, see services/trainer/plan.py)."""
+    def plan(self, method: str, model_path: str, dataset_sha256: str, settings: dict, *, what: str = "dataset") -> dict:
+        """The plan of a checked request (the child's answer, see services/trainer/plan.py); DataLoss naming what
+        when the dataset's stored bytes are damaged."""
         request = {"method": method, "model_path": model_path, "dataset_sha256": dataset_sha256,
                    "dataset_path": str(self.blobs.path(dataset_sha256)), "settings": settings}
         key = json.dumps(request, sort_keys=True)
@@ -43,6 +44,8 @@ class Planner:
                 self._plans.move_to_end(key)
                 return self._plans[key]
             answer = self._ask(key)
+            if "data_loss" in answer:  # not kept: the next request reads the blob again
+                raise DataLoss(f"{what}: {answer['data_loss']}")
             self._plans[key] = answer
             if len(self._plans) > PLANS_KEPT:
                 self._plans.popitem(last=False)

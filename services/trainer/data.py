@@ -24,9 +24,11 @@ from models.chat import SftExample, tokenize_sft_example
 IGNORE_INDEX = -100  # target id of positions that carry no loss (prompt tokens, padding)
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """The rows of an already validated JSONL dataset (blank lines are skipped)."""
-    with open(path, encoding="utf-8-sig") as f:
+def read_jsonl(source: Path | bytes) -> list[dict]:
+    """The rows of an already validated JSONL dataset (a file, or its bytes; blank lines are skipped)."""
+    if isinstance(source, bytes):
+        return [json.loads(line) for line in source.decode("utf-8-sig").splitlines() if line.strip()]
+    with open(source, encoding="utf-8-sig") as f:
         return [json.loads(line) for line in f if line.strip()]
 
 

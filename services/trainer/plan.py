@@ -2,8 +2,8 @@
 runs `python -m services.trainer.plan`; the scheduler itself never imports torch).
 
 Protocol: one JSON request per stdin line ({"method", "model_path", "dataset_path", "dataset_sha256", "settings"}:
-settings as stored on a job row), one JSON answer per stdout line ({"error": ...} when planning failed), until
-end of input.
+settings as stored on a job row), one JSON answer per stdout line ({"error": ...} when planning failed,
+{"data_loss": ...} when the dataset's bytes do not hash to dataset_sha256), until end of input.
 
 The numbers come from the code a job runs: data.py's tokenization, masks, seeded split and StepSampler, the engine's
 device and dtype rule, apply_lora on the model built on the meta device (the trainable count is exact). Tokenized
@@ -24,6 +24,7 @@ at the weights' dtype; and the logprob head's three float32 [chunk, vocab] block
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import traceback
@@ -56,7 +57,7 @@ def tokenized(model_path: str, dataset_path: str, sha256: str, max_seq_len: int,
     if key not in _examples:
         if model_path not in _tokenizers:
             _tokenizers[model_path] = load_tokenizer(model_path)
-        rows = read_jsonl(Path(dataset_path))
+        rows = read_jsonl(verified_bytes(Path(dataset_path), sha256))
         try:
             examples, skipped = tokenize_rows(_tokenizers[model_path], rows, max_seq_len)
             _examples[key] = (examples, skipped, len(rows), "")
@@ -66,6 +67,23 @@ def tokenized(model_path: str, dataset_path: str, sha256: str, max_seq_len: int,
             _examples.popitem(last=False)
     _examples.move_to_end(key)
     return _examples[key]
+
+
+class DamagedDataset(Exception):
+    """The dataset's blob does not hash to the sha256 its row names (answered {"data_loss": ...})."""
+
+
+def verified_bytes(path: Path, sha256: str) -> bytes:
+    """The dataset's bytes, hashed in the one read that loads them; DamagedDataset when they are not the bytes the
+    row promised (or the blob is gone)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise DamagedDataset(f"blob {sha256} is missing from the object store") from None
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != sha256:
+        raise DamagedDataset(f"blob {sha256} is damaged: read {len(data)} bytes hashing to {digest}")
+    return data
 
 
 def model_numbers(model_path: str, lora: LoraConfig, seed: int) -> dict:
@@ -165,6 +183,8 @@ def main() -> None:
         try:
             req = json.loads(line)
             answer = PLANNERS[req["method"]](req)
+        except DamagedDataset as exc:
+            answer = {"data_loss": str(exc)}
         except Exception as exc:  # noqa: BLE001 - the process boundary: the scheduler reports it, this loop goes on
             traceback.print_exc()
             answer = {"error": f"{type(exc).__name__}: {exc}"}

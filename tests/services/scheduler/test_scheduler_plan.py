@@ -11,7 +11,7 @@ from sqlalchemy import func, select
 from services.common import auth, registry
 from services.common.blobstore import BlobStore
 from services.common.db import Database, migrate
-from services.common.errors import InvalidArgument
+from services.common.errors import DataLoss, InvalidArgument
 from services.common.schema import SHARED_SCOPE, Job
 from services.scheduler import convert
 from services.scheduler.datasets import DatasetStore, UploadHeader
@@ -106,3 +106,35 @@ def test_the_servicer_reads_the_method_from_the_table():
     assert _new_job(pb.JobSpec(base_model="m")).method == ""  # unspecified: the core names the known methods
     bad = pb.JobSpec(method=pb.JOB_METHOD_SFT, sft=pb.SftConfig(lr_scheduler=42))
     assert _new_job(bad).config == {"lr_scheduler": 42}  # checked by the declaration, naming the field
+
+
+def test_a_damaged_dataset_is_neither_planned_nor_previewed(tmp_path, tiny_model_dir):
+    """The planner child and PreviewDataset read the dataset's blob verified (in the one pass that reads it): flipped
+    bytes are DataLoss naming the dataset, never a plan or rows from damaged bytes."""
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    migrate(url)
+    db = Database(url)
+    account, _, _ = auth.create_account(db, "acme")
+    with db.session() as s:
+        registry.register_model(s, SHARED_SCOPE, "tiny", str(tiny_model_dir))
+    blobs = BlobStore(tmp_path / "blobs")
+    store = DatasetStore(db, blobs, 1 << 20)
+    ds, _ = store.upload(account.id, UploadHeader("faq", None, ""), iter([SAMPLE.read_bytes()]))
+    planner = Planner(blobs)
+    core = JobCore(db, Ledger(db), lambda job_id: None, 0.05, threading.Event(), planner)
+    try:
+        req = _new_job(job_spec("sft", "tiny", ds.id, lora_rank=8))
+        path = blobs.path(ds.sha256)
+        data = bytearray(path.read_bytes())
+        data[-3] ^= 0x20  # a letter's case in the last row: still valid JSON
+        path.chmod(0o644)
+        path.write_bytes(bytes(data))
+        for call in (lambda: core.plan(account.id, req), lambda: store.preview(account.id, ds.id, 0, 1)):
+            with pytest.raises(DataLoss, match=f"dataset {ds.id}: blob {ds.sha256} is damaged"):
+                call()
+        path.write_bytes(SAMPLE.read_bytes())  # repaired: both work again
+        assert core.plan(account.id, req)[1]["train_rows"] == 18
+        assert len(store.preview(account.id, ds.id, 0, 1)[1]) == 1
+    finally:
+        planner.close()
+        db.dispose()
