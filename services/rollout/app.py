@@ -56,7 +56,13 @@ def build(settings: RolloutSettings) -> Server:
         engine.close()
         db.dispose()
 
-    spec = ServiceSpec(name="rollout", register=register, on_shutdown=shutdown,
+    def stop_rendering(stopping) -> None:
+        """At SIGTERM, before the grace period: a render in flight (a user's template, up to its CPU limit) fails
+        at once rather than holding the shutdown; sampling calls past their render finish in the grace period."""
+        stopping.wait()
+        templates.close()
+
+    spec = ServiceSpec(name="rollout", register=register, on_shutdown=shutdown, background=[stop_rendering],
                        service_names=[rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name])
     if settings.openai_port:
         http = OpenAIServer(core, KeyAuthenticator(db).authenticate, host=settings.host, port=settings.openai_port,

@@ -43,7 +43,8 @@ def test_metrics_of_every_service_move_with_a_job_and_a_training_api_session(sta
 
     ds, _ = client.upload_dataset(jsonl(chat_rows(8)), name="metrics")
     job = client.create_sft_job("tiny-qwen3", ds.id, max_steps=2, batch_size=4, learning_rate=3e-3)
-    assert status_name(client.wait_job(job.id, timeout_s=300).status) == "succeeded"
+    done = client.wait_job(job.id, timeout_s=300)
+    assert status_name(done.status) == "succeeded"
     account_id = client.whoami().id
     job_lines = [line for line in stack.procs["worker"].log().splitlines() if f"job {job.id}:" in line]
     assert job_lines and all(f"account_id={account_id} job_id={job.id}" in line for line in job_lines), job_lines
@@ -73,7 +74,10 @@ def test_metrics_of_every_service_move_with_a_job_and_a_training_api_session(sta
                                                                          "CreateJob") == 1
     assert value(after["scheduler"], "trainyard_jobs", status="succeeded") >= 1
     assert ("trainyard_job_queue_depth",) in after["scheduler"]
-    assert moved("worker", "trainyard_training_step_seconds_count", driver="managed") == 2
+    # 2 steps, each observed once; a retried attempt (the worker's lease lapsed on a loaded machine) runs again the
+    # steps after its last checkpoint
+    steps = moved("worker", "trainyard_training_step_seconds_count", driver="managed")
+    assert steps == 2 if done.attempts <= 1 else 2 <= steps <= 2 * done.attempts, (steps, done.attempts)
     assert moved("worker", "trainyard_training_tokens_total", driver="managed") > 0
     for method, n in (("CreateSession", 1), ("ForwardBackward", 1), ("OptimStep", 1), ("SaveWeights", 2)):
         assert calls(after["trainer"], "TrainerService", method) - calls(before["trainer"], "TrainerService",
