@@ -268,6 +268,17 @@ class Experts(nn.Module):
                 setattr(self, name, nn.Parameter(weight.dequantize(dtype), requires_grad=False))
 
 
+def require_whole_experts(module: nn.Module, action: str) -> None:
+    """Raise unless every routed-expert block holds all its layer's experts: a model split by expert parallelism
+    holds a slice (its experts renumbered from 0), which a checkpoint must not take for the whole."""
+    for name, m in module.named_modules():
+        if isinstance(m, Experts) and m.num_experts != m.total_experts:
+            raise ValueError(
+                f"cannot {action}: {name} holds experts {m.first_expert}..{m.first_expert + m.num_experts - 1} of "
+                f"{m.total_experts} (expert parallelism); gather the whole expert tensors first"
+            )
+
+
 def quantize_experts_(module: nn.Module, fmt: str = "nf4", block_size: int = 64) -> int:
     """Quantize every routed-expert block in `module` (a model, a MoE block or an Experts) to 4 bits in place and
     return how many there were. The experts become frozen; LoRA on them keeps training (docs/quant4.md)."""

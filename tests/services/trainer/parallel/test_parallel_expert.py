@@ -20,8 +20,10 @@ import torch
 import torch.distributed as dist
 
 from models import load_pretrained
-from models.checkpoint import build_on_meta
-from models.lora import LoraConfig, RowAdapters, apply_lora, lora_state_dict, per_row_adapters, set_trainable
+from models.checkpoint import build_on_meta, save_pretrained
+from models.lora import (
+    LoraConfig, RowAdapters, apply_lora, lora_state_dict, per_row_adapters, save_peft_adapter, set_trainable,
+)
 from models.moe import Experts, RouterReplay, quantize_experts_
 from services.trainer.engine.logprobs import token_logprobs
 from services.trainer.engine.parallel import ParallelDims, build_mesh
@@ -186,7 +188,7 @@ def _split_loaded(model_dir: str, mesh, dims, case: dict | None = None) -> torch
     return model
 
 
-def _meta_and_state_rank(dirs: dict[str, str]) -> dict:
+def _meta_and_state_rank(dirs: dict[str, str], tmp_dir: str) -> dict:
     world = dist.get_world_size()
     dims = ParallelDims(dp_shard=world, ep=world, world_size=world).resolved()
     mesh = build_mesh(dims)
@@ -226,6 +228,10 @@ def _meta_and_state_rank(dirs: dict[str, str]) -> dict:
     with pytest.raises(ValueError, match="per-row LoRA adapters"):
         with per_row_adapters(RowAdapters.from_names(["default", None])):
             model(_tokens(world)[0][:2])
+    with pytest.raises(ValueError, match="holds experts [0-9]+..[0-9]+ of 8 .expert parallelism"):
+        save_pretrained(model, tmp_dir)  # per-expert keys would be renumbered from 0: refused
+    with pytest.raises(ValueError, match="save a PEFT adapter"):
+        save_peft_adapter(model, LORA, tmp_dir, "tiny")
     with pytest.raises(ValueError, match="already split"):
         apply_expert_parallel(model, mesh, dims)
     with pytest.raises(ValueError, match="needs routed experts"):
@@ -233,13 +239,14 @@ def _meta_and_state_rank(dirs: dict[str, str]) -> dict:
     return out
 
 
-def test_split_on_meta_loads_the_held_slices_and_gathers_back(family_dirs):
+def test_split_on_meta_loads_the_held_slices_and_gathers_back(family_dirs, tmp_path):
     """Reference: the loaded whole model. Bitwise: splitting on the meta device then loading the held slices equals
     splitting the loaded model (state and forward); an adapter added, or experts quantized, after the split are the
-    held slices of the whole model's; each rank's held tensors put back (ExpertShard.put) rebuild the whole ones."""
+    held slices of the whole model's; each rank's held tensors put back (ExpertShard.put) rebuild the whole ones.
+    Saving a split model as a whole checkpoint or adapter is refused."""
     dirs = {k: str(v) for k, v in family_dirs.items()}
     world = 2
-    ranks = run_ranks(_meta_and_state_rank, world, dirs)
+    ranks = run_ranks(_meta_and_state_rank, world, dirs, str(tmp_path))
     for out in ranks:
         for family in ("qwen3_moe", "deepseek_v3"):
             checks = out[family]
