@@ -2,7 +2,7 @@
 experts that own them with all_to_all and back.
 
 Shapes: N tokens on this rank, K experts per token, M = N * K routed rows sent, R rows received, D hidden, E the
-layer's experts, n = E / ep experts held per rank, F a tensor's output features, r a LoRA rank.
+layer's experts, P = ep ranks, n = E / ep experts held per rank, F a tensor's output features, r a LoRA rank.
 
 Split (apply_expert_parallel): rank p of the ep group (mesh["ep"]) keeps experts p * n .. (p + 1) * n - 1 of every
 models.moe.Experts as plain Parameters under their own names (gate_up_proj [n, 2I, D], down_proj [n, D, I]), so the
