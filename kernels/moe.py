@@ -105,6 +105,10 @@ def grouped_mm(
         raise ValueError(f"grouped_mm layout must be one of {WEIGHT_LAYOUTS}, got {layout!r}")
     backend = requested_backend("grouped_mm", backend, tuple(b for b in GROUPED_MM_BACKENDS if b != "auto"))
     assert w.dim() == 3 and counts_E.shape == (w.shape[0],), (w.shape, counts_E.shape)
+    if x_MD.shape[0] == 0:
+        # No rows (an expert-parallel rank whose experts received no token): an empty product rather than none, so
+        # the weight gets a zero gradient as on every other rank (torch._grouped_mm's backward rejects M = 0).
+        return F.linear(x_MD, w[0]) if layout == "EFD" else x_MD @ w[0]
     if backend == "auto":
         backend = "grouped" if grouped_mm_supported(x_MD, w) else "loop"
     if backend == "grouped":
@@ -127,9 +131,6 @@ def _loop_mm(x_MD: torch.Tensor, w: torch.Tensor, counts_E: torch.Tensor, layout
         block = x_MD[start : start + count]
         outs.append(F.linear(block, w[e]) if layout == "EFD" else block @ w[e])
         start += count
-    if not outs:
-        out_features = w.shape[1] if layout == "EFD" else w.shape[2]
-        return x_MD.new_zeros(x_MD.shape[0], out_features)
     return torch.cat(outs)
 
 

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from models.families import family_for_config
 from models.model_dir import INDEX_FILE, read_config, weight_files
+from models.moe import require_whole_experts
 
 _MAX_NAMES_IN_ERROR = 20
 
@@ -82,6 +83,7 @@ def save_pretrained(model: torch.nn.Module, out_dir: str | Path, max_shard_bytes
     The weights are saved as they currently are: LoRA tensors are left out (they go to a PEFT adapter), but an
     adapter merged with merge_adapter is part of the weights, which is how a merged model is exported. 4-bit frozen
     experts have no Hugging Face form: dequantize them first."""
+    require_whole_experts(model, "save a Hugging Face checkpoint")
     if any(getattr(m, "is_quantized", False) for m in model.modules()):
         raise ValueError("this model holds 4-bit frozen experts, which a Hugging Face checkpoint cannot store; "
                          "call models.moe.dequantize_experts_ first, or save the unquantized base")

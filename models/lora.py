@@ -30,7 +30,7 @@ from models.lora_layers import INITS, ExpertsLoRA, LoraConfig, LoRALinear, RowAd
 from models.lora_targets import (
     DEFAULT_TARGETS, EXPERTS_TARGET, ModuleNames, is_strict, matches, matches_expert_weight, resolve_targets,
 )
-from models.moe import Experts
+from models.moe import Experts, require_whole_experts
 
 __all__ = [
     "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "DEFAULT_TARGETS", "EXPERTS_TARGET", "INITS", "TRAIN_MODES", "ExpertsLoRA",
@@ -310,6 +310,7 @@ def save_peft_adapter(
     model: nn.Module, cfg: LoraConfig, out_dir: str | Path, base_model_name_or_path: str, adapter_name: str = "default"
 ) -> None:
     """Write adapter_config.json + adapter_model.safetensors in the layout peft's save_pretrained produces."""
+    require_whole_experts(model, "save a PEFT adapter")
     state = lora_state_dict(model, adapter_name)
     ranks = {layer.rank(adapter_name) for _, layer in _lora_layers(model) if adapter_name in layer.lora_A}
     if ranks != {cfg.rank}:

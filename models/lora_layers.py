@@ -89,6 +89,11 @@ def per_row_adapters(rows: RowAdapters) -> Iterator[None]:
         _ROW_ADAPTERS.reset(token)
 
 
+def row_adapters() -> RowAdapters | None:
+    """The per_row_adapters in force in this context, if any."""
+    return _ROW_ADAPTERS.get()
+
+
 def _check_not_merged(layer: "LoRALinear | ExpertsLoRA") -> None:
     if layer.merged_adapter is not None:
         raise ValueError(
@@ -236,7 +241,10 @@ class ExpertsLoRA(nn.Module):
 
     def __init__(self, experts: "Experts"):
         super().__init__()
-        self.num_experts = experts.num_experts
+        # the held experts (global ids first_expert .. + num_experts - 1 of total_experts): expert parallelism
+        # keeps a slice of each layer's experts, and of their adapters
+        self.num_experts, self.first_expert, self.total_experts = (
+            experts.num_experts, experts.first_expert, experts.total_experts)
         self.shapes = {name: tuple(getattr(experts, name).shape) for name in type(experts).WEIGHT_NAMES}
         self.lora_A = nn.ModuleDict()  # adapter -> ParameterDict(weight name -> [E*r, D])
         self.lora_B = nn.ModuleDict()  # adapter -> ParameterDict(weight name -> [F, r*E])
@@ -251,10 +259,14 @@ class ExpertsLoRA(nn.Module):
         generator: torch.Generator | None,
     ) -> list[nn.Parameter]:
         E, params = self.num_experts, []
+        held = slice(self.first_expert * cfg.rank, (self.first_expert + E) * cfg.rank)
         lora_A, lora_B = nn.ParameterDict(), nn.ParameterDict()
         for weight in weight_names:
             _, out_features, in_features = self.shapes[weight]
-            lora_A[weight] = nn.Parameter(_init_A(E * cfg.rank, in_features, cfg, generator).to(device))
+            # A is drawn for all the layer's experts and the held ones kept: a seed gives the same adapter whether
+            # or not the experts are split over ranks
+            A = _init_A(self.total_experts * cfg.rank, in_features, cfg, generator)[held].clone()
+            lora_A[weight] = nn.Parameter(A.to(device))
             lora_B[weight] = nn.Parameter(torch.zeros(out_features, cfg.rank * E, device=device))
             params += [lora_A[weight], lora_B[weight]]
         self.lora_A[name], self.lora_B[name] = lora_A, lora_B

@@ -181,13 +181,19 @@ class Experts(nn.Module):
 
     `backend` picks kernels.moe.grouped_mm's backend ("auto", "loop", "grouped").
 
-    Two hooks, both off by default (the plain path is unchanged, bitwise):
+    Three hooks, all off by default (the plain path is unchanged, bitwise):
     - `lora`: None, or a module (models.lora.ExpertsLoRA, set by apply_lora) called as
       `lora(name, x_MX, out_MF, state, backend)` after each grouped GEMM (state: the kernels.moe.PermState of the
       permutation, whose order_M tells each routed row's token); it returns out plus the adapter's per-expert
       low-rank update, itself computed with grouped GEMMs (docs/lora.md).
     - `quantize_()` swaps the fused Parameters for frozen kernels.quant4.Packed4Weight modules under the same names;
       those are dequantized one expert at a time inside the GEMM (docs/quant4.md). `dequantize_()` undoes it.
+    - `dispatcher`: None, or an object (services/trainer/engine/parallel/expert.py, set with the expert-parallel
+      split) called as `dispatcher(self, x_ND, ids_NK, weights_NK)` in place of the local permute -> GEMMs ->
+      unpermute; it sends the routed rows to the ranks holding their experts and runs `expert_mlp` there.
+
+    Which experts the module holds: `num_experts` of them, global ids first_expert .. first_expert + num_experts - 1
+    out of the layer's total_experts (all of them, 0 .. E - 1, unless expert parallelism split the layer).
     """
 
     WEIGHT_NAMES = ("gate_up_proj", "down_proj")
@@ -195,21 +201,28 @@ class Experts(nn.Module):
     def __init__(self, args: MoEArgs):
         super().__init__()
         E, D, I = args.num_experts, args.hidden_size, args.moe_intermediate_size
-        self.num_experts = E
+        self.num_experts, self.first_expert, self.total_experts = E, 0, E
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D))
         self.down_proj = nn.Parameter(torch.empty(E, D, I))
         nn.init.normal_(self.gate_up_proj, std=INIT_STD)
         nn.init.normal_(self.down_proj, std=INIT_STD)
         self.backend = "auto"
         self.lora: nn.Module | None = None
+        self.dispatcher = None
 
     def forward(self, x_ND: torch.Tensor, ids_NK: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
+        """Sum over each token's K experts of weight * expert(x), [N, D]; ids_NK are global expert ids."""
+        if self.dispatcher is not None:
+            return self.dispatcher(self, x_ND, ids_NK, weights_NK)
         x_MD, state = permute(x_ND, ids_NK, self.num_experts)
+        return unpermute(self.expert_mlp(x_MD, state), weights_NK, state)
+
+    def expert_mlp(self, x_MD: torch.Tensor, state: PermState) -> torch.Tensor:
+        """The held experts' SwiGLU MLPs on rows grouped by expert (state.counts_E rows each, in held order)."""
         gate_up_M2I = self._project("gate_up_proj", x_MD, state)
         gate_MI, up_MI = gate_up_M2I.chunk(2, dim=-1)
         h_MI = swiglu(gate_MI, up_MI)
-        out_MD = self._project("down_proj", h_MI, state)
-        return unpermute(out_MD, weights_NK, state)
+        return self._project("down_proj", h_MI, state)
 
     def _project(self, name: str, x_MX: torch.Tensor, state: PermState) -> torch.Tensor:
         weight = getattr(self, name)
@@ -253,6 +266,17 @@ class Experts(nn.Module):
             if isinstance(weight, Packed4Weight):
                 delattr(self, name)
                 setattr(self, name, nn.Parameter(weight.dequantize(dtype), requires_grad=False))
+
+
+def require_whole_experts(module: nn.Module, action: str) -> None:
+    """Raise unless every routed-expert block holds all its layer's experts: a model split by expert parallelism
+    holds a slice (its experts renumbered from 0), which a checkpoint must not take for the whole."""
+    for name, m in module.named_modules():
+        if isinstance(m, Experts) and m.num_experts != m.total_experts:
+            raise ValueError(
+                f"cannot {action}: {name} holds experts {m.first_expert}..{m.first_expert + m.num_experts - 1} of "
+                f"{m.total_experts} (expert parallelism); gather the whole expert tensors first"
+            )
 
 
 def quantize_experts_(module: nn.Module, fmt: str = "nf4", block_size: int = 64) -> int:

@@ -23,7 +23,9 @@ def _context():
     global _CTX
     if _CTX is None:
         _CTX = multiprocessing.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "models", "services.trainer.engine"])
+        # torch._dynamo: the first meta-device init (load_pretrained) imports it, ~6 s per process otherwise
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "models",
+                                     "services.trainer.engine"])
     return _CTX
 
 
