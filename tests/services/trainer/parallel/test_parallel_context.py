@@ -1,0 +1,220 @@
+"""Context parallelism (services/trainer/engine/parallel/context.py) on real gloo groups of cp = 2 and 4 ranks
+(ParallelDims(cp=N, dp_shard=1)), against named single-process references:
+
+- the ring attention op alone vs kernels.attention.reference_attention (float32) over the whole sequence: the output
+  and dq / dk / dv, causal, GQA (4 query heads on 2 kv heads) and MLA head dims (tiny form of DeepSeek's 192 / 128:
+  D = 48, Dv = 32, its own scale), unpacked rows (B = 2) and packed rows whose documents straddle the chunk
+  boundaries. Tolerance: max |cp - ref| <= 2e-6 * max |ref| per tensor (float32; the blockwise online softmax sums
+  in another order than the reference, so they differ by rounding only: measured <= 7.2e-7);
+- whole models (qwen3, qwen3_moe, deepseek_v3), full and LoRA training (LoRA B drawn nonzero so every A has a
+  gradient), unpacked rows (B = 2) and packed rows: the engine's loss (services/trainer/engine/logprobs.py
+  target_nll_sum on each rank's shard, summed over the cp ranks) and the gradient of every trainable parameter
+  (summed over the cp ranks) vs the single-process model's. Tolerance: loss within 1e-6 relative (measured <= 8.5e-8);
+  each parameter's gradient max |cp - ref| <= 1e-5 * max |ref| (measured <= 2.3e-6: the attention's rounding
+  differences, ~5e-7, carried through 4 layers, the q/k RMSNorms and the MoE routers);
+- a row whose length is not a multiple of 2 * cp is refused with a ValueError naming the lengths (not padded: the
+  caller pads, see the module's docstring).
+
+One group per cp runs every case (cp_group_results): a rank process's cost is its imports, not the tiny computations.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from kernels import Packing
+from kernels.attention import reference_attention
+from kernels.logprobs import IGNORE_INDEX
+from services.trainer.engine.parallel import ParallelDims, build_mesh
+from services.trainer.engine.parallel.context import ContextParallel, apply_context_parallel
+from tests.services.trainer.parallel.ranks import run_ranks
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+OP_TOL = 2e-6
+LOSS_TOL = 1e-6
+GRAD_TOL = 1e-5
+
+
+def _cp_mesh():
+    world = dist.get_world_size()
+    return build_mesh(ParallelDims(cp=world, dp_shard=1, world_size=world).resolved())
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |a - ref| / max |ref| (an all-zero ref, e.g. an expert no token chose, must be matched exactly)."""
+    return float((a - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+# ------------------------------------------------------------------------------------------------------ the op alone
+
+# (name, B, H, K, D, Dv, document lengths or None); T = 32 so that both cp = 2 and cp = 4 divide it into 2 cp chunks.
+OP_CASES = [
+    ("gqa", 2, 4, 2, 16, 16, None),
+    ("mla", 1, 4, 4, 48, 32, None),
+    ("gqa_packed", 1, 4, 2, 16, 16, [3, 9, 1, 12, 7]),
+    ("mla_packed", 1, 4, 4, 48, 32, [16, 5, 11]),
+]
+T_OP = 32
+
+
+def _op_inputs(case, seed: int = 0) -> dict:
+    _, B, H, K, D, Dv, lengths = case
+    g = torch.Generator().manual_seed(seed)
+    return {"q": torch.randn(B, H, T_OP, D, generator=g), "k": torch.randn(B, K, T_OP, D, generator=g),
+            "v": torch.randn(B, K, T_OP, Dv, generator=g), "dout": torch.randn(B, H, T_OP, Dv, generator=g),
+            "lengths": lengths, "scale": 0.3 if Dv != D else None}
+
+
+def _ring_op(cases: list[dict]) -> dict:
+    cp = ContextParallel(_cp_mesh()["cp"].get_group())
+    results = {}
+    for name, x in cases:
+        layout = cp.layout(packing=Packing.from_lengths(x["lengths"])) if x["lengths"] else cp.layout(T_OP)
+        q, k, v = (layout.shard(x[n], dim=2).requires_grad_() for n in ("q", "k", "v"))
+        out = cp.attention(q, k, v, layout=layout, scale=x["scale"])
+        out.backward(layout.shard(x["dout"], dim=2))
+        results[name] = {n: layout.gather(t.detach(), dim=2)
+                         for n, t in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad))}
+    try:
+        cp.layout(T_OP + 2)
+    except ValueError as exc:
+        results["indivisible"] = str(exc)
+    return results
+
+
+# ------------------------------------------------------------------------------------------------------ whole models
+
+T_MODEL = 32
+PACKED_LENGTHS = [6, 13, 2, 11]  # documents straddling chunk boundaries for cp = 2 (chunks of 8) and 4 (of 4)
+
+
+def _batch(vocab: int, packed: bool, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    B = 1 if packed else 2
+    tokens = torch.randint(3, vocab, (B, T_MODEL), generator=g)
+    targets = torch.randint(3, vocab, (B, T_MODEL), generator=g)
+    targets[:, ::5] = IGNORE_INDEX
+    return tokens, targets
+
+
+def _model(model_dir, mode: str):
+    """The family's tiny model, trainable as mode says; LoRA's B matrices drawn nonzero (a fresh adapter's B = 0
+    would give its A matrices zero gradients, hiding any error in them)."""
+    from models import load_pretrained
+    from models.lora import LoraConfig, apply_lora, set_trainable
+
+    model = load_pretrained(model_dir)
+    if mode == "lora":
+        apply_lora(model, LoraConfig(rank=4, alpha=8.0), seed=1)
+        g = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    set_trainable(model, mode)
+    return model
+
+
+def _loss_and_grads(model, tokens, targets, packing) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    from services.trainer.engine.logprobs import target_nll_sum
+
+    loss = target_nll_sum(model, tokens, targets, packing=packing)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _cp_model(model_dir, cases: list[tuple[str, bool]], vocab: int) -> dict:
+    mesh = _cp_mesh()
+    dims = ParallelDims(cp=dist.get_world_size(), dp_shard=1, world_size=dist.get_world_size()).resolved()
+    group = mesh["cp"].get_group()
+    results = {}
+    for mode, packed in cases:
+        model = _model(model_dir, mode)
+        cp = apply_context_parallel(model, mesh, dims)
+        tokens, targets = _batch(vocab, packed)
+        layout = cp.layout(packing=Packing.from_lengths(PACKED_LENGTHS)) if packed else cp.layout(T_MODEL)
+        loss, grads = _loss_and_grads(model, layout.shard(tokens), layout.shard(targets), layout)
+        dist.all_reduce(loss, group=group)
+        for grad in grads.values():
+            dist.all_reduce(grad, group=group)
+        results[(mode, packed)] = (loss, grads)
+    return results
+
+
+MODEL_CASES = [("full", False), ("full", True), ("lora", False), ("lora", True)]
+FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3")
+
+
+# ------------------------------------------------------------------------------------------------------------ tests
+
+
+def _everything(op_inputs: list, model_dirs: dict, vocabs: dict) -> dict:
+    """Every case on one group: each rank process imports the model code once (the imports, not the tiny
+    computations, are what a group costs)."""
+    return {"op": _ring_op(op_inputs),
+            "models": {family: _cp_model(model_dirs[family], MODEL_CASES, vocabs[family]) for family in model_dirs}}
+
+
+@pytest.fixture(scope="module")
+def cp_group_results(family_dirs):
+    """cp -> every rank's results of _everything (one run of a cp-rank group per module, when first asked)."""
+    from models.model_dir import read_config
+
+    runs = {}
+
+    def results(cp: int) -> list[dict]:
+        if cp not in runs:
+            op_inputs = [(case[0], _op_inputs(case)) for case in OP_CASES]
+            dirs = {f: family_dirs[f] for f in FAMILIES}
+            vocabs = {f: read_config(d)["vocab_size"] for f, d in dirs.items()}
+            runs[cp] = run_ranks(_everything, cp, op_inputs, dirs, vocabs)
+        return runs[cp]
+
+    return results
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_attention_matches_the_reference_over_the_whole_sequence(cp_group_results, cp):
+    ranks = cp_group_results(cp)
+    for case in OP_CASES:
+        name, x = case[0], _op_inputs(case)
+        packing = Packing.from_lengths(x["lengths"]) if x["lengths"] else None
+        q, k, v = (x[n].clone().requires_grad_() for n in ("q", "k", "v"))
+        ref = reference_attention(q, k, v, causal=True, q_offset=0, packing=packing, scale=x["scale"])
+        ref.backward(x["dout"])
+        expected = {"out": ref.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+        for rank, got in enumerate(ranks):
+            for n, ref_t in expected.items():
+                err = _rel(got["op"][name][n], ref_t)
+                assert err <= OP_TOL, f"cp {cp} rank {rank} {name} {n}: max rel diff {err:.2e} > {OP_TOL}"
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_a_row_not_divisible_into_2cp_chunks_is_refused(cp_group_results, cp):
+    message = cp_group_results(cp)[0]["op"]["indivisible"]
+    assert f"2 * cp = {2 * cp} chunks" in message and f"got {T_OP + 2} tokens" in message, message
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_whole_model_loss_and_gradients_match_the_single_process_model(cp_group_results, family_dirs, family, cp):
+    from models.model_dir import read_config
+
+    ranks = cp_group_results(cp)
+    model_dir = family_dirs[family]
+    vocab = read_config(model_dir)["vocab_size"]
+    for mode, packed in MODEL_CASES:
+        model = _model(model_dir, mode)
+        tokens, targets = _batch(vocab, packed)
+        ref_loss, ref_grads = _loss_and_grads(model, tokens, targets,
+                                              Packing.from_lengths(PACKED_LENGTHS) if packed else None)
+        case = f"{family} cp {cp} {mode} {'packed' if packed else 'rows'}"
+        for rank, got in enumerate(ranks):
+            loss, grads = got["models"][family][(mode, packed)]
+            assert grads.keys() == ref_grads.keys()
+            loss_err = abs(float(loss - ref_loss)) / abs(float(ref_loss))
+            assert loss_err <= LOSS_TOL, f"{case} rank {rank}: loss {float(loss)} vs {float(ref_loss)}"
+            worst = max((_rel(grads[n], g), n) for n, g in ref_grads.items())
+            assert worst[0] <= GRAD_TOL, f"{case} rank {rank}: {worst[1]} grad max rel diff {worst[0]:.2e}"
