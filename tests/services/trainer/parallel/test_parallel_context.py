@@ -77,11 +77,28 @@ def _ring_op(cases: list[dict]) -> dict:
         out.backward(layout.shard(x["dout"], dim=2))
         results[name] = {n: layout.gather(t.detach(), dim=2)
                          for n, t in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad))}
-    try:
-        cp.layout(T_OP + 2)
-    except ValueError as exc:
-        results["indivisible"] = str(exc)
+    results["refused"] = _refusals(cp)
     return results
+
+
+def _refusals(cp: ContextParallel) -> dict[str, str]:
+    """The ValueError message of each misuse."""
+    layout = cp.layout(T_OP)
+    q = torch.zeros(1, 2, 2 * layout.chunk, 8)
+    misuses = {
+        "indivisible": lambda: cp.layout(T_OP + 2),
+        "plain packing": lambda: cp.attention(q, q, q, layout=Packing.from_lengths([T_OP])),
+        "no layout": lambda: cp.attention(q, q, q, layout=None),
+        "unsharded": lambda: cp.attention(torch.zeros(1, 2, T_OP, 8), q, q, layout=layout),
+        "kv cache": lambda: cp.attention(q, q, q, layout=layout, cache=object()),
+    }
+    messages = {}
+    for name, misuse in misuses.items():
+        try:
+            misuse()
+        except ValueError as exc:
+            messages[name] = str(exc)
+    return messages
 
 
 # ------------------------------------------------------------------------------------------------------ whole models
@@ -192,9 +209,24 @@ def test_ring_attention_matches_the_reference_over_the_whole_sequence(cp_group_r
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-def test_a_row_not_divisible_into_2cp_chunks_is_refused(cp_group_results, cp):
-    message = cp_group_results(cp)[0]["op"]["indivisible"]
-    assert f"2 * cp = {2 * cp} chunks" in message and f"got {T_OP + 2} tokens" in message, message
+def test_misuses_are_refused_with_a_clear_error(cp_group_results, cp):
+    refused = cp_group_results(cp)[0]["op"]["refused"]
+    # A row not divisible into 2 cp chunks is refused (not padded), naming the lengths and the padded length.
+    n = 2 * cp
+    assert f"2 * cp = {n} chunks" in refused["indivisible"] and f"got {T_OP + 2} tokens" in refused["indivisible"]
+    assert f"pad the row to {-(-(T_OP + 2) // n) * n}" in refused["indivisible"]
+    assert "got a kernels.Packing" in refused["plain packing"] and "layout(packing=" in refused["plain packing"]
+    assert "got no layout" in refused["no layout"]
+    assert f"this rank holds {T_OP} tokens" in refused["unsharded"] and "layout.shard" in refused["unsharded"]
+    assert "no KV-cache path" in refused["kv cache"]
+
+
+def test_without_context_parallelism_the_model_is_left_as_it_is(tiny_model_dir):
+    from models import load_pretrained
+
+    model = load_pretrained(tiny_model_dir)
+    assert apply_context_parallel(model, None, ParallelDims(world_size=1).resolved()) is None
+    assert all(layer.self_attn.context_parallel is None for layer in model.model.layers.values())
 
 
 @pytest.mark.parametrize("cp", [2, 4])
