@@ -1,5 +1,5 @@
-"""Context parallelism (services/trainer/engine/parallel/context.py) on real gloo groups of cp = 2 and 4 ranks
-(ParallelDims(cp=N, dp_shard=1)), against named single-process references:
+"""Context parallelism (services/trainer/engine/parallel/context.py) on real gloo groups of 4 ranks, cp = 4 and
+dp_shard 2 x cp 2 (two cp groups, each on its own data), against named single-process references:
 
 - the ring attention op alone vs kernels.attention.reference_attention (float32) over the whole sequence: the output
   and dq / dk / dv, causal, GQA (4 query heads on 2 kv heads) and MLA head dims (tiny form of DeepSeek's 192 / 128:
@@ -20,6 +20,8 @@ One group per cp runs every case (cp_group_results): a rank process's cost is it
 """
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -38,9 +40,13 @@ LOSS_TOL = 1e-6
 GRAD_TOL = 1e-5
 
 
-def _cp_mesh():
-    world = dist.get_world_size()
-    return build_mesh(ParallelDims(cp=world, dp_shard=1, world_size=world).resolved())
+# Every case runs on 4 ranks: cp = 4, and dp_shard 2 x cp 2 (two cp groups, ranks {0, 1} and {2, 3}, each on its own
+# data: so the ring's group-rank -> global-rank mapping and the groups' separation are exercised too).
+WORLD = 4
+
+
+def _dims(cp: int) -> ParallelDims:
+    return ParallelDims(cp=cp, dp_shard=WORLD // cp, world_size=WORLD).resolved()
 
 
 def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -73,8 +79,7 @@ def _op_inputs(case, seed: int = 0) -> dict:
             "lengths": lengths, "scale": 0.3 if Dv != D else None}
 
 
-def _ring_op(cases: list[dict]) -> dict:
-    cp = ContextParallel(_cp_mesh()["cp"].get_group())
+def _ring_op(cp: ContextParallel, cases: list[dict]) -> dict:
     results = {}
     for name, x in cases:
         layout = cp.layout(packing=Packing.from_lengths(x["lengths"])) if x["lengths"] else cp.layout(T_OP)
@@ -148,15 +153,13 @@ def _loss_and_grads(model, tokens, targets, packing) -> tuple[torch.Tensor, dict
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _cp_model(model_dir, cases: list[tuple[str, bool]], vocab: int) -> dict:
-    mesh = _cp_mesh()
-    dims = ParallelDims(cp=dist.get_world_size(), dp_shard=1, world_size=dist.get_world_size()).resolved()
+def _cp_model(mesh, dims: ParallelDims, model_dir, cases: list[tuple[str, bool]], vocab: int, seed: int) -> dict:
     group = mesh["cp"].get_group()
     results = {}
     for mode, packed in cases:
         model = _model(model_dir, mode)
         cp = apply_context_parallel(model, mesh, dims)
-        tokens, targets = _batch(vocab, packed)
+        tokens, targets = _batch(vocab, packed, seed)
         layout = cp.layout(packing=Packing.from_lengths(PACKED_LENGTHS)) if packed else cp.layout(T_MODEL)
         loss, grads = _loss_and_grads(model, layout.shard(tokens), layout.shard(targets), layout)
         dist.all_reduce(loss, group=group)
@@ -173,26 +176,32 @@ FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3")
 # ------------------------------------------------------------------------------------------------------------ tests
 
 
-def _everything(op_inputs: list, model_dirs: dict, vocabs: dict) -> dict:
-    """Every case on one group: each rank process imports the model code once (the imports, not the tiny
-    computations, are what a group costs)."""
-    return {"op": _ring_op(op_inputs),
-            "models": {family: _cp_model(model_dirs[family], MODEL_CASES, vocabs[family]) for family in model_dirs}}
+def _everything(cp: int, op_inputs: list[list], model_dirs: dict, vocabs: dict) -> dict:
+    """Every case on one group of WORLD ranks: each rank process imports the model code once (the imports, not the
+    tiny computations, are what a group costs). A cp group's data is seeded by its dp index (op_inputs[dp])."""
+    dims = _dims(cp)
+    mesh = build_mesh(dims)
+    dp = mesh["dp"].get_local_rank()
+    return {"dp": dp, "op": _ring_op(ContextParallel(mesh["cp"].get_group()), op_inputs[dp]),
+            "models": {family: _cp_model(mesh, dims, model_dirs[family], MODEL_CASES, vocabs[family], seed=dp)
+                       for family in model_dirs}}
 
 
 @pytest.fixture(scope="module")
 def cp_group_results(family_dirs):
-    """cp -> every rank's results of _everything (one run of a cp-rank group per module, when first asked)."""
+    """cp -> every rank's results of _everything (one run of WORLD ranks per cp and module, when first asked)."""
     from models.model_dir import read_config
 
     runs = {}
 
     def results(cp: int) -> list[dict]:
         if cp not in runs:
-            op_inputs = [(case[0], _op_inputs(case)) for case in OP_CASES]
+            op_inputs = [[(case[0], _op_inputs(case, seed=dp)) for case in OP_CASES] for dp in range(WORLD // cp)]
             dirs = {f: family_dirs[f] for f in FAMILIES}
             vocabs = {f: read_config(d)["vocab_size"] for f, d in dirs.items()}
-            runs[cp] = run_ranks(_everything, cp, op_inputs, dirs, vocabs)
+            runs[cp] = run_ranks(_everything, WORLD, cp, op_inputs, dirs, vocabs)
+            # the mesh's documented order (pp, dp_replicate, dp_shard, cp, tp): rank = dp * cp + cp index
+            assert [got["dp"] for got in runs[cp]] == [rank // cp for rank in range(WORLD)]
         return runs[cp]
 
     return results
@@ -201,15 +210,15 @@ def cp_group_results(family_dirs):
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_attention_matches_the_reference_over_the_whole_sequence(cp_group_results, cp):
     ranks = cp_group_results(cp)
-    for case in OP_CASES:
-        name, x = case[0], _op_inputs(case)
+    for case, dp in itertools.product(OP_CASES, range(WORLD // cp)):
+        name, x = case[0], _op_inputs(case, seed=dp)
         packing = Packing.from_lengths(x["lengths"]) if x["lengths"] else None
         q, k, v = (x[n].clone().requires_grad_() for n in ("q", "k", "v"))
         ref = reference_attention(q, k, v, causal=True, q_offset=0, packing=packing, scale=x["scale"])
         ref.backward(x["dout"])
         expected = {"out": ref.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
         tol = OP_TOL if case[-1] == torch.float32 else OP_TOL_BF16
-        for rank, got in enumerate(ranks):
+        for rank, got in enumerate(ranks[dp * cp:(dp + 1) * cp], start=dp * cp):
             for n, ref_t in expected.items():
                 assert got["op"][name][n].dtype == ref_t.dtype
                 err = _rel(got["op"][name][n].float(), ref_t.float())
@@ -245,13 +254,13 @@ def test_whole_model_loss_and_gradients_match_the_single_process_model(cp_group_
     ranks = cp_group_results(cp)
     model_dir = family_dirs[family]
     vocab = read_config(model_dir)["vocab_size"]
-    for mode, packed in MODEL_CASES:
+    for (mode, packed), dp in itertools.product(MODEL_CASES, range(WORLD // cp)):
         model = _model(model_dir, mode)
-        tokens, targets = _batch(vocab, packed)
+        tokens, targets = _batch(vocab, packed, seed=dp)
         ref_loss, ref_grads = _loss_and_grads(model, tokens, targets,
                                               Packing.from_lengths(PACKED_LENGTHS) if packed else None)
         case = f"{family} cp {cp} {mode} {'packed' if packed else 'rows'}"
-        for rank, got in enumerate(ranks):
+        for rank, got in enumerate(ranks[dp * cp:(dp + 1) * cp], start=dp * cp):
             loss, grads = got["models"][family][(mode, packed)]
             assert grads.keys() == ref_grads.keys()
             loss_err = abs(float(loss - ref_loss)) / abs(float(ref_loss))
