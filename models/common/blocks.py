@@ -33,7 +33,11 @@ class Attention(nn.Module):
     """Grouped-query attention with half-split RoPE; Qwen3's per-head q/k RMSNorm when args.qk_norm.
 
     args: any ModelArgs with hidden_size, num_heads, num_kv_heads, head_dim, qkv_bias, o_bias, qk_norm,
-    rms_norm_eps. layer_idx is the layer's number in the whole model, under which its KV cache entries live."""
+    rms_norm_eps. layer_idx is the layer's number in the whole model, under which its KV cache entries live.
+    context_parallel: set by services.trainer.engine.parallel.context.apply_context_parallel (ring attention over
+    the cp ranks, the row's ContextLayout passed as `packing`); None runs kernels.attention."""
+
+    context_parallel = None
 
     def __init__(self, args, layer_idx: int):
         super().__init__()
@@ -63,7 +67,9 @@ class Attention(nn.Module):
             q_BTHD, k_BTKD = self.q_norm(q_BTHD), self.k_norm(k_BTKD)
         q_BHTD, k_BKTD = apply_rotary(q_BTHD.transpose(1, 2), k_BTKD.transpose(1, 2), cos_BTR, sin_BTR)
         v_BKTD = v_BTKD.transpose(1, 2)
-        if cache is None:
+        if self.context_parallel is not None:  # packing: the row's ContextLayout
+            out_BHTD = self.context_parallel.attention(q_BHTD, k_BKTD, v_BKTD, layout=packing, cache=cache)
+        elif cache is None:
             out_BHTD = attention(q_BHTD, k_BKTD, v_BKTD, causal=True, q_offset=0, packing=packing)
         else:
             out_BHTD = cache.attend(self.layer_idx, q_BHTD, k_BKTD, v_BKTD)

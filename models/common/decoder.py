@@ -72,7 +72,9 @@ class CausalLM(nn.Module):
 
         With a cache the tokens are written at cache.length.. and cache.length advances by T. With packing (B = 1)
         the row holds several documents: attention stays within each, and positions restart at 0 in each unless
-        positions_BT is given. routing: a models.moe.RouterReplay that records the experts every MoE layer picks,
+        positions_BT is given. Under context parallelism (services/trainer/engine/parallel/context.py) packing is
+        the row's ContextLayout instead: inputs are this rank's shard, positions the shard's global ones. routing:
+        a models.moe.RouterReplay that records the experts every MoE layer picks,
         or forces them (a dense model has no router and ignores it)."""
         B, T = inputs.shape[:2]
         offset = 0 if cache is None else cache.length

@@ -32,7 +32,10 @@ _LATENT_NORM_EPS = 1e-6
 
 class MLAttention(nn.Module):
     """Multi-head latent attention: queries through an optional low-rank bottleneck, keys/values through a shared
-    Rkv-dim latent plus one Dr-dim rotary key shared by all heads."""
+    Rkv-dim latent plus one Dr-dim rotary key shared by all heads. context_parallel: as models.common.blocks'
+    Attention's (ring attention under context parallelism)."""
+
+    context_parallel = None
 
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
@@ -78,7 +81,10 @@ class MLAttention(nn.Module):
         k_nope_BHTD, v_BHTD = torch.split(kv_BHTX, [self.nope_dim, self.v_dim], dim=-1)
         k_BHTD = torch.cat((k_nope_BHTD, k_rot_B1TD.expand(-1, k_nope_BHTD.shape[1], -1, -1)), dim=-1)
         q_BHTD = torch.cat((q_nope_BHTD, q_rot_BHTD), dim=-1)
-        if cache is None:
+        if self.context_parallel is not None:  # packing: the row's ContextLayout
+            out_BHTD = self.context_parallel.attention(q_BHTD, k_BHTD, v_BHTD, layout=packing, cache=cache,
+                                                       scale=self.scale)
+        elif cache is None:
             out_BHTD = attention(q_BHTD, k_BHTD, v_BHTD, causal=True, q_offset=0, packing=packing, scale=self.scale)
         else:
             out_BHTD = cache.attend(self.layer_idx, q_BHTD, k_BHTD, v_BHTD, scale=self.scale)
