@@ -49,6 +49,8 @@ def _entry(fn, rank: int, world_size: int, store_path: str, out_dir: str, args: 
             # stamped before the group is torn down (CLOCK_MONOTONIC is one clock for every process): a rank that
             # failed because this one left fails after it
             failure = f"{time.monotonic_ns()}\n{traceback.format_exc()}"
+        if failure is None:
+            dist.barrier()  # no rank tears the group down while another is still connecting to it
         dist.destroy_process_group()
         if failure is None:
             torch.save(result, out / f"rank{rank}.pt")
