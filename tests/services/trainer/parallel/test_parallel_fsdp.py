@@ -256,3 +256,36 @@ def test_activation_checkpointing_on_one_process_keeps_names_and_gradients_bitwi
     (keys, names, peft, metrics, params), (ac_keys, ac_names, ac_peft, ac_metrics, ac_params) = runs
     assert (keys, names, peft, metrics) == (ac_keys, ac_names, ac_peft, ac_metrics)
     assert all(torch.equal(params[n].grad, ac_params[n].grad) for n in params)
+
+
+def _rank_calls(model_dir, give_last_rank_nothing: bool) -> dict:
+    """A forward-only call over this rank's share (its metrics), or one in which the last rank has no datum."""
+    engine = TrainingEngine.load(model_dir, lora=LORA, seed=3, optimizer=SETTINGS, device="cpu",
+                                 parallel=ParallelDims(dp_shard=2))
+    datums = _datums(engine.model.args.vocab_size)
+    shares = [datums, []] if give_last_rank_nothing else split_for_ranks(datums, engine.dp_size)
+    call = engine.loss_call(REQ, backward=False, deterministic=False, lock=contextlib.nullcontext, batch_scale=1.0)
+    try:
+        logprobs, metrics = run_call(call, shares[engine.dp_rank])
+    except InvalidArgument as exc:
+        return {"refused": exc.violations[0].field}
+    return {"metrics": metrics, "logprobs": logprobs}
+
+
+def test_forward_only_calls_and_a_rank_without_datums(family_dirs):
+    """A Forward over a mesh: each rank's logprobs are its own datums', the metrics the whole call's (reference:
+    the single-process engine, loss relative 1e-6, logprobs 1e-5 absolute). A call in which some rank has no datum
+    is refused on every rank (InvalidArgument on data), not left hanging in a collective."""
+    model_dir = family_dirs["qwen3"]
+    single = TrainingEngine.load(model_dir, lora=LORA, seed=3, optimizer=SETTINGS, device="cpu")
+    datums = _datums(single.model.args.vocab_size)
+    call = single.loss_call(REQ, backward=False, deterministic=False, lock=contextlib.nullcontext)
+    want_logprobs, want = run_call(call, datums)
+    ranks = run_ranks(_rank_calls, 2, model_dir, False)
+    got_logprobs = [lp for r in ranks for lp in r["logprobs"]]
+    assert len(got_logprobs) == len(want_logprobs)
+    assert all(float((g - w).abs().max()) <= 1e-5 for g, w in zip(got_logprobs, want_logprobs))
+    for r in ranks:
+        assert r["metrics"].keys() == want.keys()
+        assert abs(r["metrics"]["loss:sum"] - want["loss:sum"]) <= _LOSS_RTOL * abs(want["loss:sum"])
+    assert run_ranks(_rank_calls, 2, model_dir, True) == [{"refused": "data"}, {"refused": "data"}]
