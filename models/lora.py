@@ -110,7 +110,8 @@ def _resolve_targets(
 
 
 def apply_lora(
-    model: nn.Module, cfg: LoraConfig, adapter_name: str = "default", seed: int | None = None
+    model: nn.Module, cfg: LoraConfig, adapter_name: str = "default", seed: int | None = None,
+    device: torch.device | str | None = None,
 ) -> list[nn.Parameter]:
     """Add adapter `adapter_name` to every targeted Linear and routed-expert block, freeze every non-LoRA
     parameter, make the new adapter the active one, and return its (trainable) parameters. Adapters added earlier
@@ -119,9 +120,13 @@ def apply_lora(
     Targets (docs/lora.md): nn.Linear module names by peft's dotted-suffix rule ("q_proj", "lm_head", ...),
     "experts" for both fused tensors of every models.moe.Experts, "experts.gate_up_proj" / "experts.down_proj" for
     one. With the default targets (DEFAULT_TARGETS, in any order) the names a model lacks are skipped; any other
-    target list must match with every name."""
+    target list must match with every name.
+
+    device: where the adapter tensors are created (default: each adapted weight's device). A model built on the
+    meta device for a distributed engine passes "cpu", so the adapter holds the seed's initial values (the same
+    as on a loaded model) until they are copied into the sharded parameters."""
     strict = is_strict(tuple(cfg.target_modules))
-    return _add_adapter(model, cfg, adapter_name, seed, strict)
+    return _add_adapter(model, cfg, adapter_name, seed, strict, device)
 
 
 def check_targets(model: nn.Module, target_modules: tuple[str, ...]) -> None:
@@ -131,7 +136,8 @@ def check_targets(model: nn.Module, target_modules: tuple[str, ...]) -> None:
 
 
 def _add_adapter(
-    model: nn.Module, cfg: LoraConfig, adapter_name: str, seed: int | None, strict: bool
+    model: nn.Module, cfg: LoraConfig, adapter_name: str, seed: int | None, strict: bool,
+    device: torch.device | str | None = None,
 ) -> list[nn.Parameter]:
     if not adapter_name or "." in adapter_name:
         raise ValueError(f"adapter_name must be a non-empty string without dots, got {adapter_name!r}")
@@ -150,13 +156,14 @@ def _add_adapter(
             module_lora = LoRALinear(module)
             setattr(model.get_submodule(parent_name), leaf, module_lora)
             module = module_lora
-        params += module.add_adapter(adapter_name, cfg, generator)
+        params += module.add_adapter(adapter_name, cfg, generator, device)
         module.added_at[adapter_name] = added_at
     for path, weights in expert_weights.items():
         experts = model.get_submodule(path)
         if experts.lora is None:
             experts.lora = ExpertsLoRA(experts)
-        params += experts.lora.add_adapter(adapter_name, cfg, weights, experts.gate_up_proj.device, generator)
+        params += experts.lora.add_adapter(adapter_name, cfg, weights, device or experts.gate_up_proj.device,
+                                           generator)
         experts.lora.added_at[adapter_name] = added_at
     _train_only(model, _adapter_params(model, None))
     set_active_adapter(model, adapter_name)

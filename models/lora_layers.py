@@ -128,8 +128,9 @@ class LoRALinear(nn.Module):
         self.active_adapter: str | None = None
         self.merged_adapter: str | None = None
 
-    def add_adapter(self, name: str, cfg: LoraConfig, generator: torch.Generator | None) -> list[nn.Parameter]:
-        device = self.weight.device
+    def add_adapter(self, name: str, cfg: LoraConfig, generator: torch.Generator | None,
+                    device: torch.device | str | None = None) -> list[nn.Parameter]:
+        device = device or self.weight.device
         lora_A = nn.Linear(self.in_features, cfg.rank, bias=False, device=device, dtype=torch.float32)
         lora_B = nn.Linear(cfg.rank, self.out_features, bias=False, device=device, dtype=torch.float32)
         with torch.no_grad():

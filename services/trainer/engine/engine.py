@@ -19,7 +19,12 @@ parameters and optimizer, not the base.
 
 This is the seam where the distributed trainer adds a device mesh: building, stepping and the training state go
 through here, so sharding the parameters and the optimizer state (and a controller driving several ranks) changes
-this module, not its callers.
+this module, not its callers. TrainingEngine.load(..., parallel=ParallelDims(...)) on every rank of a
+torch.distributed group builds the model on the meta device and shards it (parallel/parallelize.py); the engine's
+parameters are then DTensors, AdamW runs on them as they are (each rank updates its shard), the gradient norm is the
+global one (optim.total_norm), and loss_call takes each data-parallel rank's share of a call's datums and the call's
+batch_scale (forward_backward.py). Checkpoints of a sharded engine (torch.distributed.checkpoint) are not written
+yet: save and restore refuse.
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ from services.trainer.engine.checkpoint import EngineCheckpoint
 from services.trainer.engine.forward_backward import LossCall, LossRequest
 from services.trainer.engine.logprobs import target_nll_sum
 from services.trainer.engine.optim import AdamW, make_optimizer, optimizer_step
+from services.trainer.engine.parallel.dims import ParallelDims
 
 
 def training_device(device: str | torch.device | None = None) -> torch.device:
@@ -54,20 +60,61 @@ class TrainingEngine:
     in the model, or every weight when lora is None); seed: the adapter's init seed, kept with its checkpoints."""
 
     def __init__(self, model: nn.Module, params: list[nn.Parameter], *, optimizer: AdamW, device: torch.device,
-                 lora: LoraConfig | None, adapter: str = "default", seed: int = 0):
+                 lora: LoraConfig | None, adapter: str = "default", seed: int = 0,
+                 parallel: ParallelDims | None = None, mesh=None):
         self.model, self.params, self.device = model, params, device
         self.lora, self.adapter, self.seed = lora, adapter, seed
+        self.parallel, self.mesh = parallel, mesh  # None: one process (the model unsharded)
         self.optimizer = make_optimizer(params, optimizer)
         self.steps = 0  # optimizer steps taken (restored with a checkpoint's optimizer state)
 
     @classmethod
     def load(cls, model_dir: str | Path, *, lora: LoraConfig | None, seed: int, optimizer: AdamW,
-             device: str | torch.device | None = None) -> TrainingEngine:
-        """A model directory ready to train: a LoRA adapter (lora) or every weight (lora None) trainable."""
+             device: str | torch.device | None = None, parallel: ParallelDims | None = None,
+             activation_checkpointing: bool = False) -> TrainingEngine:
+        """A model directory ready to train: a LoRA adapter (lora) or every weight (lora None) trainable.
+
+        parallel: the degrees of a torch.distributed group this process is one rank of (the default process group,
+        already initialized; every rank calls load alike). The model is then built on the meta device, given LoRA
+        or made trainable, parallelized (parallel/parallelize.py: FSDP, activation checkpointing when asked) and
+        its weights loaded shard by shard; the adapter starts from the same values as the single-process engine's
+        for the same seed. Without it (or activation_checkpointing) the single-process engine is unchanged."""
         device = training_device(device)
-        model = load_pretrained(model_dir, dtype=training_dtype(device, full_parameter=lora is None), device=device)
+        dtype = training_dtype(device, full_parameter=lora is None)
+        if parallel is not None:
+            import torch.distributed as dist
+
+            from services.trainer.engine.parallel import build_mesh
+            from services.trainer.engine.parallel.parallelize import build_parallel_model
+
+            dims = parallel.resolved(dist.get_world_size())
+            mesh = build_mesh(dims, device.type)
+            model, params = build_parallel_model(model_dir, dims, mesh, lora=lora, seed=seed, device=device,
+                                                 dtype=dtype, activation_checkpointing=activation_checkpointing)
+            return cls(model, params, optimizer=optimizer, device=device, lora=lora, seed=seed, parallel=dims,
+                       mesh=mesh)
+        model = load_pretrained(model_dir, dtype=dtype, device=device)
         params = apply_lora(model, lora, seed=seed) if lora is not None else set_trainable(model, "full")
+        if activation_checkpointing:
+            from services.trainer.engine.parallel.checkpointing import apply_activation_checkpointing
+
+            apply_activation_checkpointing(model)
         return cls(model.train(), params, optimizer=optimizer, device=device, lora=lora, seed=seed)
+
+    # -- data parallel ----------------------------------------------------------------------------------------------
+    @property
+    def dp_group(self):
+        """The process group of the ranks that see different datums (mesh "dp"), None on one process."""
+        return None if self.mesh is None else self.mesh["dp"].get_group()
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's place among the data-parallel ranks (0 on one process): which share of the datums it takes."""
+        return 0 if self.mesh is None else self.mesh["dp"].get_local_rank()
+
+    @property
+    def dp_size(self) -> int:
+        return 1 if self.mesh is None else self.mesh["dp"].size()
 
     @property
     def num_trainable(self) -> int:
@@ -84,11 +131,20 @@ class TrainingEngine:
         self.steps += 1
         return norm
 
-    def loss_call(self, req: LossRequest, *, backward: bool, deterministic: bool, lock) -> LossCall:
+    def loss_call(self, req: LossRequest, *, backward: bool, deterministic: bool, lock,
+                  batch_scale: float | None = None) -> LossCall:
         """A Training API Forward / ForwardBackward over this engine's model and parameters (forward_backward.py);
-        lock: a context manager held around each micro-batch (the shared base's, with the session's adapter on)."""
+        lock: a context manager held around each micro-batch (the shared base's, with the session's adapter on).
+
+        Over a mesh, each data-parallel rank runs the call on its own share of the call's datums (the caller splits
+        them, e.g. split_for_ranks(datums, engine.dp_size)[engine.dp_rank]) and passes batch_scale, the call's c
+        (losses.batch_scale) over ALL its datums: every rank must apply the same c. The gradients are then the
+        whole call's (summed over ranks by FSDP), the metrics too (their sums all-reduced); the logprobs returned
+        are this rank's datums'. On one process batch_scale may be left None (computed from the datums)."""
+        if self.dp_size > 1 and batch_scale is None:
+            raise ValueError("a data-parallel engine needs the call's batch_scale over every rank's datums")
         return LossCall(self.model, self.params, req, backward=backward, deterministic=deterministic,
-                        device=self.device, lock=lock)
+                        device=self.device, lock=lock, dp_group=self.dp_group, batch_scale=batch_scale)
 
     # -- checkpoints (checkpoint.py) -------------------------------------------------------------------------------
     def rng_state(self) -> dict:
@@ -100,11 +156,13 @@ class TrainingEngine:
 
     def save_weights(self, out: Path, *, base_model: str) -> None:
         """The trained weights alone: the PEFT adapter, or the Hugging Face model directory."""
+        self._single_process("saving the weights")
         ckpt_format.write_weights(self.model, self.lora, out, base_model=base_model, adapter=self.adapter)
 
     def save(self, root: Path, *, base_model: str, progress: dict) -> None:
         """A checkpoint under root: weights/ and state/ (the optimizer, the RNG, the step count, the caller's
         progress and any pending gradients)."""
+        self._single_process("a checkpoint")
         self.save_weights(root / ckpt_format.WEIGHTS_DIR, base_model=base_model)
         grads = [p.grad for p in self.params]
         ckpt_format.write_state(root / ckpt_format.STATE_DIR, base_model=base_model, lora=self.lora, seed=self.seed,
@@ -117,6 +175,7 @@ class TrainingEngine:
         checked before the first copy (CheckpointMismatch), so a checkpoint that does not fit changes nothing.
         Pending gradients are dropped, or with gradients replaced by the checkpoint's (none when it holds none).
         rng is for a process that trains one engine: the generator is global."""
+        self._single_process("restoring a checkpoint")
         targets = tensors = optim = rng_state = grads = None
         if weights:
             if self.lora is None:
@@ -141,6 +200,11 @@ class TrainingEngine:
             torch.set_rng_state(rng_state["cpu"])
             if self.device.type == "cuda" and "cuda" in rng_state:
                 torch.cuda.set_rng_state(rng_state["cuda"], self.device)
+
+    def _single_process(self, what: str) -> None:
+        if self.mesh is not None:
+            raise NotImplementedError(f"{what} of a sharded engine is not written yet (it will go through "
+                                      "torch.distributed.checkpoint); this engine runs over a mesh")
 
     def release(self) -> None:
         """Drop the gradients and the optimizer state (the parameters stay with the model, which the caller frees)."""

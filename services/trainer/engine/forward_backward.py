@@ -18,6 +18,16 @@ backpropagate the unscaled sum and the call's gradients are multiplied by c at t
 since the last OptimStep are set aside at the start and added back at the end (grads accumulate across calls until
 OptimStep, as in Tinker), so a call that fails part-way restores them exactly and leaves no partial gradients.
 
+Data parallel (an engine over a mesh, services/trainer/engine/parallel/): each data-parallel rank runs the call on
+its own share of the datums (split_for_ranks: contiguous, in order) with the call's c over ALL the datums passed in
+(batch_scale), and every rank applies that same c. Every forward / backward of the sharded model is a collective of
+its shard group, so the ranks must run as many micro-batches each: a rank holds its micro-batches until finish(),
+the ranks agree on the largest count (one all-reduce), and a rank with fewer runs padding micro-batches (one token,
+0 * its logprob: gradients of exactly zero) after its own. FSDP sums the gradients over the ranks, so the call's
+gradients are c * sum over all datums, as on one process; the metrics' sums are all-reduced, so every rank reports
+the whole call's metrics; the logprobs are the rank's own datums'. (Streaming, one micro-batch as soon as it is
+full, is the single-process behaviour; the held micro-batches are tokens only.)
+
 Exactness (float32 on CPU with a fixed thread count): the result depends only on the datums, their order, the loss
 and micro_batch_tokens, so the unary and the streamed call give bitwise the same gradients, logprobs and metrics.
 With deterministic=True the forward and the logprobs run under kernels.batch_invariant and the logprobs are the
@@ -32,6 +42,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -170,15 +181,28 @@ def run_micro_batch(model: nn.Module, datums: list[Datum], req: LossRequest, *, 
     return MicroBatchResult(per_datum, sums)
 
 
+def run_padding_micro_batch(model: nn.Module, *, backward: bool, device: torch.device) -> None:
+    """A micro-batch that changes nothing: a forward of one token and the backward of 0 * its logprob (gradients
+    of exactly zero), run by a data-parallel rank that has fewer micro-batches than another (LossCall)."""
+    tokens_11 = torch.zeros(1, 1, dtype=torch.int64, device=device)
+    with torch.set_grad_enabled(backward):
+        hidden_1D = model(tokens_11, return_hidden=True)[0]
+        logprob = token_logprobs(model, hidden_1D, tokens_11[0]).sum()
+        if backward:
+            (logprob * 0.0).backward()
+
+
 class LossCall:
     """The computation of one call (driven by run_call): begin(), then checked datums in order (micro-batches run
     as they complete), then finish() for (per-datum logprobs, metrics). With backward, the call's gradients land on
     params at finish(); abort() puts back exactly the gradients held at begin()."""
 
     def __init__(self, model: nn.Module, params: list[nn.Parameter], req: LossRequest, *, backward: bool,
-                 deterministic: bool, device: torch.device, lock):
+                 deterministic: bool, device: torch.device, lock, dp_group=None, batch_scale: float | None = None):
         self.model, self.params, self.req = model, params, req
         self.backward, self.deterministic, self.device, self.lock = backward, deterministic, device, lock
+        self.dp_group, self.batch_scale = dp_group, batch_scale
+        self.queued: list[list[Datum]] = []  # data parallel: micro-batches held until finish()
         self.batcher = MicroBatcher(req.micro_batch_tokens)
         self.inputs: list[dict[str, torch.Tensor]] = []
         self.logprobs: list[torch.Tensor] = []
@@ -195,17 +219,25 @@ class LossCall:
     def add(self, datum: Datum) -> None:
         self.inputs.append(datum.inputs)
         for mb in self.batcher.add(datum):
-            self._run(mb)
+            if self.dp_group is None:
+                self._run(mb)
+            else:
+                self.queued.append(mb)
 
     def finish(self) -> tuple[list[torch.Tensor], dict[str, float]]:
-        if not self.inputs:
+        if self.dp_group is not None:
+            self._run_data_parallel()
+        elif not self.inputs:
             raise InvalidArgument("at least one datum is required", field="data")
         for mb in self.batcher.finish():
             self._run(mb)
-        c = losses.batch_scale(self.req.loss_fn, self.req.config, self.inputs)
+        c = self.batch_scale
+        if c is None:
+            c = losses.batch_scale(self.req.loss_fn, self.req.config, self.inputs)
         if not math.isfinite(c):
             raise InvalidArgument(f"the batch factor of loss '{self.req.loss_fn}' is {c}", field="loss_fn_config")
-        metrics = losses.batch_metrics(self.req.loss_fn, c, self.metric_sums)
+        metric_sums = self.metric_sums if self.dp_group is None else [self._summed_over_ranks(self.metric_sums)]
+        metrics = losses.batch_metrics(self.req.loss_fn, c, metric_sums)
         if self.backward:
             with torch.no_grad():
                 for p, held in zip(self.params, self.held):
@@ -229,6 +261,39 @@ class LossCall:
                                   deterministic=self.deterministic, device=self.device)
         self.logprobs.extend(out.logprobs)
         self.metric_sums.extend(out.metric_sums)
+
+    def _run_data_parallel(self) -> None:
+        """This rank's micro-batches, then padding ones up to the most any rank of the group runs: every forward
+        and backward of a sharded model is a collective of its shard group, so every rank must run as many. The
+        count is agreed before the first forward (one all-reduce); a call in which some rank has no datum is
+        refused on every rank alike."""
+        queued, self.queued = self.queued + self.batcher.finish(), []
+        counts = torch.tensor([len(queued), -len(self.inputs)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.dp_group)
+        most, fewest_datums = int(counts[0]), -int(counts[1])  # .item() syncs, once per call
+        if fewest_datums == 0:
+            raise InvalidArgument("every data-parallel rank needs at least one datum of the call",
+                                  field="data")
+        for mb in queued:
+            self._run(mb)
+        for _ in range(most - len(queued)):
+            with self.lock():
+                run_padding_micro_batch(self.model, backward=self.backward, device=self.device)
+
+    def _summed_over_ranks(self, metric_sums: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The metric sums of every rank's datums (float64; keys are the loss's, the same on every rank)."""
+        keys = sorted(metric_sums[0])
+        totals = torch.stack([torch.stack([s[k].double() for s in metric_sums]).sum() for k in keys])
+        dist.all_reduce(totals, group=self.dp_group)
+        return dict(zip(keys, totals))
+
+
+def split_for_ranks(items: list, ranks: int) -> list[list]:
+    """items in `ranks` contiguous shares, in order, sizes differing by at most one (the first ones larger): the
+    datums each data-parallel rank of an engine over a mesh receives (TrainingEngine.loss_call)."""
+    size, extra = divmod(len(items), ranks)
+    bounds = [r * size + min(r, extra) for r in range(ranks + 1)]
+    return [items[bounds[r]:bounds[r + 1]] for r in range(ranks)]
 
 
 def run_call(call: LossCall, datums: Iterable[Datum]) -> tuple[list[torch.Tensor], dict[str, float]]:

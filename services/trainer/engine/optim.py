@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ def optimizer_step(params: list[nn.Parameter], optimizer: torch.optim.Optimizer,
     included, which scales by max_norm / norm): then nothing is applied, the gradients are cleared and
     NonFiniteGradient raised, the weights and the optimizer's state and hyperparameters untouched."""
     grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    norm = total_norm(grads) if grads else torch.zeros(())
     if not torch.isfinite(norm):  # syncs: once per optimizer step, so that inf/NaN is never applied
         optimizer.zero_grad(set_to_none=True)
         raise NonFiniteGradient(float(norm))
@@ -52,3 +53,21 @@ def optimizer_step(params: list[nn.Parameter], optimizer: torch.optim.Optimizer,
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norm
+
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of all the gradients together (0-dim, a plain tensor). Sharded gradients (DTensors: FSDP's, or
+    experts sharded over another mesh) count whole: each mesh's group of them is normed as a DTensor (partial sums
+    of squares) and made whole with full_tensor() (an all-reduce over that mesh), so every rank gets the same, global
+    norm, the one the unsharded gradients have. Plain tensors take torch's own path (the single-process engine's,
+    unchanged)."""
+    if not any(isinstance(g, DTensor) for g in grads):
+        return torch.nn.utils.get_total_norm(grads)
+    by_mesh: dict = {}
+    for g in grads:  # the same order on every rank (the parameters' order), so the collectives match
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    return torch.linalg.vector_norm(torch.stack(norms))
