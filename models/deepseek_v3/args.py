@@ -110,7 +110,6 @@ class ModelArgs:
         scale = self.qk_head_dim ** (-0.5)
         return scale if mscale == 1.0 else scale * mscale * mscale
 
-    @property
     def moe_args(self) -> MoEArgs:
         return MoEArgs(
             num_experts=self.n_routed_experts,
@@ -194,7 +193,7 @@ class ModelArgs:
         args.rope_theta, args.rope_scaling = parse_rope_config(config, ROPE_TYPES_WITH_ATTENTION_FACTOR, "DeepSeek-V3")
         if args.first_k_dense_replace < 0:
             raise ValueError(f"first_k_dense_replace must be >= 0, got {args.first_k_dense_replace}")
-        _ = args.moe_args  # building MoEArgs checks the routing knobs (n_group, topk_group, ...) and names them
+        args.moe_args()  # building MoEArgs checks the routing knobs (n_group, topk_group, ...) and names them
         return args
 
     def to_hf_config(self) -> dict:

@@ -94,7 +94,7 @@ class MLAttention(nn.Module):
 def decoder_layer(args: ModelArgs, layer_idx: int) -> DecoderLayer:
     """The first first_k_dense_replace layers have a dense MLP, the rest the DeepSeek MoE block."""
     if args.is_moe_layer(layer_idx):
-        mlp = MoE(args.moe_args, layer_idx)
+        mlp = MoE(args.moe_args(), layer_idx)
     else:
         mlp = MLP(MLPShape(args.hidden_size, args.intermediate_size))
     return DecoderLayer(MLAttention(args, layer_idx), mlp, args.hidden_size, args.rms_norm_eps)

@@ -127,9 +127,18 @@ class TrainingEngine:
 
     def step(self, settings: AdamW) -> torch.Tensor:
         """One optimizer step over the accumulated gradients (optim.optimizer_step); the gradient norm."""
-        norm = optimizer_step(self.params, self.optimizer, settings)
+        norm = optimizer_step(self.params, self.optimizer, settings, split_over=self._split_gradients())
         self.steps += 1
         return norm
+
+    def _split_gradients(self) -> dict | None:
+        """{expert shard mesh: ep group} under expert parallelism (optim.total_norm): the routed experts' gradients
+        differ across the ep ranks (each holds other experts), beyond their FSDP shards."""
+        if self.parallel is None or self.parallel.ep == 1:
+            return None
+        from services.trainer.engine.parallel.fsdp import expert_shard_mesh
+
+        return {expert_shard_mesh(self.mesh, self.parallel): self.mesh["ep"].get_group()}
 
     def loss_call(self, req: LossRequest, *, backward: bool, deterministic: bool, lock,
                   batch_scale: float | None = None) -> LossCall:

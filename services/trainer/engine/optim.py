@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -35,39 +36,53 @@ class NonFiniteGradient(ValueError):
         self.norm = norm
 
 
-def optimizer_step(params: list[nn.Parameter], optimizer: torch.optim.Optimizer, settings: AdamW) -> torch.Tensor:
+def optimizer_step(params: list[nn.Parameter], optimizer: torch.optim.Optimizer, settings: AdamW, *,
+                   split_over: dict | None = None) -> torch.Tensor:
     """Apply the accumulated gradients with these settings and clear them; returns the gradient norm before any
     clipping (a 0-dim tensor). A NaN or infinite norm would turn every weight it reaches into NaN (clipping
     included, which scales by max_norm / norm): then nothing is applied, the gradients are cleared and
-    NonFiniteGradient raised, the weights and the optimizer's state and hyperparameters untouched."""
+    NonFiniteGradient raised, the weights and the optimizer's state and hyperparameters untouched.
+    split_over: see total_norm."""
     grads = [p.grad for p in params if p.grad is not None]
-    norm = total_norm(grads) if grads else torch.zeros(())
+    norm = total_norm(grads, split_over) if grads else torch.zeros(())
     if not torch.isfinite(norm):  # syncs: once per optimizer step, so that inf/NaN is never applied
         optimizer.zero_grad(set_to_none=True)
         raise NonFiniteGradient(float(norm))
     for group in optimizer.param_groups:
         group.update(lr=settings.learning_rate, betas=(settings.beta1, settings.beta2), eps=settings.eps,
                      weight_decay=settings.weight_decay)
-    if settings.grad_clip_norm > 0:  # clip_grad_norm_'s own two halves, the norm measured once
-        torch.nn.utils.clip_grads_with_norm_(params, settings.grad_clip_norm, norm)
+    if settings.grad_clip_norm > 0:  # clip_grad_norm_'s own two halves, the norm measured once; by mesh, as a
+        for group in _by_mesh([p for p in params if p.grad is not None], lambda p: p.grad).values():  # DTensor op
+            torch.nn.utils.clip_grads_with_norm_(group, settings.grad_clip_norm, norm)  # takes one mesh
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norm
 
 
-def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+def _by_mesh(items: list, tensor_of=lambda t: t) -> dict:
+    """items grouped by their tensor's DeviceMesh (None: plain tensors), in their order (the same on every rank)."""
+    groups: dict = {}
+    for item in items:
+        t = tensor_of(item)
+        groups.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(item)
+    return groups
+
+
+def total_norm(grads: list[torch.Tensor], split_over: dict | None = None) -> torch.Tensor:
     """The L2 norm of all the gradients together (0-dim, a plain tensor). Sharded gradients (DTensors: FSDP's, or
     experts sharded over another mesh) count whole: each mesh's group of them is normed as a DTensor (partial sums
     of squares) and made whole with full_tensor() (an all-reduce over that mesh), so every rank gets the same, global
-    norm, the one the unsharded gradients have. Plain tensors take torch's own path (the single-process engine's,
+    norm, the one the unsharded gradients have. split_over {mesh: process group}: a mesh whose gradients are, beyond
+    it, different tensors on the group's ranks (expert parallelism: each ep rank holds other experts), so their
+    squares are summed over that group too. Plain tensors take torch's own path (the single-process engine's,
     unchanged)."""
     if not any(isinstance(g, DTensor) for g in grads):
         return torch.nn.utils.get_total_norm(grads)
-    by_mesh: dict = {}
-    for g in grads:  # the same order on every rank (the parameters' order), so the collectives match
-        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
-    norms = []
-    for group in by_mesh.values():
+    squares = []
+    for mesh, group in _by_mesh(grads).items():
         norm = torch.nn.utils.get_total_norm(group)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    return torch.linalg.vector_norm(torch.stack(norms))
+        square = (norm.full_tensor() if isinstance(norm, DTensor) else norm).square()
+        if split_over and mesh in split_over:
+            dist.all_reduce(square, group=split_over[mesh])
+        squares.append(square)
+    return torch.stack(squares).sum().sqrt()

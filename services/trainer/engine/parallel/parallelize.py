@@ -13,7 +13,7 @@
         -> expert parallel (parallel/expert.py)  -> context parallel (parallel/context.py)
         -> activation checkpointing (before fully_shard: the recomputation runs inside each layer's FSDP unit)
         -> FSDP (parallel/fsdp.py)
-    A dimension whose application is not written yet is refused by name (InvalidArgument on the knob), so nothing
+    A dimension whose application is not wired here yet is refused by name (InvalidArgument on the knob), so nothing
     runs silently unparallelized along it.
 
 Loading the weights: each rank reads the safetensors files itself, one decoder layer at a time (the family's
@@ -43,6 +43,7 @@ from models.model_dir import read_config, weight_files
 from services.common.errors import InvalidArgument
 from services.trainer.engine.parallel.checkpointing import apply_activation_checkpointing
 from services.trainer.engine.parallel.dims import ParallelDims
+from services.trainer.engine.parallel.expert import apply_expert_parallel, expert_shards
 from services.trainer.engine.parallel.fsdp import apply_fsdp, mixed_precision
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -50,19 +51,12 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 def _refuse_unapplied(dims: ParallelDims) -> None:
     """Dimensions whose application is not in parallelize yet (see the module docstring)."""
-    unapplied = {"ep": "expert parallelism (parallel/expert.py)", "cp": "context parallelism (parallel/context.py)",
+    unapplied = {"cp": "context parallelism over the engine's micro-batches",
                  "pp": "pipeline parallelism (a pipeline schedule over the engine)", "tp": "tensor parallelism"}
     for knob, what in unapplied.items():
         if getattr(dims, knob) > 1:
             raise InvalidArgument(f"{knob} {getattr(dims, knob)}: {what} is not available in this trainer yet; "
                                   f"set {knob} to 1", field=dims._field(knob))
-
-
-def apply_expert_parallel(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh) -> None:
-    """Expert parallelism goes here (parallel/expert.py): each MoE layer's experts keep num_experts / ep local
-    experts and exchange tokens over mesh["ep"]; fsdp.apply_fsdp then shards those over mesh["efsdp"]."""
-    del model, mesh
-    assert dims.ep == 1, "refused by _refuse_unapplied"
 
 
 def apply_context_parallel(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh) -> None:
@@ -80,7 +74,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, *, param
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     _refuse_unapplied(dims)
-    apply_expert_parallel(model, dims, mesh)
+    dims.check_model(model.args)
+    apply_expert_parallel(model, mesh, dims)  # each MoE layer keeps num_experts / ep experts; tokens over mesh["ep"]
     apply_context_parallel(model, dims, mesh)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
@@ -113,10 +108,10 @@ def build_parallel_model(model_dir: str | Path, dims: ParallelDims, mesh: Device
                 activation_checkpointing=activation_checkpointing, reshard_after_forward=reshard_after_forward)
     model.to_empty(device=device)
     load_hf_weights(model, model_dir, family)
-    targets = model.state_dict()
+    targets, held = model.state_dict(), expert_shards(model)
     with torch.no_grad():
         for name, tensor in initial.items():
-            copy_full_into(targets[name], tensor)
+            copy_full_into(targets[name], held[name].take(tensor) if name in held else tensor)
     params = dict(model.named_parameters())
     return model.train(), [params[n] for n in trainable_names]
 
@@ -154,7 +149,7 @@ def load_hf_weights(model: nn.Module, model_dir: str | Path, family) -> None:
     layer at a time (module docstring). Every key the model expects must come (LoRA tensors and a tied lm_head
     excepted, as in models.checkpoint.load_pretrained); a missing or surplus key or a wrong shape is a ValueError."""
     adapter, args = family.state_dict_adapter, model.args
-    targets = model.state_dict()
+    targets, held = model.state_dict(), expert_shards(model)  # expert parallelism: a rank holds some experts
     expected = adapter.expected_keys(list(targets), args)
     locations: dict[str, list[tuple[Path, str]]] = defaultdict(list)  # layer (or "") -> (file, key)
     for file in weight_files(model_dir):
@@ -173,7 +168,7 @@ def load_hf_weights(model: nn.Module, model_dir: str | Path, family) -> None:
                 raise ValueError(f"Checkpoint in {str(model_dir)!r} does not match {args.architecture}: unexpected "
                                  f"key {key}")
             try:
-                copy_full_into(targets[key], full)
+                copy_full_into(targets[key], held[key].take(full) if key in held else full)
             except ValueError as e:
                 raise ValueError(f"Checkpoint in {str(model_dir)!r}: {key}: {e}") from None
             loaded.add(key)

@@ -36,6 +36,7 @@ from services.trainer.engine import AdamW, TrainingEngine
 from services.trainer.engine.forward_backward import Datum, LossRequest, MicroBatcher, run_call, split_for_ranks
 from services.trainer.engine.losses import batch_scale, check_datum
 from services.trainer.engine.parallel import ParallelDims
+from services.trainer.engine.parallel.expert import expert_shards
 from services.trainer.engine.parallel.fsdp import mixed_precision
 from services.trainer.engine.parallel.parallelize import parallelize
 from tests.services.trainer.parallel.ranks import run_ranks
@@ -100,6 +101,7 @@ def _rank(model_dir, lora, dims: dict, activation_checkpointing: bool) -> dict:
     out = _train_once(engine, datums)
     out["rank"] = dist.get_rank()
     out["sharded"] = all(isinstance(p, DTensor) for p in engine.model.parameters())
+    out["held"] = expert_shards(engine.model)  # expert parallelism: the experts this rank holds
     return out
 
 
@@ -115,8 +117,12 @@ def _max_rel(got: torch.Tensor, want: torch.Tensor) -> float:
 def _compare(ranks: list[dict], ref: dict) -> dict:
     """Assert every rank against the reference; return the largest differences seen."""
     worst = {"loss_rel": 0.0, "grad_rel": 0.0, "weight_abs": 0.0}
+    whole = ref
     for got in ranks:
         assert got["sharded"] and got["steps"] == 1
+        held = got["held"]  # under expert parallelism: compare the experts this rank holds
+        ref = {part: ({k: held[k].take(v) if k in held else v for k, v in whole[part].items()}
+                      if part in ("state", "grads", "weights") else whole[part]) for part in whole}
         assert list(got["state"]) == list(ref["state"]) and got["param_names"] == ref["param_names"]
         assert got["lora_keys"] == ref["lora_keys"]
         for k, v in ref["state"].items():  # loaded weights and the adapter's seeded init: exact copies
@@ -146,6 +152,10 @@ _CASES = [  # (family, lora, world size, dims, activation checkpointing)
     ("deepseek_v3", None, 2, dict(dp_shard=2), False),
     ("qwen3", None, 4, dict(dp_shard=4), False),
     ("qwen3_moe", LORA, 4, dict(dp_replicate=2, dp_shard=2), False),  # HSDP
+    ("qwen3_moe", None, 2, dict(dp_shard=2, ep=2), False),  # ep x fsdp: experts split, efsdp of size 1
+    ("qwen3_moe", LORA, 4, dict(dp_shard=4, ep=2), False),  # efsdp 2 shards the held experts
+    ("deepseek_v3", None, 4, dict(dp_shard=4, ep=4), True),
+    ("deepseek_v3", LORA, 4, dict(dp_replicate=2, dp_shard=2, ep=2), False),  # HSDP x ep
 ]
 
 
@@ -162,9 +172,9 @@ def test_sharded_engine_matches_the_single_process_engine(family_dirs, family, l
     print(f"\n{family} {'lora' if lora else 'full'} world {world} {dims} ac={ac}: {worst}")
 
 
-@pytest.mark.parametrize("knob", ["ep", "cp", "pp", "tp"])
+@pytest.mark.parametrize("knob", ["cp", "pp", "tp"])
 def test_parallelize_refuses_dimensions_it_does_not_apply_yet(knob):
-    degrees = dict(dp_shard=2, ep=2) if knob == "ep" else {"dp_shard": 1, knob: 2}
+    degrees = {"dp_shard": 1, knob: 2}
     dims = ParallelDims(world_size=2, field_prefix="parallel.", **degrees).resolved()
     with pytest.raises(InvalidArgument) as exc:
         parallelize(torch.nn.Module(), dims, None, param_dtype=None)
@@ -181,8 +191,8 @@ def test_mixed_precision_follows_the_device():
 
 
 def _rank_expert_units(model_dir, dims: dict) -> dict:
-    """The FSDP layout of ep > 1 (fsdp.apply_fsdp; parallelize refuses ep until expert parallelism lands): the
-    routed experts are their own units on mesh["efsdp"], the rest of each layer on mesh["dp_shard_cp"]."""
+    """The FSDP layout of ep > 1 alone (fsdp.apply_fsdp without expert parallelism's split): the routed experts are
+    their own units on mesh["efsdp"], the rest of each layer on mesh["dp_shard_cp"]."""
     import torch.distributed as dist
 
     from models.families import family_for_config
