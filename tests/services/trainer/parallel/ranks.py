@@ -23,7 +23,9 @@ def _context():
     global _CTX
     if _CTX is None:
         _CTX = multiprocessing.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "models", "services.trainer.engine"])
+        # torch.distributed.pipelining (it imports torch.export) takes seconds to import: once here, not per rank
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.pipelining", "models",
+                                     "services.trainer.engine"])
     return _CTX
 
 
