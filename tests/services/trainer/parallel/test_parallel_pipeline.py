@@ -68,9 +68,9 @@ def _grad(p: torch.Tensor) -> torch.Tensor:
     return p.grad if p.grad is not None else torch.zeros_like(p)  # a parameter no datum reached
 
 
-def _reference(model_dir, mode: str, loss_fn: str = "cross_entropy") -> dict:
-    """The single-process engine's call: loss, logprobs, metrics, and every trainable parameter's gradient by name
-    (a tied weight under both of its names)."""
+def _reference(model_dir, mode: str, loss_fn: str = "cross_entropy", calls: int = 1) -> dict:
+    """The single-process engine's call (made `calls` times: gradients accumulate): loss, logprobs, metrics, and
+    every trainable parameter's gradient by name (a tied weight under both of its names)."""
     from models import load_pretrained
     from models.lora import LoraConfig, apply_lora, set_trainable
     from services.trainer.engine.forward_backward import LossCall, run_call
@@ -82,24 +82,26 @@ def _reference(model_dir, mode: str, loss_fn: str = "cross_entropy") -> dict:
         adapter = _adapter(model)
     else:
         params = set_trainable(model, "full")
-    call = LossCall(model, params, _request(loss_fn), backward=True, deterministic=False,
-                    device=torch.device("cpu"), lock=contextlib.nullcontext)
-    logprobs, metrics = run_call(call, _datums(loss_fn))
+    for _ in range(calls):
+        call = LossCall(model, params, _request(loss_fn), backward=True, deterministic=False,
+                        device=torch.device("cpu"), lock=contextlib.nullcontext)
+        logprobs, metrics = run_call(call, _datums(loss_fn))
     grads = {n: _grad(p) for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
     return {"loss": metrics["loss:sum"], "logprobs": logprobs, "metrics": metrics, "grads": grads,
             "adapter": adapter}
 
 
-def _pipeline_cases(model_dir: str, cases: list[tuple[str, str, str]], adapters: dict) -> dict:
-    """On each rank of a pp group: for each (schedule, mode, loss_fn), build the pipeline, run one call, and return
-    the loss, this rank's gradients by name, and (last stage) the logprobs and metrics."""
+def _pipeline_cases(model_dir: str, cases: list[tuple[str, str, str, int]], adapters: dict) -> dict:
+    """On each rank of a pp group: for each (schedule, mode, loss_fn, calls), build the pipeline, make the call
+    `calls` times (a Forward first when calls > 1), and return the loss, this rank's gradients by name, and (last
+    stage) the logprobs and metrics."""
     from models.lora import LoraConfig, apply_lora, set_trainable
     from services.trainer.engine.parallel import ParallelDims, build_mesh
     from services.trainer.engine.parallel.pipeline import build_pipeline, pipeline_step
 
     mesh = build_mesh(ParallelDims(pp=dist.get_world_size(), dp_shard=1).resolved(dist.get_world_size()))
     out = {}
-    for schedule, mode, loss_fn in cases:
+    for schedule, mode, loss_fn, calls in cases:
         pipe = build_pipeline(model_dir, mesh["pp"], schedule=schedule, row_tokens=ROW)
         for model in pipe.models:
             if mode == "lora":
@@ -110,9 +112,14 @@ def _pipeline_cases(model_dir: str, cases: list[tuple[str, str, str]], adapters:
                             p.copy_(adapters[name])
             else:
                 set_trainable(model, "full")
-        result = pipeline_step(pipe, _datums(loss_fn), _request(loss_fn))
-        out[schedule, mode, loss_fn] = {
-            "loss": result.loss, "logprobs": result.logprobs, "metrics": result.metrics,
+        forward = None
+        if calls > 1:  # a Forward: the same loss and logprobs, no gradients
+            forward = pipeline_step(pipe, _datums(loss_fn), _request(loss_fn), backward=False)
+            assert all(p.grad is None for _, p in pipe.named_parameters())
+        for _ in range(calls):
+            result = pipeline_step(pipe, _datums(loss_fn), _request(loss_fn))
+        out[schedule, mode, loss_fn, calls] = {
+            "loss": result.loss, "logprobs": result.logprobs, "metrics": result.metrics, "forward": forward,
             "layers": [m.layer_ids for m in pipe.models],
             "grads": {n: _grad(p) for n, p in pipe.named_parameters() if p.requires_grad}}
     return out
@@ -145,6 +152,10 @@ def _check(results: list[dict], ref: dict, case: tuple) -> dict:
     last = [r[case] for r in results if r[case]["logprobs"] is not None]
     assert len(last) == 1
     lp_diff = max(float((a - b).abs().max()) for a, b in zip(last[0]["logprobs"], ref["logprobs"], strict=True))
+    if last[0]["forward"] is not None:
+        assert last[0]["forward"].loss == pytest.approx(ref["loss"], rel=LOSS_RTOL)
+        lp_diff = max(lp_diff, *(float((a - b).abs().max()) for a, b in zip(
+            last[0]["forward"].logprobs, ref["logprobs"], strict=True)))
     assert lp_diff <= LOGPROB_ATOL, (case, lp_diff)
     assert last[0]["metrics"].keys() == ref["metrics"].keys()
     for k, v in ref["metrics"].items():
@@ -209,25 +220,27 @@ def test_a_stage_reads_only_its_own_tensors(family_dirs, tmp_path):
 
 
 # -- numerics --------------------------------------------------------------------------------------------------------
-PP2 = [(s, m, "cross_entropy") for s in ("gpipe", "1f1b", "interleaved_1f1b", "zbv") for m in ("full", "lora")]
-PP2 += [("1f1b", "full", "grpo")]
+# (schedule, mode, loss, calls): each schedule, full and LoRA; grpo (c = 1/G) twice (gradients accumulate across
+# calls, the engine's semantics until the optimizer step) after a Forward.
+PP2 = [(s, m, "cross_entropy", 1) for s in ("gpipe", "1f1b", "interleaved_1f1b", "zbv") for m in ("full", "lora")]
+PP2 += [("1f1b", "full", "grpo", 2)]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_pp2_every_schedule_matches_the_single_process_engine(family_dirs, family):
-    refs = {(m, loss): _reference(family_dirs[family], m, loss) for m, loss in {(m, loss) for _, m, loss in PP2}}
-    adapters = refs["lora", "cross_entropy"]["adapter"]
+    refs = {c: _reference(family_dirs[family], *c) for c in {c[1:] for c in PP2}}
+    adapters = refs["lora", "cross_entropy", 1]["adapter"]
     results = run_ranks(_pipeline_cases, 2, str(family_dirs[family]), PP2, adapters)
-    assert results[0]["gpipe", "full", "cross_entropy"]["layers"] == [[0, 1]]
-    assert results[0]["zbv", "full", "cross_entropy"]["layers"] == [[0], [3]]  # V: rank 0 holds stages 0 and 3
-    assert results[1]["interleaved_1f1b", "full", "cross_entropy"]["layers"] == [[1], [3]]
+    assert results[0]["gpipe", "full", "cross_entropy", 1]["layers"] == [[0, 1]]
+    assert results[0]["zbv", "full", "cross_entropy", 1]["layers"] == [[0], [3]]  # V: rank 0 holds stages 0 and 3
+    assert results[1]["interleaved_1f1b", "full", "cross_entropy", 1]["layers"] == [[1], [3]]
     for case in PP2:
-        _check(results, refs[case[1], case[2]], case)
+        _check(results, refs[case[1:]], case)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_pp4_matches_the_single_process_engine(family_dirs, family):
-    cases = [("1f1b", "full", "cross_entropy"), ("1f1b", "lora", "cross_entropy")]
+    cases = [("1f1b", "full", "cross_entropy", 1), ("1f1b", "lora", "cross_entropy", 1)]
     refs = {m: _reference(family_dirs[family], m) for m in ("full", "lora")}
     results = run_ranks(_pipeline_cases, 4, str(family_dirs[family]), cases, refs["lora"]["adapter"])
     assert [r[cases[0]]["layers"] for r in results] == [[[0]], [[1]], [[2]], [[3]]]
