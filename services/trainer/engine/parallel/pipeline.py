@@ -34,6 +34,10 @@ Tied embeddings (tie_word_embeddings): the first stage's embed_tokens.weight and
 two copies of one weight; after the backward their gradients are summed over the pp group (both copies then hold the
 single model's gradient, so the same optimizer step keeps them equal).
 
+Training mode is the caller's: set_trainable(model, "full") or models.lora.apply_lora on each of pipe.models (a stage
+keeps the whole model's parameter names, so a saved adapter or checkpoint loads into it by name; a fresh adapter
+drawn on a stage does not equal the single-process one of the same seed, see docs/pipeline.md).
+
 Exactness (float32 on CPU): the loss and every gradient equal the single-process LossCall's over the same datums and
 micro_batch_tokens = N up to float32 rounding (tests/services/trainer/parallel/test_parallel_pipeline.py states the
 tolerances): the padded rows run matmuls of another shape, the tied gradient is summed in another order, and

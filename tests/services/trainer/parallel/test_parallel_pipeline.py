@@ -8,7 +8,8 @@ logprobs within 1e-5 absolute (values of order -7); the gradient of every traina
 LoRA: every adapter tensor, with B drawn nonzero so that A's gradients are not zero) within 1e-5 of the reference's
 largest entry of that parameter, max |g_pp - g_ref| <= 1e-5 * max |g_ref|. The pipeline's rows are padded to a fixed
 length, so its matmuls have other shapes and round differently, and the tied embeddings' gradient is the sum of the
-two stage copies' gradients, added in another order: float32 rounding, about 1e-7 relative (measured up to ~1e-6).
+two stage copies' gradients, added in another order: float32 rounding (measured: gradients up to 1.4e-6 of their
+largest entry, logprobs up to 1.4e-6, the loss up to 3.5e-7 relative).
 """
 from __future__ import annotations
 
