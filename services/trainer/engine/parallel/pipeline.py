@@ -34,9 +34,9 @@ Tied embeddings (tie_word_embeddings): the first stage's embed_tokens.weight and
 two copies of one weight; after the backward their gradients are summed over the pp group (both copies then hold the
 single model's gradient, so the same optimizer step keeps them equal).
 
-Training mode is the caller's: set_trainable(model, "full") or models.lora.apply_lora on each of pipe.models (a stage
-keeps the whole model's parameter names, so a saved adapter or checkpoint loads into it by name; a fresh adapter
-drawn on a stage does not equal the single-process one of the same seed, see docs/pipeline.md).
+Training mode is the caller's: set_trainable(model, "full") on each of pipe.models, or apply_stage_lora(pipe.models,
+pipe.whole, cfg, seed), which gives the stages together the very adapter apply_lora draws on the whole model with
+that seed (a stage keeps the whole model's parameter names, so a saved adapter or checkpoint also loads by name).
 
 Exactness (float32 on CPU): the loss and every gradient equal the single-process LossCall's over the same datums and
 micro_batch_tokens = N up to float32 rounding (tests/services/trainer/parallel/test_parallel_pipeline.py states the
@@ -141,6 +141,7 @@ class Pipeline:
     last_rank: int  # the global rank holding the last stage (in this rank's pp group)
     tie_word_embeddings: bool
     dtype: torch.dtype
+    whole: nn.Module  # the whole model on the meta device (no memory): what the stages were cut from
     modules: list[StageModule] = field(repr=False, default_factory=list)
 
     @property
@@ -180,7 +181,7 @@ def build_pipeline(model_dir: str | Path, pp_mesh, *, schedule: str, row_tokens:
     hidden = torch.empty(1, row_tokens, meta.args.hidden_size, dtype=dtype, device="meta", requires_grad=True)
     tokens = torch.empty(1, row_tokens, dtype=torch.int64, device="meta")
     pipe = Pipeline(schedule, row_tokens, group, [], [], num_stages, last_rank, bool(meta.args.tie_word_embeddings),
-                    dtype)
+                    dtype, meta)
     for index, stage_model in split_model(meta, pp_rank, pp, schedule):
         stage_model = load_weights(stage_model, model_dir, dtype=dtype, device=device).train()
         module = StageModule(stage_model)
@@ -189,6 +190,35 @@ def build_pipeline(model_dir: str | Path, pp_mesh, *, schedule: str, row_tokens:
         pipe.stages.append(PipelineStage(module, index, num_stages, device, output_args=hidden, group=group,
                                          input_args=tokens if index == 0 else hidden))
     return pipe
+
+
+def apply_stage_lora(models: list[nn.Module], whole: nn.Module, cfg, seed: int,
+                     adapter_name: str = "default") -> list[nn.Parameter]:
+    """models.lora.apply_lora on each stage model (this rank's pipe.models) with exactly the values
+    apply_lora(whole model, cfg, seed=seed) gives, so a fresh adapter is the single-process engine's; returns the
+    stages' adapter parameters. whole: the whole model on the meta device (pipe.whole; a deep copy takes the
+    adapter, checking the targets as apply_lora checks them on the whole model). Each stage takes the adapter
+    non-strictly (it may lack some targeted modules); then the A matrices are drawn from one generator in
+    apply_lora's drawing order (the order of the parameters it returns, each A by the init of models.lora_layers on
+    its shape), and each stage keeps those it holds. B starts at zero, as apply_lora's."""
+    import copy
+
+    from models.lora import apply_lora
+    from models.lora_layers import _init_A
+
+    skeleton = copy.deepcopy(whole)
+    order = apply_lora(skeleton, cfg, adapter_name, seed=0)  # on meta: values dropped (seed: the global RNG untouched)
+    names = {id(p): n for n, p in skeleton.named_parameters()}
+    params = [p for m in models for p in apply_lora(m, cfg, adapter_name, seed=0, strict=False)]
+    held = {n: p for m in models for n, p in m.named_parameters() if p.requires_grad}
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in order:
+            if ".lora_A." in names[id(p)]:
+                a = _init_A(*p.shape, cfg, generator)
+                if names[id(p)] in held:
+                    held[names[id(p)]].copy_(a)
+    return params
 
 
 # -- a step ----------------------------------------------------------------------------------------------------------

@@ -220,6 +220,32 @@ def test_a_stage_reads_only_its_own_tensors(family_dirs, tmp_path):
         load_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize("targets", [None, ("q_proj", "experts.down_proj")])
+def test_a_fresh_stage_adapter_is_the_whole_models(family_dirs, targets):
+    """apply_stage_lora: the four stages of an interleaved pp 2 together hold bit for bit the adapter apply_lora
+    draws on the whole model with the same seed (also with explicit targets that layer 0, dense, does not have)."""
+    from models import load_pretrained
+    from models.checkpoint import build_on_meta, load_weights
+    from models.lora import LoraConfig, apply_lora
+    from services.trainer.engine.parallel.pipeline import apply_stage_lora, split_model
+
+    src = family_dirs["qwen3_moe"]
+    cfg = LoraConfig(**LORA, **({"target_modules": targets} if targets else {}))
+    whole = load_pretrained(src)
+    apply_lora(whole, cfg, seed=3)
+    want = {n: p for n, p in whole.named_parameters() if p.requires_grad}
+    meta, got = build_on_meta(src), {}
+    for rank in range(2):
+        stages = [load_weights(stage, src) for _, stage in split_model(meta, rank, 2, "interleaved_1f1b")]
+        params = apply_stage_lora(stages, meta, cfg, seed=3)
+        named = {n: p for m in stages for n, p in m.named_parameters() if p.requires_grad}
+        assert sorted(map(id, params)) == sorted(map(id, named.values()))
+        got.update(named)
+    assert got.keys() == want.keys() and any(".experts." in n for n in got)
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    assert any(".lora_A." in n and want[n].abs().max() > 0 for n in want)
+
+
 # -- numerics --------------------------------------------------------------------------------------------------------
 # (schedule, mode, loss, calls): each schedule, full and LoRA; grpo (c = 1/G) twice (gradients accumulate across
 # calls, the engine's semantics until the optimizer step) after a Forward.
