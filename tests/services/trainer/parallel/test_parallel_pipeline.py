@@ -27,6 +27,7 @@ from tests.services.trainer.parallel.ranks import run_ranks
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 ROW = 16  # tokens per micro-batch row; the datums below pack into 4 rows: [5, 9], [7], [12, 4], [6, 3]
+WIDE_ROW = 32  # 2 rows, [5, 9, 7], [12, 4, 6, 3]: 1f1b on pp 4 adds 2 empty rows
 LENGTHS = (5, 9, 7, 12, 4, 6, 3)
 LORA = dict(rank=4, alpha=8.0)
 FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3")
@@ -48,10 +49,10 @@ def _datums(loss_fn: str = "cross_entropy", seed: int = 0) -> list[Datum]:
     return out
 
 
-def _request(loss_fn: str) -> LossRequest:
+def _request(loss_fn: str, row: int = ROW) -> LossRequest:
     from services.trainer.engine import losses
 
-    return LossRequest(loss_fn, losses.resolve_config(loss_fn, {}), ROW)
+    return LossRequest(loss_fn, losses.resolve_config(loss_fn, {}), row)
 
 
 def _adapter(model) -> dict[str, torch.Tensor]:
@@ -69,7 +70,7 @@ def _grad(p: torch.Tensor) -> torch.Tensor:
     return p.grad if p.grad is not None else torch.zeros_like(p)  # a parameter no datum reached
 
 
-def _reference(model_dir, mode: str, loss_fn: str = "cross_entropy", calls: int = 1) -> dict:
+def _reference(model_dir, mode: str, loss_fn: str = "cross_entropy", calls: int = 1, row: int = ROW) -> dict:
     """The single-process engine's call (made `calls` times: gradients accumulate): loss, logprobs, metrics, and
     every trainable parameter's gradient by name (a tied weight under both of its names)."""
     from models import load_pretrained
@@ -84,7 +85,7 @@ def _reference(model_dir, mode: str, loss_fn: str = "cross_entropy", calls: int 
     else:
         params = set_trainable(model, "full")
     for _ in range(calls):
-        call = LossCall(model, params, _request(loss_fn), backward=True, deterministic=False,
+        call = LossCall(model, params, _request(loss_fn, row), backward=True, deterministic=False,
                         device=torch.device("cpu"), lock=contextlib.nullcontext)
         logprobs, metrics = run_call(call, _datums(loss_fn))
     grads = {n: _grad(p) for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
@@ -92,7 +93,7 @@ def _reference(model_dir, mode: str, loss_fn: str = "cross_entropy", calls: int 
             "adapter": adapter}
 
 
-def _pipeline_cases(model_dir: str, cases: list[tuple[str, str, str, int]], adapters: dict) -> dict:
+def _pipeline_cases(model_dir: str, cases: list[tuple[str, str, str, int]], adapters: dict, row: int = ROW) -> dict:
     """On each rank of a pp group: for each (schedule, mode, loss_fn, calls), build the pipeline, make the call
     `calls` times (a Forward first when calls > 1), and return the loss, this rank's gradients by name, and (last
     stage) the logprobs and metrics."""
@@ -103,7 +104,7 @@ def _pipeline_cases(model_dir: str, cases: list[tuple[str, str, str, int]], adap
     mesh = build_mesh(ParallelDims(pp=dist.get_world_size(), dp_shard=1).resolved(dist.get_world_size()))
     out = {}
     for schedule, mode, loss_fn, calls in cases:
-        pipe = build_pipeline(model_dir, mesh["pp"], schedule=schedule, row_tokens=ROW)
+        pipe = build_pipeline(model_dir, mesh["pp"], schedule=schedule, row_tokens=row)
         for model in pipe.models:
             if mode == "lora":
                 apply_lora(model, LoraConfig(**LORA), seed=0)
@@ -115,10 +116,10 @@ def _pipeline_cases(model_dir: str, cases: list[tuple[str, str, str, int]], adap
                 set_trainable(model, "full")
         forward = None
         if calls > 1:  # a Forward: the same loss and logprobs, no gradients
-            forward = pipeline_step(pipe, _datums(loss_fn), _request(loss_fn), backward=False)
+            forward = pipeline_step(pipe, _datums(loss_fn), _request(loss_fn, row), backward=False)
             assert all(p.grad is None for _, p in pipe.named_parameters())
         for _ in range(calls):
-            result = pipeline_step(pipe, _datums(loss_fn), _request(loss_fn))
+            result = pipeline_step(pipe, _datums(loss_fn), _request(loss_fn, row))
         out[schedule, mode, loss_fn, calls] = {
             "loss": result.loss, "logprobs": result.logprobs, "metrics": result.metrics, "forward": forward,
             "layers": [m.layer_ids for m in pipe.models],
@@ -180,7 +181,9 @@ def test_layer_split_is_balanced_and_the_ends_take_fewer(layers, stages, sizes):
 
 
 def test_stage_placement_and_bad_settings():
-    from services.trainer.engine.parallel.pipeline import layer_split, schedule_spec, stage_ranks
+    from services.trainer.engine.parallel.pipeline import (
+        _micro_batches, layer_split, min_microbatches, schedule_spec, stage_ranks,
+    )
 
     assert stage_ranks(2, 4, "loop") == [0, 1, 0, 1]
     assert stage_ranks(3, 6, "v") == [0, 1, 2, 2, 1, 0]
@@ -189,6 +192,12 @@ def test_stage_placement_and_bad_settings():
     with pytest.raises(InvalidArgument) as exc:
         schedule_spec("zb")
     assert exc.value.violations[0].field == "pipeline.schedule"
+    assert [len(mb) for mb in _micro_batches(_datums(), ROW)] == [2, 1, 2, 2]
+    with pytest.raises(InvalidArgument) as exc:
+        _micro_batches(_datums(), 11)  # the fourth datum has 12 tokens
+    assert exc.value.violations[0].field == "data[3]"
+    assert [min_microbatches(s, 4, 2) for s in ("gpipe", "1f1b", "interleaved_1f1b", "zbv")] == [2, 4, 2, 2]
+    assert min_microbatches("interleaved_1f1b", 2, 5) == 6  # 2 rounds of 3
 
 
 def test_a_stage_reads_only_its_own_tensors(family_dirs, tmp_path):
@@ -267,9 +276,10 @@ def test_pp2_every_schedule_matches_the_single_process_engine(family_dirs, famil
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_pp4_matches_the_single_process_engine(family_dirs, family):
+    """1f1b on 4 ranks with rows of WIDE_ROW tokens: the call's 2 rows and 2 empty ones (1f1b needs one per stage)."""
     cases = [("1f1b", "full", "cross_entropy", 1), ("1f1b", "lora", "cross_entropy", 1)]
-    refs = {m: _reference(family_dirs[family], m) for m in ("full", "lora")}
-    results = run_ranks(_pipeline_cases, 4, str(family_dirs[family]), cases, refs["lora"]["adapter"])
+    refs = {m: _reference(family_dirs[family], m, row=WIDE_ROW) for m in ("full", "lora")}
+    results = run_ranks(_pipeline_cases, 4, str(family_dirs[family]), cases, refs["lora"]["adapter"], WIDE_ROW)
     assert [r[cases[0]]["layers"] for r in results] == [[[0]], [[1]], [[2]], [[3]]]
     for case in cases:
         _check(results, refs[case[1]], case)
