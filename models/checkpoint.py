@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from models.families import family_for_config
+from models.families import family_for_architecture, family_for_config
 from models.model_dir import INDEX_FILE, read_config, weight_files
 from models.moe import require_whole_experts
 
@@ -31,12 +31,43 @@ def load_pretrained(
     """Build the model on the meta device and assign the checkpoint tensors, so no memory is spent on a random
     init that would be overwritten. Returns the model (its family's CausalLM) in eval mode, like transformers'
     from_pretrained."""
-    config = read_config(model_dir)
-    family = family_for_config(config)
-    state_dict_adapter = family.state_dict_adapter
-    args = family.ModelArgs.from_hf_config(config)
-    with torch.device("meta"):
-        model = family.CausalLM(args)
+    return load_weights(build_on_meta(model_dir), model_dir, dtype=dtype, device=device)
+
+
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _stage_holds(stage: torch.nn.Module, name: str, tied_head: bool) -> bool:
+    """Whether checkpoint tensor `name` belongs to a pipeline stage: one of its layers (by number in the whole
+    model), or a top-level module it kept (embed_tokens, norm, lm_head); with tied_head, the embeddings its lm_head
+    shares."""
+    layer = _LAYER_KEY.match(name)
+    if layer:
+        return layer.group(1) in stage.model.layers
+    if tied_head and name == "model.embed_tokens.weight":
+        return True
+    try:
+        stage.get_submodule(name.rsplit(".", 1)[0])
+    except AttributeError:  # a module the stage dropped (None), or none of this model's
+        return False
+    return True
+
+
+def load_weights(
+    model: torch.nn.Module, model_dir: str | Path, dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> torch.nn.Module:
+    """Assign a checkpoint's tensors to a CausalLM built on the meta device: the whole model, or a pipeline stage
+    (models/common/pipeline.py) that holds some of the layers and maybe the embeddings / final norm / lm_head.
+    Only the tensors the model holds are read from the safetensors files (a stage reads its own layers, never the
+    rest of the checkpoint); every tensor it holds must be there. A last stage whose lm_head is tied to embeddings it
+    does not hold reads model.embed_tokens.weight into its own lm_head. The whole model reads every tensor, so a
+    surplus one is reported. Returns the model in eval mode."""
+    args = model.args
+    state_dict_adapter = family_for_architecture(args.architecture).state_dict_adapter
+    tied_head = bool(args.tie_word_embeddings) and model.lm_head is not None and model.model.embed_tokens is None
+    whole = (len(model.model.layers) == args.num_layers and None not in
+             (model.model.embed_tokens, model.model.norm, model.lm_head))
     device_str = str(torch.device(device))
     # Tensors the family keeps in float32 whatever the load dtype (e.g. DeepSeek's router and its selection bias:
     # rounding them to bf16 changes which experts win near ties, as transformers also avoids).
@@ -45,6 +76,8 @@ def load_pretrained(
     for file in weight_files(model_dir):
         with safe_open(file, framework="pt", device=device_str) as f:
             for name in f.keys():
+                if not whole and not _stage_holds(model, name, tied_head):
+                    continue
                 tensor = f.get_tensor(name)
                 if tensor.is_floating_point():
                     tensor = tensor.to(torch.float32 if keep_fp32.search(name) else dtype)
@@ -52,6 +85,10 @@ def load_pretrained(
     state = state_dict_adapter.from_hf(hf_state, args)
     model_state = model.state_dict()
     expected = state_dict_adapter.expected_keys(list(model_state), args)
+    if tied_head and "model.embed_tokens.weight" in state:
+        state["lm_head.weight"] = state.pop("model.embed_tokens.weight")
+    if tied_head:
+        expected.add("lm_head.weight")
     missing, unexpected = expected - state.keys(), state.keys() - expected
     if missing or unexpected:
         raise ValueError(

@@ -111,7 +111,7 @@ def _resolve_targets(
 
 def apply_lora(
     model: nn.Module, cfg: LoraConfig, adapter_name: str = "default", seed: int | None = None,
-    device: torch.device | str | None = None,
+    device: torch.device | str | None = None, *, strict: bool | None = None,
 ) -> list[nn.Parameter]:
     """Add adapter `adapter_name` to every targeted Linear and routed-expert block, freeze every non-LoRA
     parameter, make the new adapter the active one, and return its (trainable) parameters. Adapters added earlier
@@ -120,12 +120,15 @@ def apply_lora(
     Targets (docs/lora.md): nn.Linear module names by peft's dotted-suffix rule ("q_proj", "lm_head", ...),
     "experts" for both fused tensors of every models.moe.Experts, "experts.gate_up_proj" / "experts.down_proj" for
     one. With the default targets (DEFAULT_TARGETS, in any order) the names a model lacks are skipped; any other
-    target list must match with every name.
+    target list must match with every name (strict=False skips them too: a pipeline stage, which holds only some of
+    the layers, once the targets are checked on the whole model).
 
     device: where the adapter tensors are created (default: each adapted weight's device). A model built on the
     meta device for a distributed engine passes "cpu", so the adapter holds the seed's initial values (the same
-    as on a loaded model) until they are copied into the sharded parameters."""
-    strict = is_strict(tuple(cfg.target_modules))
+    as on a loaded model) until they are copied into the sharded parameters.
+
+    The returned parameters are in the order they are drawn (A then B of each adapted module)."""
+    strict = is_strict(tuple(cfg.target_modules)) if strict is None else strict
     return _add_adapter(model, cfg, adapter_name, seed, strict, device)
 
 

@@ -152,6 +152,23 @@ class MicroBatchResult:
 def run_micro_batch(model: nn.Module, datums: list[Datum], req: LossRequest, *, backward: bool,
                     deterministic: bool, device: torch.device) -> MicroBatchResult:
     """One packed forward (+ backward of the summed, unscaled datum losses) over the datums."""
+    with torch.set_grad_enabled(backward):
+        hidden_ND = _hidden_states(model, datums, deterministic=deterministic, device=device)
+        total, per_datum, inputs = micro_batch_loss(model, hidden_ND, datums, req, deterministic=deterministic,
+                                                    device=device)
+        if backward:
+            total.backward()
+        del total
+    return MicroBatchResult(per_datum, micro_batch_metrics(req, per_datum, inputs))
+
+
+def micro_batch_loss(model: nn.Module, hidden_ND: torch.Tensor, datums: list[Datum], req: LossRequest, *,
+                     deterministic: bool, device: torch.device
+                     ) -> tuple[torch.Tensor, list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """(the datums' summed, unscaled losses, each datum's detached logprobs, each datum's loss inputs on device)
+    from the final hidden states [N, D] of the datums' tokens back to back: the logprob head (token_logprobs), then
+    losses.datum_loss of each datum, summed in datum order. model holds lm_head (a whole model or a last pipeline
+    stage)."""
     lengths = [d.length for d in datums]
     k_max = max((d.targets.shape[1] for d in datums if d.targets.dim() == 2), default=0)
     if k_max:  # [T] and [T, K] datums together: K-wide targets, the extra slots ignored
@@ -160,25 +177,25 @@ def run_micro_batch(model: nn.Module, datums: list[Datum], req: LossRequest, *, 
                                    value=IGNORE_INDEX) for d in datums])
     else:
         targets = torch.cat([d.targets for d in datums])
-    with torch.set_grad_enabled(backward):
-        hidden_ND = _hidden_states(model, datums, deterministic=deterministic, device=device)
-        logprobs = token_logprobs(model, hidden_ND, targets.to(device), deterministic=deterministic)
-        per_datum, total, inputs = [], None, []
-        for d, lp in zip(datums, torch.split(logprobs, lengths)):
-            if k_max:
-                lp = lp[:, :d.targets.shape[1]] if d.targets.dim() == 2 else lp[:, 0]
-            inputs.append({k: v.to(device) for k, v in d.inputs.items()})
-            loss = losses.datum_loss(req.loss_fn, req.config, lp, inputs[-1])[0]
-            total = loss if total is None else total + loss
-            per_datum.append(lp.detach())
-        if backward:
-            total.backward()
-        del total
-    # The metrics are recomputed from the detached logprobs once the backward has freed the graph, so the per-datum
-    # metric tensors never add to the call's peak memory (the same values: the same ops on the same inputs).
+    logprobs = token_logprobs(model, hidden_ND, targets.to(device), deterministic=deterministic)
+    per_datum, total, inputs = [], None, []
+    for d, lp in zip(datums, torch.split(logprobs, lengths)):
+        if k_max:
+            lp = lp[:, :d.targets.shape[1]] if d.targets.dim() == 2 else lp[:, 0]
+        inputs.append({k: v.to(device) for k, v in d.inputs.items()})
+        loss = losses.datum_loss(req.loss_fn, req.config, lp, inputs[-1])[0]
+        total = loss if total is None else total + loss
+        per_datum.append(lp.detach())
+    return total, per_datum, inputs
+
+
+def micro_batch_metrics(req: LossRequest, per_datum: list[torch.Tensor],
+                        inputs: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """Each datum's metric sums, from its detached logprobs (micro_batch_loss). Computed once the backward has freed
+    the graph, so the per-datum metric tensors never add to the call's peak memory (the same values: the same ops on
+    the same inputs)."""
     with torch.no_grad():
-        sums = [losses.datum_loss(req.loss_fn, req.config, lp, x)[1] for lp, x in zip(per_datum, inputs)]
-    return MicroBatchResult(per_datum, sums)
+        return [losses.datum_loss(req.loss_fn, req.config, lp, x)[1] for lp, x in zip(per_datum, inputs)]
 
 
 def run_padding_micro_batch(model: nn.Module, *, backward: bool, device: torch.device) -> None:

@@ -23,9 +23,10 @@ def _context():
     global _CTX
     if _CTX is None:
         _CTX = multiprocessing.get_context("forkserver")
-        # torch._dynamo: the first meta-device init (load_pretrained) imports it, ~6 s per process otherwise
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "models",
-                                     "services.trainer.engine"])
+        # torch._dynamo: the first meta-device init (load_pretrained) imports it, ~6 s per process otherwise;
+        # torch.distributed.pipelining (it imports torch.export) takes seconds too: once here, not per rank
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "torch.distributed.pipelining",
+                                     "models", "services.trainer.engine"])
     return _CTX
 
 
