@@ -179,7 +179,9 @@ class TrainingEngine:
         them, e.g. split_for_ranks(datums, engine.dp_size)[engine.dp_rank]) and passes batch_scale, the call's c
         (losses.batch_scale) over ALL its datums: every rank must apply the same c. The gradients are then the
         whole call's (summed over ranks by FSDP), the metrics too (their sums all-reduced); the logprobs returned
-        are this rank's datums'. On one process batch_scale may be left None (computed from the datums)."""
+        are this rank's datums'. On one process batch_scale may be left None (computed from the datums).
+        Under context parallelism the cp ranks of a group take the SAME share (dp_size and dp_rank count the dp
+        ranks only) and each returns its datums' whole logprobs (forward_backward.py's module docstring)."""
         if self.dp_size > 1 and batch_scale is None:
             raise ValueError("a data-parallel engine needs the call's batch_scale over every rank's datums")
         return LossCall(self.model, self.params, req, backward=backward, deterministic=deterministic,

@@ -15,7 +15,8 @@ logprobs are the reference's logprobs plus noise, so ratios lie around 1 and ppo
 one built-in loss nonlinear in a whole datum's logprobs (its sequence ratio exp(mean(lp - q))). The engine computes
 every loss on the whole datum's logprobs on every cp rank (gathered; the graph kept on the rank's own tokens), so
 all the built-in losses are available under cp; gspo and grpo/dapo's masks are covered by that.
-Managed SFT's path: engine.nll_sum over a packed batch (value and every gradient) under cp 2 and cp 2 x dp_shard 2.
+One case runs with activation checkpointing (the layers' forwards, ring attention included, recomputed in the
+backward), against the same reference. Managed SFT's path: engine.nll_sum over a packed batch (value and every gradient) under cp 2 and cp 2 x dp_shard 2.
 
 Tolerances (float32 on the CPU, one thread per rank): ring attention sums its blocks in another order (blockwise
 online softmax), and the gradients are summed over the cp and dp ranks in the collective's order, so results agree
@@ -82,12 +83,12 @@ def _train_once(engine: TrainingEngine, datums: list[Datum], req: LossRequest) -
     return out
 
 
-def _rank(model_dir, lora, dims: dict, datums: list[Datum], req: LossRequest) -> dict:
+def _rank(model_dir, lora, dims: dict, datums: list[Datum], req: LossRequest, ac: bool) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     engine = TrainingEngine.load(model_dir, lora=lora, seed=3, optimizer=SETTINGS, device="cpu",
-                                 parallel=ParallelDims(**dims))
+                                 parallel=ParallelDims(**dims), activation_checkpointing=ac)
     assert engine.context_parallel is not None and engine.context_parallel.size == dims["cp"]
     out = _train_once(engine, datums, req)
     out["rank"], out["dp_rank"] = dist.get_rank(), engine.dp_rank
@@ -108,7 +109,7 @@ def _case_datums(model_dir, loss_fn: str) -> tuple[list[Datum], int]:
     return _rl_datums(ce, logprobs, loss_fn), vocab
 
 
-_CASES = [  # (family, lora, world size, dims, loss)
+_CASES = [  # (family, lora, world size, dims, loss); "+ac": with activation checkpointing (the ring recomputed)
     ("qwen3", LORA, 2, dict(cp=2), "cross_entropy"),
     ("qwen3", None, 2, dict(cp=2), "ppo"),
     ("qwen3", LORA, 4, dict(dp_shard=2, cp=2), "importance_sampling"),
@@ -118,7 +119,7 @@ _CASES = [  # (family, lora, world size, dims, loss)
     ("qwen3_moe", LORA, 4, dict(dp_shard=2, cp=2), "cross_entropy"),
     ("qwen3_moe", None, 4, dict(dp_shard=2, cp=2), "ppo"),
     ("deepseek_v3", LORA, 2, dict(cp=2), "cross_entropy"),
-    ("deepseek_v3", None, 2, dict(cp=2), "importance_sampling"),
+    ("deepseek_v3", None, 2, dict(cp=2), "importance_sampling+ac"),
     ("deepseek_v3", None, 4, dict(dp_shard=2, cp=2), "cross_entropy"),
     ("deepseek_v3", LORA, 4, dict(dp_shard=2, cp=2), "ppo"),
     ("qwen3_moe", None, 4, dict(dp_shard=2, cp=2, ep=2), "cross_entropy"),  # cp x ep x fsdp
@@ -131,6 +132,7 @@ _CASES = [  # (family, lora, world size, dims, loss)
     for f, lo, w, d, loss in _CASES])
 def test_context_parallel_engine_matches_the_single_process_engine(family_dirs, family, lora, world, dims, loss_fn):
     model_dir = family_dirs[family]
+    loss_fn, ac = loss_fn.removesuffix("+ac"), loss_fn.endswith("+ac")
     datums, _ = _case_datums(model_dir, loss_fn)
     config = {"clip_low_threshold": 0.95, "clip_high_threshold": 1.05} if loss_fn == "ppo" else {}
     req = check_loss_request(loss_fn, config, _MICRO_BATCH_TOKENS, _MICRO_BATCH_TOKENS)
@@ -142,7 +144,7 @@ def test_context_parallel_engine_matches_the_single_process_engine(family_dirs, 
     rows = [sum(d.length for d in mb) for share in split_for_ranks(datums, world // dims["cp"])
             for mb in [*(mb for d in share for mb in batcher.add(d)), *batcher.finish()]]
     assert any(n % (2 * dims["cp"]) for n in rows), rows  # the engine pads some rows (its padding document)
-    ranks = run_ranks(_rank, world, model_dir, lora, dims, datums, req)
+    ranks = run_ranks(_rank, world, model_dir, lora, dims, datums, req, ac)
     worst = _compare(ranks, ref, weight_atol=_WEIGHT_ATOL)
     dp_size = world // dims["cp"]
     shares = split_for_ranks(list(range(len(datums))), dp_size)
@@ -155,7 +157,7 @@ def test_context_parallel_engine_matches_the_single_process_engine(family_dirs, 
             diff = float((g - w).abs().max())
             worst["logprob_abs"] = max(worst["logprob_abs"], diff)
             assert diff <= _LOGPROB_ATOL, diff
-    print(f"\n{family} {'lora' if lora else 'full'} world {world} {dims} {loss_fn}: {worst}")
+    print(f"\n{family} {'lora' if lora else 'full'} world {world} {dims} {loss_fn} ac={ac}: {worst}")
 
 
 def _packed_batch(vocab: int, lengths: list[int], seed: int = 5):
