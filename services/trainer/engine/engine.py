@@ -31,15 +31,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kernels import Packing
+from kernels.logprobs import IGNORE_INDEX
 from models import load_pretrained
 from models.lora import LoraConfig, apply_lora, lora_state_dict, set_trainable
 from services.trainer.engine import checkpoint as ckpt_format
 from services.trainer.engine.checkpoint import EngineCheckpoint
 from services.trainer.engine.forward_backward import LossCall, LossRequest
-from services.trainer.engine.logprobs import target_nll_sum
+from services.trainer.engine.logprobs import target_nll_sum, token_logprobs
 from services.trainer.engine.optim import AdamW, make_optimizer, optimizer_step
 from services.trainer.engine.parallel.dims import ParallelDims
 
@@ -65,6 +67,11 @@ class TrainingEngine:
         self.model, self.params, self.device = model, params, device
         self.lora, self.adapter, self.seed = lora, adapter, seed
         self.parallel, self.mesh = parallel, mesh  # None: one process (the model unsharded)
+        self.context_parallel = None  # the model's ContextParallel under cp > 1 (parallel/context.py)
+        if parallel is not None and parallel.cp > 1:
+            from services.trainer.engine.parallel.context import context_parallel_of
+
+            self.context_parallel = context_parallel_of(model)
         self.optimizer = make_optimizer(params, optimizer)
         self.steps = 0  # optimizer steps taken (restored with a checkpoint's optimizer state)
 
@@ -122,8 +129,31 @@ class TrainingEngine:
 
     def nll_sum(self, input_ids_BT: torch.Tensor, targets_BT: torch.Tensor, *,
                 packing: Packing | None = None) -> torch.Tensor:
-        """Summed float32 NLL of the target tokens (logprobs.target_nll_sum), inputs moved to the engine's device."""
-        return target_nll_sum(self.model, input_ids_BT.to(self.device), targets_BT.to(self.device), packing=packing)
+        """Summed float32 NLL of the target tokens (logprobs.target_nll_sum), inputs moved to the engine's device.
+
+        Under context parallelism (every rank of a cp group passes the same batch) each row ([B, T], or the packed
+        row with packing) is padded to a multiple of 2 cp tokens (IGNORE_INDEX targets; with packing a padding
+        document of its own), this rank's shard runs the model and the logprob head, and the value returned is the
+        whole batch's sum (an all_reduce over the cp group) whose backward reaches this rank's tokens only
+        (context.SumOverGroup): FSDP sums the weights' gradients over the cp group, so they are the whole sum's."""
+        cp = self.context_parallel
+        if cp is None:
+            return target_nll_sum(self.model, input_ids_BT.to(self.device), targets_BT.to(self.device),
+                                  packing=packing)
+        from services.trainer.engine.parallel.context import SumOverGroup, padded_packing
+
+        T = input_ids_BT.shape[1]
+        if packing is not None:
+            packing = padded_packing(packing.lengths, cp, self.device)
+            layout = cp.layout(packing=packing)
+        else:
+            layout = cp.layout(T + -T % (2 * cp.size))
+        pad = layout.seq_len - T
+        tokens_BL = layout.shard(F.pad(input_ids_BT, (0, pad)).to(self.device))
+        targets_BL = layout.shard(F.pad(targets_BT, (0, pad), value=IGNORE_INDEX).to(self.device))
+        hidden_BLD = self.model(tokens_BL, packing=layout, return_hidden=True)
+        local = -token_logprobs(self.model, hidden_BLD.flatten(0, 1), targets_BL.flatten()).sum()
+        return SumOverGroup.apply(local, cp.group)
 
     def step(self, settings: AdamW) -> torch.Tensor:
         """One optimizer step over the accumulated gradients (optim.optimizer_step); the gradient norm."""
@@ -149,11 +179,14 @@ class TrainingEngine:
         them, e.g. split_for_ranks(datums, engine.dp_size)[engine.dp_rank]) and passes batch_scale, the call's c
         (losses.batch_scale) over ALL its datums: every rank must apply the same c. The gradients are then the
         whole call's (summed over ranks by FSDP), the metrics too (their sums all-reduced); the logprobs returned
-        are this rank's datums'. On one process batch_scale may be left None (computed from the datums)."""
+        are this rank's datums'. On one process batch_scale may be left None (computed from the datums).
+        Under context parallelism the cp ranks of a group take the SAME share (dp_size and dp_rank count the dp
+        ranks only) and each returns its datums' whole logprobs (forward_backward.py's module docstring)."""
         if self.dp_size > 1 and batch_scale is None:
             raise ValueError("a data-parallel engine needs the call's batch_scale over every rank's datums")
         return LossCall(self.model, self.params, req, backward=backward, deterministic=deterministic,
-                        device=self.device, lock=lock, dp_group=self.dp_group, batch_scale=batch_scale)
+                        device=self.device, lock=lock, dp_group=self.dp_group, batch_scale=batch_scale,
+                        cp=self.context_parallel)
 
     # -- checkpoints (checkpoint.py) -------------------------------------------------------------------------------
     def rng_state(self) -> dict:

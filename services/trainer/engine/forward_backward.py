@@ -28,6 +28,16 @@ gradients are c * sum over all datums, as on one process; the metrics' sums are 
 the whole call's metrics; the logprobs are the rank's own datums'. (Streaming, one micro-batch as soon as it is
 full, is the single-process behaviour; the held micro-batches are tokens only.)
 
+Context parallel (cp > 1, parallel/context.py; LossCall's cp is the model's ContextParallel): the cp ranks of a
+group get the same datums (split_for_ranks over dp only). A micro-batch's packed row of N tokens is padded to P, a
+multiple of 2 cp, with a trailing padding document (IGNORE_INDEX targets: logprob 0, no gradient), laid out with
+cp.layout(packing=...), and this rank's L = P / cp tokens go through the model and the logprob head. The whole
+row's [N] logprobs are then gathered over the cp group, the rank's own positions keeping their graph
+(_context_parallel_logprobs), so every rank computes every datum's loss exactly as one process does and its
+backward reaches the model through the rank's own tokens only; FSDP sums the weights' gradients over dp_shard_cp.
+Every built-in loss works this way (gspo, nonlinear in the whole datum's logprobs, included); the logprobs returned
+are the whole datums'. Padding micro-batches are 2 cp tokens. Deterministic mode is refused under cp.
+
 Exactness (float32 on CPU with a fixed thread count): the result depends only on the datums, their order, the loss
 and micro_batch_tokens, so the unary and the streamed call give bitwise the same gradients, logprobs and metrics.
 With deterministic=True the forward and the logprobs run under kernels.batch_invariant and the logprobs are the
@@ -149,17 +159,53 @@ class MicroBatchResult:
     metric_sums: list[dict[str, torch.Tensor]]
 
 
+def _context_parallel_logprobs(model: nn.Module, cp, datums: list[Datum], targets: torch.Tensor, *,
+                               device: torch.device) -> torch.Tensor:
+    """The micro-batch's [N] or [N, K] logprobs over a context-parallel model (module docstring): the packed row
+    padded to P tokens (a multiple of 2 cp; a trailing padding document with IGNORE_INDEX targets), this rank's
+    L = P / cp tokens run through the model and the logprob head, the whole row's logprobs gathered over the cp
+    group, the graph kept on this rank's own positions (context.with_local_graph), the padding cut off."""
+    from services.trainer.engine.parallel.context import padded_packing, with_local_graph
+
+    N = targets.shape[0]
+    packing = padded_packing([d.length for d in datums], cp, device)
+    layout = cp.layout(packing=packing)
+    P = layout.seq_len
+    tokens_1P = F.pad(torch.cat([d.tokens for d in datums]), (0, P - N))[None].to(device)
+    targets_P = torch.cat([targets, targets.new_full((P - N, *targets.shape[1:]), IGNORE_INDEX)])
+    hidden_LD = model(layout.shard(tokens_1P), packing=layout, return_hidden=True)[0]
+    logprobs_L = token_logprobs(model, hidden_LD, layout.shard(targets_P, dim=0))
+    return with_local_graph(layout.gather(logprobs_L.detach(), dim=0), logprobs_L, layout)[:N]
+
+
 def run_micro_batch(model: nn.Module, datums: list[Datum], req: LossRequest, *, backward: bool,
-                    deterministic: bool, device: torch.device) -> MicroBatchResult:
-    """One packed forward (+ backward of the summed, unscaled datum losses) over the datums."""
+                    deterministic: bool, device: torch.device, cp=None) -> MicroBatchResult:
+    """One packed forward (+ backward of the summed, unscaled datum losses) over the datums; cp: the model's
+    ContextParallel (context-parallel engine), None on one process or without cp."""
     with torch.set_grad_enabled(backward):
-        hidden_ND = _hidden_states(model, datums, deterministic=deterministic, device=device)
-        total, per_datum, inputs = micro_batch_loss(model, hidden_ND, datums, req, deterministic=deterministic,
-                                                    device=device)
+        if cp is None:
+            hidden_ND = _hidden_states(model, datums, deterministic=deterministic, device=device)
+            total, per_datum, inputs = micro_batch_loss(model, hidden_ND, datums, req, deterministic=deterministic,
+                                                        device=device)
+        else:
+            logprobs = _context_parallel_logprobs(model, cp, datums, _packed_targets(datums).to(device),
+                                                  device=device)
+            total, per_datum, inputs = _datum_losses(logprobs, datums, req, device)
         if backward:
             total.backward()
         del total
     return MicroBatchResult(per_datum, micro_batch_metrics(req, per_datum, inputs))
+
+
+def _packed_targets(datums: list[Datum]) -> torch.Tensor:
+    """The datums' targets back to back: [N], or [N, K] when any datum has K targets per position (the narrower
+    ones padded with IGNORE_INDEX)."""
+    k_max = max((d.targets.shape[1] for d in datums if d.targets.dim() == 2), default=0)
+    if k_max:  # [T] and [T, K] datums together: K-wide targets, the extra slots ignored
+        return torch.cat([F.pad(d.targets if d.targets.dim() == 2 else d.targets[:, None],
+                                (0, k_max - (d.targets.shape[1] if d.targets.dim() == 2 else 1)),
+                                value=IGNORE_INDEX) for d in datums])
+    return torch.cat([d.targets for d in datums])
 
 
 def micro_batch_loss(model: nn.Module, hidden_ND: torch.Tensor, datums: list[Datum], req: LossRequest, *,
@@ -169,18 +215,17 @@ def micro_batch_loss(model: nn.Module, hidden_ND: torch.Tensor, datums: list[Dat
     from the final hidden states [N, D] of the datums' tokens back to back: the logprob head (token_logprobs), then
     losses.datum_loss of each datum, summed in datum order. model holds lm_head (a whole model or a last pipeline
     stage)."""
-    lengths = [d.length for d in datums]
-    k_max = max((d.targets.shape[1] for d in datums if d.targets.dim() == 2), default=0)
-    if k_max:  # [T] and [T, K] datums together: K-wide targets, the extra slots ignored
-        targets = torch.cat([F.pad(d.targets if d.targets.dim() == 2 else d.targets[:, None],
-                                   (0, k_max - (d.targets.shape[1] if d.targets.dim() == 2 else 1)),
-                                   value=IGNORE_INDEX) for d in datums])
-    else:
-        targets = torch.cat([d.targets for d in datums])
-    logprobs = token_logprobs(model, hidden_ND, targets.to(device), deterministic=deterministic)
+    logprobs = token_logprobs(model, hidden_ND, _packed_targets(datums).to(device), deterministic=deterministic)
+    return _datum_losses(logprobs, datums, req, device)
+
+
+def _datum_losses(logprobs: torch.Tensor, datums: list[Datum], req: LossRequest, device: torch.device
+                  ) -> tuple[torch.Tensor, list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """micro_batch_loss's result from the micro-batch's logprobs ([N] or [N, K], _packed_targets' layout)."""
+    wide = logprobs.dim() == 2
     per_datum, total, inputs = [], None, []
-    for d, lp in zip(datums, torch.split(logprobs, lengths)):
-        if k_max:
+    for d, lp in zip(datums, torch.split(logprobs, [d.length for d in datums])):
+        if wide:
             lp = lp[:, :d.targets.shape[1]] if d.targets.dim() == 2 else lp[:, 0]
         inputs.append({k: v.to(device) for k, v in d.inputs.items()})
         loss = losses.datum_loss(req.loss_fn, req.config, lp, inputs[-1])[0]
@@ -198,13 +243,19 @@ def micro_batch_metrics(req: LossRequest, per_datum: list[torch.Tensor],
         return [losses.datum_loss(req.loss_fn, req.config, lp, x)[1] for lp, x in zip(per_datum, inputs)]
 
 
-def run_padding_micro_batch(model: nn.Module, *, backward: bool, device: torch.device) -> None:
-    """A micro-batch that changes nothing: a forward of one token and the backward of 0 * its logprob (gradients
-    of exactly zero), run by a data-parallel rank that has fewer micro-batches than another (LossCall)."""
-    tokens_11 = torch.zeros(1, 1, dtype=torch.int64, device=device)
+def run_padding_micro_batch(model: nn.Module, *, backward: bool, device: torch.device, cp=None) -> None:
+    """A micro-batch that changes nothing: a forward of one token (2 cp under context parallelism, cp's layout)
+    and the backward of 0 * its logprob (gradients of exactly zero), run by a data-parallel rank that has fewer
+    micro-batches than another (LossCall)."""
+    tokens_1T = torch.zeros(1, 1 if cp is None else 2 * cp.size, dtype=torch.int64, device=device)
     with torch.set_grad_enabled(backward):
-        hidden_1D = model(tokens_11, return_hidden=True)[0]
-        logprob = token_logprobs(model, hidden_1D, tokens_11[0]).sum()
+        if cp is None:
+            hidden_LD = model(tokens_1T, return_hidden=True)[0]
+        else:
+            layout = cp.layout(tokens_1T.shape[1])
+            tokens_1T = layout.shard(tokens_1T)
+            hidden_LD = model(tokens_1T, packing=layout, return_hidden=True)[0]
+        logprob = token_logprobs(model, hidden_LD, tokens_1T[0]).sum()
         if backward:
             (logprob * 0.0).backward()
 
@@ -215,10 +266,14 @@ class LossCall:
     params at finish(); abort() puts back exactly the gradients held at begin()."""
 
     def __init__(self, model: nn.Module, params: list[nn.Parameter], req: LossRequest, *, backward: bool,
-                 deterministic: bool, device: torch.device, lock, dp_group=None, batch_scale: float | None = None):
+                 deterministic: bool, device: torch.device, lock, dp_group=None, batch_scale: float | None = None,
+                 cp=None):
+        if cp is not None and deterministic:
+            raise InvalidArgument("deterministic (batch-invariant) mode is not available with context parallelism "
+                                  "(cp > 1): the ring attention sums blocks in another order", field="deterministic")
         self.model, self.params, self.req = model, params, req
         self.backward, self.deterministic, self.device, self.lock = backward, deterministic, device, lock
-        self.dp_group, self.batch_scale = dp_group, batch_scale
+        self.dp_group, self.batch_scale, self.cp = dp_group, batch_scale, cp
         self.queued: list[list[Datum]] = []  # data parallel: micro-batches held until finish()
         self.batcher = MicroBatcher(req.micro_batch_tokens)
         self.inputs: list[dict[str, torch.Tensor]] = []
@@ -275,7 +330,7 @@ class LossCall:
     def _run(self, mb: list[Datum]) -> None:
         with self.lock():
             out = run_micro_batch(self.model, mb, self.req, backward=self.backward,
-                                  deterministic=self.deterministic, device=self.device)
+                                  deterministic=self.deterministic, device=self.device, cp=self.cp)
         self.logprobs.extend(out.logprobs)
         self.metric_sums.extend(out.metric_sums)
 
@@ -295,7 +350,7 @@ class LossCall:
             self._run(mb)
         for _ in range(most - len(queued)):
             with self.lock():
-                run_padding_micro_batch(self.model, backward=self.backward, device=self.device)
+                run_padding_micro_batch(self.model, backward=self.backward, device=self.device, cp=self.cp)
 
     def _summed_over_ranks(self, metric_sums: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """The metric sums of every rank's datums (float64; keys are the loss's, the same on every rank)."""

@@ -331,3 +331,42 @@ def apply_context_parallel(model: torch.nn.Module, mesh, dims) -> ContextParalle
             raise TypeError(f"layer {number}'s {type(attn).__name__} has no context-parallel hook")
         attn.context_parallel = cp
     return cp
+
+
+def context_parallel_of(model: torch.nn.Module) -> ContextParallel | None:
+    """The ContextParallel apply_context_parallel gave model's attention modules, None when it was not applied."""
+    for layer in model.model.layers.values():
+        return getattr(layer.self_attn, "context_parallel", None)
+    return None
+
+
+def padded_packing(lengths: list[int], cp: ContextParallel, device: torch.device | str = "cpu") -> Packing:
+    """The Packing of documents of these lengths back to back, plus, when their total is not a multiple of 2 cp, a
+    trailing padding document of the missing tokens (fewer than 2 cp): its own document, so no real token attends
+    to it (it comes last, and causal attention never looks ahead anyway); give its tokens IGNORE_INDEX targets."""
+    pad = -sum(lengths) % (2 * cp.size)
+    return Packing.from_lengths(list(lengths) + ([pad] if pad else []), device)
+
+
+class SumOverGroup(torch.autograd.Function):
+    """x summed over a process group (an all_reduce) in the forward; the backward passes the gradient to the local
+    x unchanged. For a rank's share of a sum whose other shares' gradients flow on their own ranks (a cp rank's
+    tokens' NLL: FSDP then sums the weights' gradients over the cp group), so every rank reads the whole value and
+    backpropagates only through its own share, exactly once."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        out = x.detach().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def with_local_graph(full: torch.Tensor, local: torch.Tensor, layout: ContextLayout) -> torch.Tensor:
+    """The whole row's values [T, ...] (layout.gather of local, detached) with this rank's positions replaced by
+    local [L, ...] itself: the result's values are the whole row's, and a gradient reaches exactly this rank's
+    tokens through local (the other positions' gradients flow on their own ranks, which compute the same)."""
+    return full.detach().index_put((layout.index().to(full.device),), local)

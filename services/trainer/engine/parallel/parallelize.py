@@ -10,7 +10,9 @@
 
     parallelize(model, dims, mesh, ...), in this fixed order (torchtitan's):
         (pipeline split: done by the caller, one stage per rank's model, models.common.pipeline)
-        -> expert parallel (parallel/expert.py)  -> context parallel (parallel/context.py)
+        -> expert parallel (parallel/expert.py)  -> context parallel (parallel/context.py: the attention modules
+           attend as a ring over mesh["cp"]; the engine then lays out every micro-batch with the model's
+           ContextParallel, context_parallel_of(model), see forward_backward.py)
         -> activation checkpointing (before fully_shard: the recomputation runs inside each layer's FSDP unit)
         -> FSDP (parallel/fsdp.py)
     A dimension whose application is not wired here yet is refused by name (InvalidArgument on the knob), so nothing
@@ -42,6 +44,7 @@ from models.lora import LoraConfig, apply_lora, set_trainable
 from models.model_dir import read_config, weight_files
 from services.common.errors import InvalidArgument
 from services.trainer.engine.parallel.checkpointing import apply_activation_checkpointing
+from services.trainer.engine.parallel.context import apply_context_parallel
 from services.trainer.engine.parallel.dims import ParallelDims
 from services.trainer.engine.parallel.expert import apply_expert_parallel, expert_shards
 from services.trainer.engine.parallel.fsdp import apply_fsdp, mixed_precision
@@ -51,18 +54,11 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 def _refuse_unapplied(dims: ParallelDims) -> None:
     """Dimensions whose application is not in parallelize yet (see the module docstring)."""
-    unapplied = {"cp": "context parallelism over the engine's micro-batches",
-                 "pp": "pipeline parallelism (a pipeline schedule over the engine)", "tp": "tensor parallelism"}
+    unapplied = {"pp": "pipeline parallelism (a pipeline schedule over the engine)", "tp": "tensor parallelism"}
     for knob, what in unapplied.items():
         if getattr(dims, knob) > 1:
             raise InvalidArgument(f"{knob} {getattr(dims, knob)}: {what} is not available in this trainer yet; "
                                   f"set {knob} to 1", field=dims._field(knob))
-
-
-def apply_context_parallel(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh) -> None:
-    """Context parallelism goes here (parallel/context.py): ring attention over mesh["cp"]."""
-    del model, mesh
-    assert dims.cp == 1, "refused by _refuse_unapplied"
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, *, param_dtype: torch.dtype | None,
@@ -76,7 +72,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, *, param
     _refuse_unapplied(dims)
     dims.check_model(model.args)
     apply_expert_parallel(model, mesh, dims)  # each MoE layer keeps num_experts / ep experts; tokens over mesh["ep"]
-    apply_context_parallel(model, dims, mesh)
+    apply_context_parallel(model, mesh, dims)  # attention as a ring over mesh["cp"]; context.context_parallel_of
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     apply_fsdp(model, dims, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),

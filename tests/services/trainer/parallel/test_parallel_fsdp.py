@@ -114,8 +114,9 @@ def _max_rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
 
 
-def _compare(ranks: list[dict], ref: dict) -> dict:
-    """Assert every rank against the reference; return the largest differences seen."""
+def _compare(ranks: list[dict], ref: dict, *, weight_atol: float = _WEIGHT_ATOL) -> dict:
+    """Assert every rank against the reference; return the largest differences seen. weight_atol: the weights'
+    absolute tolerance after the step (the module docstring's; a caller with larger gradient rounding states its)."""
     worst = {"loss_rel": 0.0, "grad_rel": 0.0, "weight_abs": 0.0}
     whole = ref
     for got in ranks:
@@ -139,7 +140,7 @@ def _compare(ranks: list[dict], ref: dict) -> dict:
         for n, w in ref["weights"].items():
             diff = (got["weights"][n] - w).abs()
             worst["weight_abs"] = max(worst["weight_abs"], float(diff.max()))
-            assert bool((diff <= _WEIGHT_ATOL + _WEIGHT_RTOL * w.abs()).all()), (n, float(diff.max()))
+            assert bool((diff <= weight_atol + _WEIGHT_RTOL * w.abs()).all()), (n, float(diff.max()))
     return worst
 
 
@@ -172,7 +173,7 @@ def test_sharded_engine_matches_the_single_process_engine(family_dirs, family, l
     print(f"\n{family} {'lora' if lora else 'full'} world {world} {dims} ac={ac}: {worst}")
 
 
-@pytest.mark.parametrize("knob", ["cp", "pp", "tp"])
+@pytest.mark.parametrize("knob", ["pp", "tp"])
 def test_parallelize_refuses_dimensions_it_does_not_apply_yet(knob):
     degrees = {"dp_shard": 1, knob: 2}
     dims = ParallelDims(world_size=2, field_prefix="parallel.", **degrees).resolved()
