@@ -181,3 +181,42 @@ def _refuse(model_dir, root: str) -> str:
 def test_a_lora_checkpoint_does_not_load_into_a_full_parameter_sharded_engine(family_dirs, tmp_path):
     run_ranks(_train_save, 2, family_dirs["qwen3"], LORA, dict(dp_shard=2), str(tmp_path))
     assert all("LoRA" in r for r in run_ranks(_refuse, 2, family_dirs["qwen3"], str(tmp_path)))
+
+
+def _pending_save(model_dir, lora, dims: dict, root: str) -> dict:
+    """One step, then a ForwardBackward whose gradients are still pending at the save: the gathered gradients."""
+    from services.trainer.engine.parallel.sharded_checkpoint import gather_whole
+
+    engine = _engine(model_dir, lora, dims)
+    _step(engine, seed=0)
+    datums = _datums(engine.model.args.vocab_size, seed=1)
+    c = batch_scale(REQ.loss_fn, REQ.config, [d.inputs for d in datums])
+    call = engine.loss_call(REQ, backward=True, deterministic=False, lock=contextlib.nullcontext, batch_scale=c)
+    run_call(call, split_for_ranks(datums, engine.dp_size)[engine.dp_rank])
+    engine.save(Path(root), base_model=BASE, progress={})
+    names = {id(p): n for n, p in engine.model.named_parameters()}
+    return {n: g.detach() for n, g in gather_whole(engine, {names[id(p)]: p.grad for p in engine.params}).items()}
+
+
+def test_pending_gradients_of_an_expert_parallel_engine_restore_on_one_process(family_dirs, tmp_path):
+    """Gradients pending at the save (a session saved between ForwardBackward and OptimStep) are in state/dcp/
+    (grad.<name>, experts whole) and restore exactly into the single-process engine, with restore(gradients=True)
+    only; the same engine's own gradients for those datums agree to the sharding's rounding (test_parallel_fsdp)."""
+    model_dir = family_dirs["qwen3_moe"]
+    saved = run_ranks(_pending_save, 2, model_dir, LORA, dict(dp_shard=2, ep=2), str(tmp_path))[0]
+    single = _engine(model_dir, LORA, None)
+    single.restore(read_checkpoint(tmp_path))
+    assert all(p.grad is None for p in single.params)
+    single.restore(read_checkpoint(tmp_path), gradients=True)
+    names = {id(p): n for n, p in single.model.named_parameters()}
+    got = {names[id(p)]: p.grad for p in single.params}
+    assert got.keys() == saved.keys() and any(".experts." in n for n in got)
+    for n, g in saved.items():
+        assert torch.equal(got[n], g), n
+    own = _engine(model_dir, LORA, None)
+    _step(own, seed=0)
+    datums = _datums(own.model.args.vocab_size, seed=1)
+    run_call(own.loss_call(REQ, backward=True, deterministic=False, lock=contextlib.nullcontext), datums)
+    own_names = {id(p): n for n, p in own.model.named_parameters()}
+    for p in own.params:
+        assert _max_rel(got[own_names[id(p)]], p.grad) <= 1e-5, own_names[id(p)]
