@@ -13,7 +13,9 @@ Tolerances (float32 on the CPU): the same layout continues bitwise (the same ran
 sums each gradient over ranks in another order, so the continued step agrees as in test_parallel_fsdp.py: weights
 |diff| <= 1e-7 + 1e-6 * |w| elementwise (a few ulps; AdamW eps 1e-4 as there, so that a ~0 gradient's rounding
 noise cannot move a weight by a sizeable part of lr), moments max |diff| <= 1e-5 * max |reference| per tensor.
-The measured differences are printed per case (pytest -s) and stated in the report of the commit.
+Measured (printed per case with pytest -s): restored state bitwise everywhere; continued on the same layout (4 -> 4)
+bitwise; on another layout weights max |diff| 1.2e-7 (full-parameter, weights of order 1), 7.5e-9 (LoRA), moments
+max relative 6.7e-6 (qwen3_moe full, ep 2 -> one process: the gradients' rounding, squared in exp_avg_sq).
 """
 from __future__ import annotations
 
