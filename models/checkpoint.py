@@ -111,7 +111,8 @@ def load_weights(
 MAX_SHARD_BYTES = 5 * 1024**3  # as transformers' default max_shard_size
 
 
-def save_pretrained(model: torch.nn.Module, out_dir: str | Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+def save_pretrained(model: torch.nn.Module, out_dir: str | Path, max_shard_bytes: int = MAX_SHARD_BYTES, *,
+                    state_dict: dict[str, torch.Tensor] | None = None) -> None:
     """Write config.json + safetensors weights that transformers' AutoModelForCausalLM.from_pretrained loads: one
     model.safetensors, or shards of at most max_shard_bytes with model.safetensors.index.json. Each shard is copied
     to the CPU and written before the next is gathered, so host memory holds one shard (plus, for MoE families, the
@@ -119,15 +120,20 @@ def save_pretrained(model: torch.nn.Module, out_dir: str | Path, max_shard_bytes
 
     The weights are saved as they currently are: LoRA tensors are left out (they go to a PEFT adapter), but an
     adapter merged with merge_adapter is part of the weights, which is how a merged model is exported. 4-bit frozen
-    experts have no Hugging Face form: dequantize them first."""
-    require_whole_experts(model, "save a Hugging Face checkpoint")
+    experts have no Hugging Face form: dequantize them first.
+
+    state_dict: the model's whole state_dict, given by a caller that gathered it from a sharded or expert-parallel
+    model (services/trainer/engine/parallel/sharded_checkpoint.py); model then only gives the config and dtype.
+    None: the model's own state_dict, which must hold every expert."""
+    if state_dict is None:
+        require_whole_experts(model, "save a Hugging Face checkpoint")
     if any(getattr(m, "is_quantized", False) for m in model.modules()):
         raise ValueError("this model holds 4-bit frozen experts, which a Hugging Face checkpoint cannot store; "
                          "call models.moe.dequantize_experts_ first, or save the unquantized base")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state_dict_adapter = family_for_config({"architectures": [model.args.architecture]}).state_dict_adapter
-    state = state_dict_adapter.to_hf(model.state_dict(), model.args)
+    state = state_dict_adapter.to_hf(model.state_dict() if state_dict is None else state_dict, model.args)
     shards: list[list[str]] = [[]]
     size = 0
     for key, tensor in state.items():

@@ -283,16 +283,21 @@ def unmerge_adapter(model: nn.Module, name: str) -> None:
             layer.unmerge()
 
 
-def lora_state_dict(model: nn.Module, adapter_name: str = "default") -> dict[str, torch.Tensor]:
-    """The adapter's tensors under peft's file key names (detached views of the Parameters, not copies, so
-    copying into them loads an adapter)."""
+def lora_parameters(model: nn.Module, adapter_name: str = "default") -> dict[str, nn.Parameter]:
+    """The adapter's Parameters themselves under peft's file key names (lora_state_dict's keys, in its order)."""
     _require_adapter(model, adapter_name)
     return {
-        f"{_PEFT_PREFIX}{path}.{suffix}": tensor.detach()
+        f"{_PEFT_PREFIX}{path}.{suffix}": tensor
         for path, layer in _lora_layers(model)
         if adapter_name in layer.lora_A
         for suffix, tensor in layer.peft_tensors(adapter_name).items()
     }
+
+
+def lora_state_dict(model: nn.Module, adapter_name: str = "default") -> dict[str, torch.Tensor]:
+    """The adapter's tensors under peft's file key names (detached views of the Parameters, not copies, so
+    copying into them loads an adapter)."""
+    return {key: p.detach() for key, p in lora_parameters(model, adapter_name).items()}
 
 
 def _format_alpha(alpha: float) -> int | float:
@@ -317,11 +322,17 @@ def _saved_targets(model: nn.Module, cfg: LoraConfig, adapter_name: str) -> tupl
 
 
 def save_peft_adapter(
-    model: nn.Module, cfg: LoraConfig, out_dir: str | Path, base_model_name_or_path: str, adapter_name: str = "default"
+    model: nn.Module, cfg: LoraConfig, out_dir: str | Path, base_model_name_or_path: str, adapter_name: str = "default",
+    *, tensors: dict[str, torch.Tensor] | None = None,
 ) -> None:
-    """Write adapter_config.json + adapter_model.safetensors in the layout peft's save_pretrained produces."""
-    require_whole_experts(model, "save a PEFT adapter")
-    state = lora_state_dict(model, adapter_name)
+    """Write adapter_config.json + adapter_model.safetensors in the layout peft's save_pretrained produces.
+
+    tensors: the adapter's whole tensors under lora_state_dict's keys, given by a caller that gathered them from a
+    sharded or expert-parallel model (services/trainer/engine/parallel/sharded_checkpoint.py); model then only
+    names the layers and ranks. None: the model's own tensors, which must hold every expert."""
+    if tensors is None:
+        require_whole_experts(model, "save a PEFT adapter")
+    state = lora_state_dict(model, adapter_name) if tensors is None else tensors
     ranks = {layer.rank(adapter_name) for _, layer in _lora_layers(model) if adapter_name in layer.lora_A}
     if ranks != {cfg.rank}:
         raise ValueError(f"cfg.rank={cfg.rank} does not match the rank(s) {sorted(ranks)} of adapter {adapter_name!r}")

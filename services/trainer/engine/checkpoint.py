@@ -21,8 +21,11 @@ before it copies anything, so a checkpoint that does not fit changes nothing (Ch
 Pending gradients are restored only where the caller asks (a session restored after a trainer restart); LoadState
 and CreateSession(from_state) start without them, as documented in trainer.proto.
 
-Each file is of the engine that wrote it, with nothing about processes in it: a sharded (multi-rank) engine writes
-its shards of optimizer.pt and gradients.pt under state/ the same way, and whoever stores the checkpoint stores the
+A sharded (multi-rank) engine writes the same layout (parallel/sharded_checkpoint.py): weights/ gathered from the
+shards by rank 0 (the same files as the single-process engine's), engine_state.json with "parallel" (the layout it
+ran with), rank 0's rng.pt, and instead of optimizer.pt / gradients.pt its trainable parameters, AdamW state and
+pending gradients under state/dcp/ (torch.distributed.checkpoint: whole tensors stored as the ranks' chunks, so any
+layout or one process loads them). Either engine restores either kind; whoever stores the checkpoint stores the
 directory as it finds it.
 States written before this format (a managed job's trainer_state.json + rng_state.pt, a session's
 session_state.json) are read as well.
@@ -45,6 +48,7 @@ STATE_FILE = "engine_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
 RNG_FILE = "rng.pt"
 GRADIENTS_FILE = "gradients.pt"
+DCP_DIR = "dcp"  # a sharded engine's trainable state (parallel/sharded_checkpoint.py), instead of the .pt files
 WEIGHTS_DIR, STATE_DIR = "weights", "state"
 # Earlier layouts of the same information, still read: a managed SFT job's and a Training API session's.
 _LEGACY_SFT_FILE, _LEGACY_SFT_RNG = "trainer_state.json", "rng_state.pt"
@@ -66,6 +70,12 @@ class EngineCheckpoint:
     state_dir: Path
     progress: dict = field(default_factory=dict)  # the driver's own counters (see the module docstring)
     rng_file: str = RNG_FILE
+    parallel: dict | None = None  # the sharded engine's layout (ParallelDims' degrees and world_size); None: one
+
+    @property
+    def has_dcp(self) -> bool:
+        """Whether the training state is a distributed checkpoint (state/dcp/, a sharded engine's)."""
+        return (self.state_dir / DCP_DIR / ".metadata").is_file()
 
     @property
     def full_parameter(self) -> bool:
@@ -73,7 +83,7 @@ class EngineCheckpoint:
 
     @property
     def has_optimizer(self) -> bool:
-        return (self.state_dir / OPTIMIZER_FILE).is_file()
+        return (self.state_dir / OPTIMIZER_FILE).is_file() or self.has_dcp
 
     @property
     def has_rng(self) -> bool:
@@ -99,18 +109,20 @@ def write_weights(model: nn.Module, lora: LoraConfig | None, out: Path, *, base_
 
 
 def write_state(out: Path, *, base_model: str, lora: LoraConfig | None, seed: int, optim_steps: int,
-                optimizer: torch.optim.Optimizer, rng: dict, progress: dict,
-                gradients: list[torch.Tensor | None] | None = None) -> None:
-    """gradients: the pending gradients of the optimizer's parameters, in its order (None: there are none)."""
+                optimizer: torch.optim.Optimizer | None, rng: dict, progress: dict,
+                gradients: list[torch.Tensor | None] | None = None, parallel: dict | None = None) -> None:
+    """gradients: the pending gradients of the optimizer's parameters, in its order (None: there are none).
+    optimizer None: a sharded engine, whose optimizer and gradients are in state/dcp/; parallel: its layout."""
     out.mkdir(parents=True, exist_ok=True)
-    torch.save(optimizer.state_dict(), out / OPTIMIZER_FILE)
+    if optimizer is not None:
+        torch.save(optimizer.state_dict(), out / OPTIMIZER_FILE)
     torch.save(rng, out / RNG_FILE)
     if gradients is not None:
         torch.save(gradients, out / GRADIENTS_FILE)
     meta = {"format": FORMAT, "base_model": base_model, "seed": seed, "optim_steps": optim_steps,
             "lora": None if lora is None else {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
                                                "target_modules": list(lora.target_modules)},
-            "progress": progress}
+            "progress": progress, "parallel": parallel}
     (out / STATE_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
 
@@ -141,7 +153,7 @@ def _current(meta: dict, weights: Path, state: Path) -> EngineCheckpoint:
         raise CheckpointMismatch(f"{STATE_FILE} format is not {FORMAT!r}")
     return EngineCheckpoint(base_model=str(meta["base_model"]), lora=_lora(meta["lora"]), seed=int(meta["seed"]),
                             optim_steps=int(meta["optim_steps"]), weights_dir=weights, state_dir=state,
-                            progress=dict(meta.get("progress") or {}))
+                            progress=dict(meta.get("progress") or {}), parallel=meta.get("parallel"))
 
 
 def _legacy_session(meta: dict, weights: Path, state: Path) -> EngineCheckpoint:

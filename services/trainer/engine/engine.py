@@ -23,8 +23,10 @@ this module, not its callers. TrainingEngine.load(..., parallel=ParallelDims(...
 torch.distributed group builds the model on the meta device and shards it (parallel/parallelize.py); the engine's
 parameters are then DTensors, AdamW runs on them as they are (each rank updates its shard), the gradient norm is the
 global one (optim.total_norm), and loss_call takes each data-parallel rank's share of a call's datums and the call's
-batch_scale (forward_backward.py). Checkpoints of a sharded engine (torch.distributed.checkpoint) are not written
-yet: save and restore refuse.
+batch_scale (forward_backward.py). A sharded engine's checkpoint has the same layout (parallel/sharded_checkpoint.py):
+the weights gathered from the shards and written by rank 0, the optimizer state and pending gradients with
+torch.distributed.checkpoint under state/dcp/; save, save_weights and restore are then called on every rank, and
+either engine restores either kind of checkpoint (any layout: DCP reshards).
 """
 from __future__ import annotations
 
@@ -197,15 +199,34 @@ class TrainingEngine:
         return rng
 
     def save_weights(self, out: Path, *, base_model: str) -> None:
-        """The trained weights alone: the PEFT adapter, or the Hugging Face model directory."""
-        self._single_process("saving the weights")
+        """The trained weights alone: the PEFT adapter, or the Hugging Face model directory. Sharded: gathered
+        from the shards and written by rank 0 (every rank calls it), the same files as one process writes."""
+        if self.mesh is not None:
+            from services.trainer.engine.parallel.sharded_checkpoint import export_weights
+
+            export_weights(self, out, base_model=base_model)
+            return
         ckpt_format.write_weights(self.model, self.lora, out, base_model=base_model, adapter=self.adapter)
 
     def save(self, root: Path, *, base_model: str, progress: dict) -> None:
         """A checkpoint under root: weights/ and state/ (the optimizer, the RNG, the step count, the caller's
-        progress and any pending gradients)."""
-        self._single_process("a checkpoint")
+        progress and any pending gradients). Sharded: every rank calls it with the same arguments; rank 0 writes
+        the files, every rank its shards of state/dcp/ (parallel/sharded_checkpoint.py)."""
         self.save_weights(root / ckpt_format.WEIGHTS_DIR, base_model=base_model)
+        if self.mesh is not None:
+            import torch.distributed as dist
+
+            from services.trainer.engine.parallel.sharded_checkpoint import save_state
+
+            save_state(self, root / ckpt_format.STATE_DIR / ckpt_format.DCP_DIR)
+            if dist.get_rank() == 0:
+                layout = {**{k: getattr(self.parallel, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp",
+                                                                    "ep")}, "world_size": dist.get_world_size()}
+                ckpt_format.write_state(root / ckpt_format.STATE_DIR, base_model=base_model, lora=self.lora,
+                                        seed=self.seed, optim_steps=self.steps, optimizer=None,
+                                        rng=self.rng_state(), progress=progress, parallel=layout)
+            dist.barrier()
+            return
         grads = [p.grad for p in self.params]
         ckpt_format.write_state(root / ckpt_format.STATE_DIR, base_model=base_model, lora=self.lora, seed=self.seed,
                                 optim_steps=self.steps, optimizer=self.optimizer, rng=self.rng_state(),
@@ -216,8 +237,14 @@ class TrainingEngine:
         """Load a checkpoint's weights, optimizer state and step count, and (rng) its RNG state. Everything is
         checked before the first copy (CheckpointMismatch), so a checkpoint that does not fit changes nothing.
         Pending gradients are dropped, or with gradients replaced by the checkpoint's (none when it holds none).
-        rng is for a process that trains one engine: the generator is global."""
-        self._single_process("restoring a checkpoint")
+        rng is for a process that trains one engine: the generator is global.
+
+        Either engine restores either kind of checkpoint: a sharded engine (every rank calls it) a single-process
+        one or a distributed one of any layout, the single-process engine a distributed one (its optimizer and
+        gradients from state/dcp/). A sharded engine restores rank 0's RNG state on every rank."""
+        if self.mesh is not None or ckpt.has_dcp:
+            self._restore_sharded(ckpt, weights=weights, optimizer=optimizer, rng=rng, gradients=gradients)
+            return
         targets = tensors = optim = rng_state = grads = None
         if weights:
             if self.lora is None:
@@ -243,10 +270,40 @@ class TrainingEngine:
             if self.device.type == "cuda" and "cuda" in rng_state:
                 torch.cuda.set_rng_state(rng_state["cuda"], self.device)
 
-    def _single_process(self, what: str) -> None:
-        if self.mesh is not None:
-            raise NotImplementedError(f"{what} of a sharded engine is not written yet (it will go through "
-                                      "torch.distributed.checkpoint); this engine runs over a mesh")
+    def _restore_sharded(self, ckpt: EngineCheckpoint, *, weights: bool, optimizer: bool, rng: bool,
+                         gradients: bool) -> None:
+        """restore where the engine is sharded or the checkpoint distributed (parallel/sharded_checkpoint.py)."""
+        from services.trainer.engine.parallel import sharded_checkpoint as sharded
+
+        self._check_config(ckpt)
+        rng_state = ckpt_format.rng_state(ckpt) if rng else None
+        if ckpt.has_dcp:
+            sharded.load_state(self, ckpt.state_dir / ckpt_format.DCP_DIR, weights=weights and self.mesh is not None,
+                               optimizer=optimizer, gradients=gradients)
+            if weights and self.mesh is None:  # the export: the weights as the single-process engine reads them
+                if self.lora is None:
+                    targets, tensors = self.model.state_dict(), ckpt_format.full_tensors(ckpt, self.model)
+                else:
+                    targets = lora_state_dict(self.model, self.adapter)
+                    tensors = ckpt_format.lora_tensors(ckpt, self.model, self.adapter)
+                ckpt_format.copy_into(tensors, targets)
+        else:
+            sharded.load_single_process(self, ckpt, weights=weights, optimizer=optimizer, gradients=gradients)
+        if not gradients:
+            for p in self.params:
+                p.grad = None
+        if optimizer:
+            self.steps = ckpt.optim_steps
+        if rng_state is not None:
+            torch.set_rng_state(rng_state["cpu"])
+            if self.device.type == "cuda" and "cuda" in rng_state:
+                torch.cuda.set_rng_state(rng_state["cuda"], self.device)
+
+    def _check_config(self, ckpt: EngineCheckpoint) -> None:
+        if (ckpt.lora is None) != (self.lora is None):
+            raise ckpt_format.CheckpointMismatch(
+                f"the checkpoint is {'full-parameter' if ckpt.lora is None else 'LoRA'}, this engine "
+                f"{'full-parameter' if self.lora is None else 'LoRA'}")
 
     def release(self) -> None:
         """Drop the gradients and the optimizer state (the parameters stay with the model, which the caller frees)."""
@@ -254,3 +311,4 @@ class TrainingEngine:
             p.grad = None
         self.params = []
         self.optimizer.state.clear()
+

@@ -47,7 +47,7 @@ from kernels.quant4 import Packed4Weight
 from models.lora_layers import row_adapters
 from models.moe import Experts
 
-__all__ = ["ExpertDispatcher", "ExpertShard", "apply_expert_parallel", "expert_shards"]
+__all__ = ["ExpertDispatcher", "ExpertShard", "apply_expert_parallel", "expert_layout", "expert_shards"]
 
 
 @dataclass(frozen=True)
@@ -165,6 +165,14 @@ def expert_shards(model: nn.Module) -> dict[str, ExpertShard]:
     Parameters: match them by identity with model.named_parameters.)"""
     return {f"{path}.{name}": shard for path, experts in _experts_blocks(model)
             if experts.num_experts < experts.total_experts
+            for name, shard in _tensor_shards(experts).items()}
+
+
+def expert_layout(model: nn.Module) -> dict[str, ExpertShard]:
+    """Like expert_shards, for every routed-expert block whether split or not (an unsplit block holds the whole:
+    start 0, length E): the whole tensor's shape and expert dimension, the same for every ep. The distributed
+    checkpoint stores each expert tensor whole in this layout (parallel/sharded_checkpoint.py)."""
+    return {f"{path}.{name}": shard for path, experts in _experts_blocks(model)
             for name, shard in _tensor_shards(experts).items()}
 
 
