@@ -14,6 +14,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
+import grpc
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 
@@ -130,7 +131,11 @@ def cancel_jobs(stubs, acct) -> None:
     for job in jobs.ListJobs(spb.ListJobsRequest(page=common_pb2.PageRequest(page_size=500)),
                              metadata=acct.md).jobs:
         if job.status in (spb.JOB_STATUS_QUEUED, spb.JOB_STATUS_RUNNING):
-            jobs.CancelJob(spb.CancelJobRequest(id=job.id), metadata=acct.md)
+            try:
+                jobs.CancelJob(spb.CancelJobRequest(id=job.id), metadata=acct.md)
+            except grpc.RpcError as exc:  # it finished between the listing and the cancel
+                if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
 
 
 RESULTS: dict[str, list[str]] = {}

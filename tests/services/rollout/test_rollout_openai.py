@@ -94,11 +94,16 @@ def _start(data_dir, tiny_model_dir, adapter_dirs, **overrides):
     return settings, db, keys, server
 
 
+def _openai_servers(server) -> list:
+    """The server's background tasks that serve the OpenAI HTTP endpoint (OpenAIServer.serve)."""
+    return [fn for fn in server.spec.background if type(getattr(fn, "__self__", None)).__name__ == "OpenAIServer"]
+
+
 @pytest.fixture(scope="module")
 def env(tmp_path_factory, tiny_model_dir, adapter_dirs):
     settings, db, keys, server = _start(tmp_path_factory.mktemp("rollout_openai"), tiny_model_dir, adapter_dirs)
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
-    (serve,) = server.spec.background
+    (serve,) = _openai_servers(server)
     with httpx.Client(base_url=f"http://127.0.0.1:{settings.openai_port}", timeout=60) as http:
         yield Env(http, rpc.RolloutServiceStub(channel), keys, serve.__self__.app.core)
     channel.close()
@@ -428,7 +433,7 @@ def test_a_client_that_goes_away_aborts_its_requests(env):
 def test_endpoint_is_off_by_default_and_a_taken_port_fails_the_start(tmp_path):
     settings = RolloutSettings(data_dir=tmp_path, host="127.0.0.1", rollout_port=0)
     server = build(settings)
-    assert settings.openai_port == 0 and server.spec.background == []
+    assert settings.openai_port == 0 and _openai_servers(server) == []
     server.stop()
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
