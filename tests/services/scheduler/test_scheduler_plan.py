@@ -25,9 +25,8 @@ from trainyard.v1 import scheduler_pb2 as pb
 SAMPLE = Path(__file__).resolve().parents[3] / "examples" / "data" / "sft_demo.jsonl"
 
 
-@pytest.fixture(scope="module")
-def env(tmp_path_factory, tiny_model_dir):
-    tmp = tmp_path_factory.mktemp("plan")
+def _stores(tmp: Path, tiny_model_dir: Path):
+    """(database, account "acme", blob store, dataset store) on SQLite under tmp, the tiny model registered."""
     url = f"sqlite:///{tmp / 'db.sqlite'}"
     migrate(url)
     db = Database(url)
@@ -35,7 +34,12 @@ def env(tmp_path_factory, tiny_model_dir):
     with db.session() as s:
         registry.register_model(s, SHARED_SCOPE, "tiny", str(tiny_model_dir))
     blobs = BlobStore(tmp / "blobs")
-    store = DatasetStore(db, blobs, 1 << 20)
+    return db, account, blobs, DatasetStore(db, blobs, 1 << 20)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, tiny_model_dir):
+    db, account, blobs, store = _stores(tmp_path_factory.mktemp("plan"), tiny_model_dir)
     chat, _ = store.upload(account.id, UploadHeader("faq", None, ""), iter([SAMPLE.read_bytes()]))
     dpo, _ = store.upload(account.id, UploadHeader("dpo", None, ""),
                           iter([b'{"prompt": "a", "chosen": "b", "rejected": "c"}\n']))
@@ -111,14 +115,7 @@ def test_the_servicer_reads_the_method_from_the_table():
 def test_a_damaged_dataset_is_neither_planned_nor_previewed(tmp_path, tiny_model_dir):
     """The planner child and PreviewDataset read the dataset's blob verified (in the one pass that reads it): flipped
     bytes are DataLoss naming the dataset, never a plan or rows from damaged bytes."""
-    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
-    migrate(url)
-    db = Database(url)
-    account, _, _ = auth.create_account(db, "acme")
-    with db.session() as s:
-        registry.register_model(s, SHARED_SCOPE, "tiny", str(tiny_model_dir))
-    blobs = BlobStore(tmp_path / "blobs")
-    store = DatasetStore(db, blobs, 1 << 20)
+    db, account, blobs, store = _stores(tmp_path, tiny_model_dir)
     ds, _ = store.upload(account.id, UploadHeader("faq", None, ""), iter([SAMPLE.read_bytes()]))
     planner = Planner(blobs)
     core = JobCore(db, Ledger(db), lambda job_id: None, 0.05, threading.Event(), planner)
