@@ -155,10 +155,12 @@ def load_hf_weights(model: nn.Module, model_dir: str | Path, family) -> None:
                 locations[match.group(1) if match else ""].append((file, key))
     loaded: set[str] = set()
     for group in sorted(locations, key=lambda g: -1 if g == "" else int(g)):
-        hf_state = {}
+        hf_state, by_file = {}, defaultdict(list)
         for file, key in locations[group]:
+            by_file[file].append(key)
+        for file, keys in by_file.items():  # each file opened once per layer, not once per tensor
             with safe_open(file, framework="pt", device="cpu") as f:
-                hf_state[key] = f.get_tensor(key)
+                hf_state.update((key, f.get_tensor(key)) for key in keys)
         for key, full in adapter.from_hf(hf_state, args).items():
             if key not in expected:
                 raise ValueError(f"Checkpoint in {str(model_dir)!r} does not match {args.architecture}: unexpected "
