@@ -66,9 +66,11 @@ class RankFailed(AssertionError):
     pass
 
 
-def run_ranks(fn, world_size: int, *args, timeout_s: float = 600, env: dict | None = None, **kwargs) -> list:
+def run_ranks(fn, world_size: int, *args, timeout_s: float = 600, env: dict | None = None,
+              kill_on_failure: bool = True, **kwargs) -> list:
     """fn(*args, **kwargs) on world_size ranks of a gloo group; each rank's return value, rank order. Inside fn,
-    torch.distributed.get_rank() tells the rank."""
+    torch.distributed.get_rank() tells the rank. kill_on_failure=False lets the other ranks run on after one fails
+    (a test of how they notice it) until they exit or timeout_s passes."""
     import torch
 
     ctx = _context()
@@ -82,7 +84,7 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 600, env: dict | No
         try:
             while any(p.is_alive() for p in procs):
                 failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if failed:
+                if failed and kill_on_failure:
                     break
                 if time.monotonic() > deadline:
                     raise RankFailed(f"{fn.__name__} on {world_size} ranks did not finish within {timeout_s} s")
