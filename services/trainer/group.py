@@ -170,8 +170,13 @@ class EngineGroup:
         self.controller, self.host, self.on_broken = controller, host, on_broken
         self.parallel = host.parallel
         self.broken = threading.Event()
+        self._lock = threading.Lock()  # one command at a time, its refusal read before the next runs
 
     def run(self, name: str, *args, per_rank=None, **kwargs) -> list:
+        with self._lock:
+            return self._run(name, *args, per_rank=per_rank, **kwargs)
+
+    def _run(self, name: str, *args, per_rank=None, **kwargs) -> list:
         if self.broken.is_set():
             raise Unavailable("the trainer's process group is broken; the trainer restarts")
         try:

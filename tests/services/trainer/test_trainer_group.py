@@ -56,6 +56,13 @@ def test_the_parallel_setting_is_checked_naming_its_knob():
     assert exc.value.violations[0].field == "trainer_parallel.shard"
     assert TrainerSettings(trainer_parallel={"dp_replicate": 2}).parallel_dims(4).dp_shard == 2
     assert TrainerSettings().parallel_dims(1).world_size == 1
+    # `python -m services.trainer` launches the group itself when asked for more than one process
+    assert trainer_group.launch_argv(TrainerSettings()) is None
+    argv = trainer_group.launch_argv(TrainerSettings(trainer_nproc=2))
+    assert argv[-2:] == ["-m", "services.trainer"] and "--standalone" in argv and "2" in argv
+    with pytest.raises(InvalidArgument) as exc:
+        trainer_group.launch_argv(TrainerSettings(trainer_nnodes=2))
+    assert exc.value.violations[0].field == "trainer_rdzv_endpoint"
 
 
 class Platform:
@@ -74,7 +81,7 @@ class Platform:
         common = dict(data_dir=root, database_url=pg_url, host="127.0.0.1", grpc_workers=16, shutdown_grace_s=5)
         self.weightsync = build_weightsync(WeightSyncSettings(weightsync_port=0, **common))
         self.weightsync.start()
-        trainer = dict(micro_batch_tokens=48, weightsync_url=f"127.0.0.1:{self.weightsync.port}",
+        trainer = dict(micro_batch_tokens=32, weightsync_url=f"127.0.0.1:{self.weightsync.port}",
                        session_state_every_steps=1)
         self.reference = build_trainer(TrainerSettings(trainer_port=0, **common, **trainer))
         self.reference.start()
@@ -83,7 +90,7 @@ class Platform:
                     "PYTHONPATH": str(ROOT), "TRAINYARD_DATA_DIR": str(root), "TRAINYARD_DATABASE_URL": pg_url,
                     "TRAINYARD_HOST": "127.0.0.1", "TRAINYARD_TRAINER_PORT": str(self.group_port),
                     "TRAINYARD_WEIGHTSYNC_URL": trainer["weightsync_url"], "TRAINYARD_TORCH_THREADS": "1",
-                    "TRAINYARD_MICRO_BATCH_TOKENS": "48", "TRAINYARD_SESSION_STATE_EVERY_STEPS": "1",
+                    "TRAINYARD_MICRO_BATCH_TOKENS": "32", "TRAINYARD_SESSION_STATE_EVERY_STEPS": "1",
                     "TRAINYARD_SHUTDOWN_GRACE_S": "5", "OMP_NUM_THREADS": "1",
                     **trainer_group.TORCHRUN_ENV}
         rdzv, rdzv_id = f"127.0.0.1:{free_port()}", new_id("rdzv")
@@ -171,7 +178,9 @@ def _datum(gen: torch.Generator, n: int, rl: bool) -> types.Datum:
 
 def _batch(seed: int, rl: bool = False) -> list[types.Datum]:
     gen = torch.Generator().manual_seed(seed)
-    return [_datum(gen, n, rl) for n in (9, 23, 14, 31, 6)]  # 5 datums: uneven shares over 2 ranks
+    # 5 datums, uneven shares over 2 ranks; 32-token micro-batches [9 23] [14] | [31] [6]: rank 0 sums its two
+    # micro-batches' gradients before FSDP adds rank 1's, where one process adds all four in turn
+    return [_datum(gen, n, rl) for n in (9, 23, 14, 31, 6)]
 
 
 def _custom_loss(data, logprobs):
