@@ -59,9 +59,8 @@ import torch
 import torch.distributed as dist
 
 from services.common.errors import InvalidArgument, Unavailable
-from services.trainer.engine import AdamW, TrainingEngine
+from services.trainer.engine import AdamW, TrainingEngine, losses
 from services.trainer.engine.checkpoint import CheckpointMismatch, EngineCheckpoint
-from services.trainer.engine import losses
 from services.trainer.engine.forward_backward import Datum, LossRequest, run_call, split_for_ranks
 from services.trainer.engine.optim import NonFiniteGradient
 from services.trainer.engine.parallel.controller import Controller, serve

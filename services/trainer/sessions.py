@@ -7,7 +7,9 @@ active only while it computes (per micro-batch for Forward/ForwardBackward), so 
 optimizer settings interleave call by call, and a session's numbers do not depend on the others: interleaved
 sessions end with bitwise the weights and logprobs each gets alone (float32, CPU, fixed thread count; tested).
 Closing a session removes its adapter and frees its optimizer and gradients; the base is dropped with its last
-session. Sessions of another account are NOT_FOUND.
+session. Sessions of another account are NOT_FOUND. On a torchrun group (services/trainer/group.py) every session
+instead owns a model sharded over the group, and its engine is a GroupEngine: rank 0 runs this module unchanged and
+every engine call becomes a command all ranks run.
 
 Ordering: every call carries seq_id (0 = the next one); a session runs seq_id n only after n-1 finished (later ones
 wait up to order_timeout_s, so clients may pipeline). A ForwardBackwardStream's turn starts when its header arrives
