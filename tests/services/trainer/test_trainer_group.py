@@ -34,7 +34,7 @@ from services.common.schema import Checkpoint, new_id
 from services.trainer import group as trainer_group
 from services.trainer.app import TrainerSettings, build as build_trainer
 from services.weightsync.app import WeightSyncSettings, build as build_weightsync
-from trainyard import ServiceClient, types
+from trainyard import ServiceClient, TrainyardError, types
 from trainyard.localstack import free_port
 from trainyard.v1 import trainer_pb2 as tpb, trainer_pb2_grpc
 
@@ -252,6 +252,35 @@ def test_sessions_on_the_group_match_the_one_process_trainer(platform):
         assert clients["lora_a"][0].forward(_batch(5), "cross_entropy").result().metrics
         clients["lora_b"][0].close()  # its engine is released on every rank; the others go on
         assert clients["full"][0].forward(_batch(5), "cross_entropy").result().metrics
+
+
+def test_refusals_on_the_group_leave_the_session_going_on(platform):
+    """A stream whose last datum is bad ran nothing (rank 0 checks each datum before the one command); a step whose
+    gradient norm overflowed is refused by every rank's engine alike and applies nothing. Both sessions then go on
+    as the one-process trainer's do."""
+    overflowing = [types.Datum(d.model_input, {**d.loss_fn_inputs,
+                                               "weights": [3e38] * len(d.loss_fn_inputs["target_tokens"])})
+                   for d in _batch(21)]
+    bad_last = [*_batch(22), types.Datum(types.ModelInput.from_ints([5, 6]), {"target_tokens": [7, 5000]})]
+    outs, trainable = [], []
+    with platform.client(platform.group_port) as group, platform.client(platform.reference.port) as ref:
+        for svc in (group, ref):
+            tc = svc.create_lora_training_client(platform.model, rank=4, seed=5)
+            tc.forward_backward(_batch(20), "cross_entropy").result()
+            with pytest.raises(TrainyardError) as exc:
+                tc.forward_backward_stream(iter(bad_last), "cross_entropy").result()
+            assert exc.value.code == "INVALID_ARGUMENT" and "data[5]" in exc.value.message, exc.value.message
+            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+            tc.forward_backward(overflowing, "cross_entropy").result()
+            with pytest.raises(TrainyardError) as exc:
+                tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+            assert exc.value.code == "INVALID_ARGUMENT" and "gradient norm" in exc.value.message, exc.value.message
+            tc.forward_backward(_batch(23), "cross_entropy").result()
+            assert tc.optim_step(types.AdamParams(learning_rate=1e-2)).result().step == 2
+            outs.append(tc.forward(_batch(24), "cross_entropy").result())
+            trainable.append(tc.get_info().num_trainable_parameters)
+    assert trainable[0] == trainable[1] > 0
+    torch.testing.assert_close(_logprobs(outs[0]), _logprobs(outs[1]), rtol=RTOL, atol=ATOL_LOGPROBS)
 
 
 def test_a_killed_rank_fails_the_next_call_quickly_and_the_group_comes_back(platform):
