@@ -120,8 +120,9 @@ class EngineHost:
             return REFUSED
 
     def create(self, session_id: str, model_dir: str, lora, seed: int, saved: EngineCheckpoint | None,
-               weights: bool, optimizer: bool, gradients: bool) -> int:
-        """Load the session's sharded engine (and restore a saved state into it); this rank's dp rank."""
+               weights: bool, optimizer: bool, gradients: bool) -> tuple[int, int]:
+        """Load the session's sharded engine (and restore a saved state into it); (this rank's dp rank, the
+        session's trainable parameter count)."""
         engine = TrainingEngine.load(model_dir, lora=lora, seed=seed, optimizer=self.optimizer, device=self.device,
                                      parallel=self.parallel)
         if saved is not None:
@@ -131,7 +132,18 @@ class EngineHost:
                 engine.release()
                 return REFUSED
         self.engines[session_id] = engine
-        return engine.dp_rank
+        return engine.dp_rank, self._num_trainable(engine)
+
+    def _num_trainable(self, engine: TrainingEngine) -> int:
+        """The whole model's trainable parameter count (what one process counts): every rank's local shards
+        summed, once per replica (dense weights are sharded over dp_shard x cp, experts over ep x efsdp, the same
+        ranks; only dp_replicate holds copies)."""
+        from torch.distributed.tensor import DTensor
+
+        local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in engine.params)
+        total = torch.tensor([local], dtype=torch.int64, device=self.device)
+        dist.all_reduce(total)
+        return int(total.item()) // self.parallel.dp_replicate
 
     def release(self, session_id: str) -> None:
         engine = self.engines.pop(session_id, None)
@@ -207,8 +219,8 @@ class EngineGroup:
     def create(self, session_id: str, model_dir: str, *, lora, seed: int, saved: EngineCheckpoint | None = None,
                weights: bool = True, optimizer: bool = True, gradients: bool = False) -> GroupEngine:
         """The session's engine on every rank (its state restored from saved when given); its GroupEngine."""
-        dp_ranks = self.run("create", session_id, str(model_dir), lora, seed, saved, weights, optimizer, gradients)
-        return GroupEngine(self, session_id, dp_ranks)
+        created = self.run("create", session_id, str(model_dir), lora, seed, saved, weights, optimizer, gradients)
+        return GroupEngine(self, session_id, [dp_rank for dp_rank, _ in created], created[0][1])
 
     def stop(self) -> None:
         """End the workers' loops (a graceful stop: the group is whole)."""
@@ -220,8 +232,9 @@ class GroupEngine:
     """A session's engine on the group, seen from rank 0 (the module docstring): TrainingEngine's interface as
     SessionManager uses it; what it reads is rank 0's own engine, what it does runs on every rank."""
 
-    def __init__(self, group: EngineGroup, session_id: str, dp_ranks: list[int]):
+    def __init__(self, group: EngineGroup, session_id: str, dp_ranks: list[int], num_trainable: int):
         self.group, self.session_id, self.dp_ranks = group, session_id, dp_ranks
+        self.num_trainable = num_trainable
         self.local = group.host.engines[session_id]
         self.dp_size = max(dp_ranks) + 1
 
@@ -233,10 +246,6 @@ class GroupEngine:
     seed = property(lambda self: self.local.seed)
     steps = property(lambda self: self.local.steps)
     device = property(lambda self: self.local.device)
-
-    @property
-    def num_trainable(self) -> int:
-        return self.local.num_trainable  # DTensors count their global shape
 
     def loss_call(self, req: LossRequest, *, backward: bool, deterministic: bool, lock,
                   batch_scale: float | None = None) -> GroupCall:

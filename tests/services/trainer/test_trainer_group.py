@@ -31,12 +31,17 @@ from services.common.blobstore import BlobStore, StoredFile
 from services.common.db import Database, migrate
 from services.common.errors import InvalidArgument
 from services.common.schema import Checkpoint, new_id
+from models.lora import LoraConfig
 from services.trainer import group as trainer_group
 from services.trainer.app import TrainerSettings, build as build_trainer
+from services.trainer.engine import TrainingEngine
+from services.trainer.engine.parallel.dims import from_mapping
 from services.weightsync.app import WeightSyncSettings, build as build_weightsync
 from trainyard import ServiceClient, TrainyardError, types
 from trainyard.localstack import free_port
 from trainyard.v1 import trainer_pb2 as tpb, trainer_pb2_grpc
+
+from tests.services.trainer.parallel.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[3]
 RTOL, ATOL_LOGPROBS, ATOL_WEIGHTS = 1e-5, 1e-5, 1e-6
@@ -63,6 +68,24 @@ def test_the_parallel_setting_is_checked_naming_its_knob():
     with pytest.raises(InvalidArgument) as exc:
         trainer_group.launch_argv(TrainerSettings(trainer_nnodes=2))
     assert exc.value.violations[0].field == "trainer_rdzv_endpoint"
+
+
+def _host_counts(model_dir: str, parallel: dict, lora) -> int:
+    from services.trainer.sessions import SESSION_ADAMW
+
+    host = trainer_group.EngineHost(from_mapping(parallel, world_size=2), SESSION_ADAMW, torch.device("cpu"))
+    return host.create("s", model_dir, lora, 0, None, True, True, False)[1]
+
+
+@pytest.mark.parametrize("lora", [LoraConfig(rank=4, alpha=8.0, target_modules=("o_proj", "down_proj", "experts")),
+                                  None], ids=["lora", "full"])
+def test_a_session_on_the_group_counts_the_whole_models_trainable_parameters(family_dirs, lora):
+    """What GetSession reports, the same as one process counts, with the experts split over ep (MoE, ep 2)."""
+    from services.trainer.sessions import SESSION_ADAMW
+
+    model_dir = str(family_dirs["qwen3_moe"])
+    one = TrainingEngine.load(model_dir, lora=lora, seed=0, optimizer=SESSION_ADAMW, device="cpu").num_trainable
+    assert run_ranks(_host_counts, 2, model_dir, {"dp_shard": 2, "ep": 2}, lora) == [one, one]
 
 
 class Platform:
