@@ -12,13 +12,13 @@ from pathlib import Path
 import grpc
 from pydantic import Field
 
-from services.common import channels, logs
+from services.common import channels
 from services.common.channels import auth_metadata
 from services.common.blobstore import BlobStore
 from services.common.config import TrainyardSettings
 from services.common.db import Database
 from services.common.errors import InvalidArgument, Unavailable
-from services.common.grpcserver import Server, ServiceSpec, service_server
+from services.common.grpcserver import Server, ServiceSpec, run_service, service_server
 from services.trainer import group as trainer_group
 from services.trainer.engine.parallel.dims import ParallelDims, from_mapping
 from services.trainer.servicer import TrainerServicer
@@ -135,23 +135,22 @@ def build(settings: TrainerSettings, group: trainer_group.EngineGroup | None = N
     return service_server(spec, settings, settings.trainer_port, db)
 
 
-def main() -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    settings = TrainerSettings()
-    logs.configure_logging(settings.log_level, settings.log_format)
+def build_process(settings: TrainerSettings) -> Server:
+    """This process's part of the trainer: the whole trainer on one process; under torchrun rank 0's server over the
+    group (a worker rank serves rank 0's commands here and exits when the group stops); with trainer_nproc /
+    trainer_nnodes asking for a group, this process becomes its torchrun agent."""
     argv = trainer_group.launch_argv(settings)
-    if argv is not None:  # this process becomes the torchrun agent of the group
+    if argv is not None:
         os.execve(argv[0], argv, {**os.environ, **trainer_group.TORCHRUN_ENV})
     if not trainer_group.in_group():
         settings.parallel_dims(1)  # a layout for more ranks than one process is refused by name
-        build(settings).serve_forever()
-        return
-    sys.exit(_run_rank(settings))
+        return build(settings)
+    return _build_rank(settings)
 
 
-def _run_rank(settings: TrainerSettings) -> int:
-    """One rank of the group (services/trainer/group.py): rank 0 serves until SIGTERM, or until the group breaks
-    (exit 1: torchrun restarts the group); the others serve rank 0's commands."""
+def _build_rank(settings: TrainerSettings) -> Server:
+    """One rank of the group (services/trainer/group.py). Rank 0's server stops as at SIGTERM when the group breaks
+    (waiting calls get UNAVAILABLE, unrun) and the process then exits 1, for torchrun to restart the group."""
     import signal
 
     import torch.distributed as dist
@@ -164,16 +163,25 @@ def _run_rank(settings: TrainerSettings) -> int:
     host = trainer_group.EngineHost(dims, SESSION_ADAMW, device)
     if dist.get_rank() != 0:
         trainer_group.run_worker(settings, host)
-        return 0
+        sys.exit(0)
     logging.getLogger("trainyard.trainer.group").info("trainer group of %d ranks (%s)", dims.world_size,
                                                       dims.describe())
-    # A broken group stops the server as SIGTERM does (waiting calls get UNAVAILABLE, unrun), then exits 1.
     group = trainer_group.EngineGroup(Controller(host), host, on_broken=lambda: os.kill(os.getpid(), signal.SIGTERM))
-    build(settings, group).serve_forever()
-    if group.broken.is_set():
-        os._exit(1)  # the workers' sockets close with this process; nothing else of it is worth waiting for
-    dist.destroy_process_group()
-    return 0
+    server = build(settings, group)
+    shutdown = server.spec.on_shutdown
+
+    def shutdown_then_exit() -> None:
+        shutdown()
+        if group.broken.is_set():
+            os._exit(1)  # the workers' sockets close with this process; nothing else of it is worth waiting for
+        dist.destroy_process_group()
+
+    server.spec.on_shutdown = shutdown_then_exit
+    return server
+
+
+def main() -> None:
+    run_service(TrainerSettings, build_process)
 
 
 if __name__ == "__main__":
