@@ -306,6 +306,33 @@ def test_refusals_on_the_group_leave_the_session_going_on(platform):
     torch.testing.assert_close(_logprobs(outs[0]), _logprobs(outs[1]), rtol=RTOL, atol=ATOL_LOGPROBS)
 
 
+def test_states_saved_on_the_group_and_on_one_process_load_on_either(platform):
+    """SaveState on the group writes the sharded checkpoint (state/dcp/), on one process the single-process one;
+    a session created from either (with its optimizer) on the other trainer, and LoadState on the group, go on
+    as the session that saved it does."""
+    def train(tc, seed):
+        tc.forward_backward(_batch(seed), "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+
+    with platform.client(platform.group_port) as group, platform.client(platform.reference.port) as ref:
+        for make in (lambda svc: svc.create_lora_training_client(platform.model, rank=4, seed=8),
+                     lambda svc: svc.create_training_client(platform.model, seed=8)):
+            g, r = make(group), make(ref)
+            for tc in (g, r):
+                train(tc, 30)
+            saved_g, saved_r = g.save_state().result().path, r.save_state().result().path
+            from_r = group.create_training_client_from_state_with_optimizer(saved_r)
+            from_g = ref.create_training_client_from_state_with_optimizer(saved_g)
+            train(g, 99)  # then back to the saved state
+            g.load_state_with_optimizer(saved_g).result()
+            outs = []
+            for tc in (g, r, from_r, from_g):
+                train(tc, 31)
+                outs.append(_logprobs(tc.forward(_batch(32), "cross_entropy").result()))
+            for other in outs[1:]:
+                torch.testing.assert_close(other, outs[0], rtol=RTOL, atol=ATOL_LOGPROBS)
+
+
 def test_a_killed_rank_fails_the_next_call_quickly_and_the_group_comes_back(platform):
     with platform.client(platform.group_port) as group, platform.client(platform.reference.port) as ref:
         g, r = (svc.create_lora_training_client(platform.model, rank=4, seed=7) for svc in (group, ref))
