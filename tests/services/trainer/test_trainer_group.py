@@ -70,22 +70,26 @@ def test_the_parallel_setting_is_checked_naming_its_knob():
     assert exc.value.violations[0].field == "trainer_rdzv_endpoint"
 
 
-def _host_counts(model_dir: str, parallel: dict, lora) -> int:
+MOE_LORA = LoraConfig(rank=4, alpha=8.0, target_modules=("o_proj", "down_proj", "experts"))
+
+
+def _host_counts(model_dir: str, parallel: dict) -> list[int]:
     from services.trainer.sessions import SESSION_ADAMW
 
     host = trainer_group.EngineHost(from_mapping(parallel, world_size=2), SESSION_ADAMW, torch.device("cpu"))
-    return host.create("s", model_dir, lora, 0, None, True, True, False)[1]
+    return [host.create(f"s{i}", model_dir, lora, 0, None, True, True, False)[1]
+            for i, lora in enumerate((MOE_LORA, None))]
 
 
-@pytest.mark.parametrize("lora", [LoraConfig(rank=4, alpha=8.0, target_modules=("o_proj", "down_proj", "experts")),
-                                  None], ids=["lora", "full"])
-def test_a_session_on_the_group_counts_the_whole_models_trainable_parameters(family_dirs, lora):
-    """What GetSession reports, the same as one process counts, with the experts split over ep (MoE, ep 2)."""
+def test_a_session_on_the_group_counts_the_whole_models_trainable_parameters(family_dirs):
+    """What GetSession reports, the same as one process counts, with the experts split over ep (MoE, ep 2): a
+    LoRA session and a full-parameter one."""
     from services.trainer.sessions import SESSION_ADAMW
 
     model_dir = str(family_dirs["qwen3_moe"])
-    one = TrainingEngine.load(model_dir, lora=lora, seed=0, optimizer=SESSION_ADAMW, device="cpu").num_trainable
-    assert run_ranks(_host_counts, 2, model_dir, {"dp_shard": 2, "ep": 2}, lora) == [one, one]
+    one = [TrainingEngine.load(model_dir, lora=lora, seed=0, optimizer=SESSION_ADAMW, device="cpu").num_trainable
+           for lora in (MOE_LORA, None)]
+    assert run_ranks(_host_counts, 2, model_dir, {"dp_shard": 2, "ep": 2}) == [one, one]
 
 
 class Platform:
