@@ -1,10 +1,11 @@
 """The trainer service on a torchrun group: rank 0 serves the Training API, every rank holds its shards of the
 sessions' engines (docs/distributed.md, "The trainer service on a torchrun group").
 
-    python -m torch.distributed.run --nnodes N --nproc-per-node P --rdzv-backend c10d --rdzv-endpoint HOST:PORT \
-        --rdzv-id trainer --max-restarts R -m services.trainer
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 python -m torch.distributed.run --nnodes N --nproc-per-node P
+        --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id trainer --max-restarts R -m services.trainer
 
-(or `python -m services.trainer` with trainer_nproc / trainer_nnodes set: `launch_argv` builds that command).
+(or `python -m services.trainer` with trainer_nproc / trainer_nnodes set: `launch_argv` builds that command;
+TORCHRUN_ENV says why the variable).
 
 Roles. Every rank initializes the default process group from torchrun's environment (gloo on CPU, NCCL on CUDA),
 then:
