@@ -1,7 +1,12 @@
 """The trainer process: settings, the weight-sync publisher and the server around the Training API sessions
-(python -m services.trainer); the gRPC adapter is servicer.py."""
+(python -m services.trainer); the gRPC adapter is servicer.py. Under torchrun (more than one process) the trainer is
+a group: rank 0 runs this server over the group's engines, the other ranks serve rank 0's commands
+(services/trainer/group.py); trainer_nproc / trainer_nnodes make `python -m services.trainer` launch that group."""
 from __future__ import annotations
 
+import logging
+import os
+import sys
 from pathlib import Path
 
 import grpc
@@ -12,8 +17,10 @@ from services.common.channels import auth_metadata
 from services.common.blobstore import BlobStore
 from services.common.config import TrainyardSettings
 from services.common.db import Database
-from services.common.errors import Unavailable
+from services.common.errors import InvalidArgument, Unavailable
 from services.common.grpcserver import Server, ServiceSpec, run_service, service_server
+from services.trainer import group as trainer_group
+from services.trainer.engine.parallel.dims import ParallelDims, from_mapping
 from services.trainer.servicer import TrainerServicer
 from services.trainer.sessions import SessionManager
 from services.weightsync.client import publish_dir
@@ -37,6 +44,32 @@ class TrainerSettings(TrainyardSettings):
     # Quota: open Training API sessions per account on this trainer (each holds an adapter and its AdamW state, or
     # for a full-parameter session a copy of the model); CreateSession beyond it is RESOURCE_EXHAUSTED.
     max_sessions_per_account: int = Field(default=64, ge=1)
+    # The trainer as a torchrun group (services/trainer/group.py; docs/distributed.md): processes per node and nodes
+    # (`python -m services.trainer` then launches torchrun itself; under torchrun, WORLD_SIZE is the world size),
+    # the c10d rendezvous every node reaches (host:port, with trainer_nnodes > 1) and its id, how often torchrun
+    # restarts a group whose rank failed, and how long a collective waits for a silent rank.
+    trainer_nproc: int = Field(default=1, ge=1)
+    trainer_nnodes: int = Field(default=1, ge=1)
+    trainer_rdzv_endpoint: str = ""
+    trainer_rdzv_id: str = "trainyard-trainer"
+    trainer_max_restarts: int = Field(default=3, ge=0)
+    trainer_group_timeout_s: float = Field(default=300.0, gt=0)
+    # The sessions' parallel layout over the group (engine/parallel/dims.py): dp_replicate, dp_shard (-1: what the
+    # others leave), cp, ep; e.g. TRAINYARD_TRAINER_PARALLEL='{"dp_shard": 2}'. Empty: FSDP over every rank.
+    trainer_parallel: dict[str, int] = Field(default_factory=dict)
+
+    def parallel_dims(self, world_size: int) -> ParallelDims:
+        """trainer_parallel for world_size ranks, checked; errors name the setting's knob."""
+        prefix = "trainer_parallel."
+        for knob in ("tp", "pp"):
+            if self.trainer_parallel.get(knob, 1) != 1:
+                raise InvalidArgument("the trainer service does not run sessions with it yet (only dp_replicate, "
+                                      "dp_shard, cp, ep)", field=prefix + knob)
+        dims = from_mapping(dict(self.trainer_parallel), world_size=world_size, field_prefix=prefix)
+        if dims.cp > 1 and self.deterministic:
+            raise InvalidArgument("deterministic (batch-invariant) mode is not available with context parallelism",
+                                  field=prefix + "cp")
+        return dims
 
 
 WEIGHT_KINDS = {"lora_adapter": weightsync_pb2.WEIGHT_KIND_LORA_ADAPTER, "full": weightsync_pb2.WEIGHT_KIND_FULL}
@@ -62,7 +95,9 @@ def make_publisher(weightsync: weightsync_pb2_grpc.WeightSyncServiceStub):
     return publish
 
 
-def build(settings: TrainerSettings) -> Server:
+def build(settings: TrainerSettings, group: trainer_group.EngineGroup | None = None) -> Server:
+    """The trainer's server; group: the torchrun group whose engines the sessions use (rank 0), None on one
+    process."""
     settings.ensure_dirs()
     settings.apply_torch_threads()
     db = Database(settings.database_url)
@@ -76,14 +111,17 @@ def build(settings: TrainerSettings) -> Server:
                               settings.deterministic, settings.micro_batch_tokens,
                               state_every_steps=settings.session_state_every_steps,
                               state_with_weights=settings.session_state_with_weights,
-                              max_sessions_per_account=settings.max_sessions_per_account)
+                              max_sessions_per_account=settings.max_sessions_per_account, group=group)
 
     def refuse_waiting_calls(stopping) -> None:
         stopping.wait()
         sessions.begin_shutdown()
 
     def shutdown() -> None:  # the calls in flight have finished (or had their grace period)
-        sessions.record_all()
+        if group is None or not group.broken.is_set():  # a broken group cannot save: the last records stand
+            sessions.record_all()
+        if group is not None:
+            group.stop()
         channel.close()
         db.dispose()
 
@@ -97,8 +135,53 @@ def build(settings: TrainerSettings) -> Server:
     return service_server(spec, settings, settings.trainer_port, db)
 
 
+def build_process(settings: TrainerSettings) -> Server:
+    """This process's part of the trainer: the whole trainer on one process; under torchrun rank 0's server over the
+    group (a worker rank serves rank 0's commands here and exits when the group stops); with trainer_nproc /
+    trainer_nnodes asking for a group, this process becomes its torchrun agent."""
+    argv = trainer_group.launch_argv(settings)
+    if argv is not None:
+        os.execve(argv[0], argv, {**os.environ, **trainer_group.TORCHRUN_ENV})
+    if not trainer_group.in_group():
+        settings.parallel_dims(1)  # a layout for more ranks than one process is refused by name
+        return build(settings)
+    return _build_rank(settings)
+
+
+def _build_rank(settings: TrainerSettings) -> Server:
+    """One rank of the group (services/trainer/group.py). Rank 0's server stops as at SIGTERM when the group breaks
+    (waiting calls get UNAVAILABLE, unrun) and the process then exits 1, for torchrun to restart the group."""
+    import signal
+
+    import torch.distributed as dist
+
+    from services.trainer.engine.parallel.controller import Controller
+    from services.trainer.sessions import SESSION_ADAMW
+
+    settings.apply_torch_threads()
+    dims, device = trainer_group.init_group(settings)
+    host = trainer_group.EngineHost(dims, SESSION_ADAMW, device)
+    if dist.get_rank() != 0:
+        trainer_group.run_worker(settings, host)
+        sys.exit(0)
+    logging.getLogger("trainyard.trainer.group").info("trainer group of %d ranks (%s)", dims.world_size,
+                                                      dims.describe())
+    group = trainer_group.EngineGroup(Controller(host), host, on_broken=lambda: os.kill(os.getpid(), signal.SIGTERM))
+    server = build(settings, group)
+    shutdown = server.spec.on_shutdown
+
+    def shutdown_then_exit() -> None:
+        shutdown()
+        if group.broken.is_set():
+            os._exit(1)  # the workers' sockets close with this process; nothing else of it is worth waiting for
+        dist.destroy_process_group()
+
+    server.spec.on_shutdown = shutdown_then_exit
+    return server
+
+
 def main() -> None:
-    run_service(TrainerSettings, build)
+    run_service(TrainerSettings, build_process)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ active only while it computes (per micro-batch for Forward/ForwardBackward), so 
 optimizer settings interleave call by call, and a session's numbers do not depend on the others: interleaved
 sessions end with bitwise the weights and logprobs each gets alone (float32, CPU, fixed thread count; tested).
 Closing a session removes its adapter and frees its optimizer and gradients; the base is dropped with its last
-session. Sessions of another account are NOT_FOUND.
+session. Sessions of another account are NOT_FOUND. On a torchrun group (services/trainer/group.py) every session
+instead owns a model sharded over the group, and its engine is a GroupEngine: rank 0 runs this module unchanged and
+every engine call becomes a command all ranks run.
 
 Ordering: every call carries seq_id (0 = the next one); a session runs seq_id n only after n-1 finished (later ones
 wait up to order_timeout_s, so clients may pipeline). A ForwardBackwardStream's turn starts when its header arrives
@@ -171,7 +173,8 @@ SESSION_ADAMW = AdamW(learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-12, weig
 class SessionManager(StateCalls):
     def __init__(self, db: Database, blobs: BlobStore, publish, order_timeout_s: float = 600.0,
                  deterministic: bool = False, micro_batch_tokens: int = 2048, device: str | None = None,
-                 state_every_steps: int = 0, state_with_weights: bool = False, max_sessions_per_account: int = 64):
+                 state_every_steps: int = 0, state_with_weights: bool = False, max_sessions_per_account: int = 64,
+                 group=None):
         self.db = db
         self.blobs = blobs
         self.states = SessionStates(db, blobs)
@@ -186,6 +189,9 @@ class SessionManager(StateCalls):
         self.state_every_steps, self.state_with_weights = state_every_steps, state_with_weights
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.pool = ModelPool(self.device)
+        # The torchrun group whose engines the sessions use (services/trainer/group.py's EngineGroup: each session
+        # then owns its sharded model); None: this process holds the models (the shared bases of ModelPool).
+        self.group = group
         self.max_sessions_per_account = max_sessions_per_account
         self._sessions: dict[str, Session] = {}
         self._creating: Counter[str] = Counter()  # sessions being built, per account (they count against the quota)
@@ -260,6 +266,9 @@ class SessionManager(StateCalls):
         """Load (or share) the model, add the session's adapter or make every weight trainable, restore a saved
         state (its optimizer state and step count with optimizer, its pending gradients with gradients); on any
         failure nothing stays behind. A state that does not fit is INVALID_ARGUMENT naming field_name."""
+        if self.group is not None:
+            return self._build_on_group(sess_id, account_id, name, path, lora, seed, saved, field_name,
+                                        optimizer=optimizer, gradients=gradients)
         if lora is None:
             model = None
             if saved is not None:  # the state's weights are the session's model
@@ -293,6 +302,21 @@ class SessionManager(StateCalls):
                 self._free(sess)
                 raise
         return sess
+
+    def _build_on_group(self, sess_id: str, account_id: str, name: str, path: str, lora: LoraConfig | None,
+                        seed: int, saved: EngineCheckpoint | None, field_name: str, *, optimizer: bool,
+                        gradients: bool) -> Session:
+        """_build on the group: the session's own sharded model on every rank (a full-parameter one from the state's
+        weights, as on one process), its state restored there; held by rank 0's engine, not by the pool's bases."""
+        model_dir = saved.weights_dir if saved is not None and lora is None else path
+        try:
+            engine = self.group.create(sess_id, model_dir, lora=lora, seed=seed, saved=saved,
+                                       weights=lora is not None, optimizer=optimizer, gradients=gradients)
+        except CheckpointMismatch as exc:
+            raise InvalidArgument(str(exc), field=field_name) from None
+        holder = self.pool.private(path, sess_id, engine.model)
+        return Session(id=sess_id, account_id=account_id, base_model=name, model_path=path, holder=holder,
+                       engine=engine, created_at=utcnow(), num_trainable=engine.num_trainable)
 
     def get(self, account_id: str, session_id: str) -> Session:
         with self._lock:
@@ -369,7 +393,7 @@ class SessionManager(StateCalls):
             s.get(TrainingSession, session_id).closed_at = utcnow()
 
     def _free(self, sess: Session) -> None:
-        if not sess.full_parameter:
+        if not sess.full_parameter and self.group is None:
             with sess.holder.lock:
                 remove_adapter(sess.holder.model, sess.id)
         self.pool.release(sess.holder, sess.id)

@@ -34,7 +34,9 @@ single-process engine (the export for the weights, dcp/ for the optimizer and gr
 The state dict is built here rather than with torch.distributed.checkpoint.state_dict.get_state_dict: the expert
 tensors need the whole-tensor wrapping above (get_state_dict would hand DCP the held tensors under the whole
 model's names, each ep rank's experts overwriting the others'), and the same code then serves the single-process
-engine without a process group. Keys are the parameters' state-dict names (get_state_dict's FQNs).
+engine without a process group. Keys are the parameters' state-dict names (get_state_dict's FQNs), a LoRA
+adapter's under the name "default" whatever the engine calls it (a Training API session's adapter is named by its
+session id on one process): any LoRA engine loads any LoRA engine's state of the same shapes.
 
 Not here: per-rank RNG (rank 0's generator is saved and restored on every rank; only LoRA dropout draws from it).
 """
@@ -53,6 +55,7 @@ from models.lora import ADAPTER_WEIGHTS, lora_parameters
 from services.trainer.engine.parallel.expert import ExpertShard, expert_layout, expert_shards
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+STORED_ADAPTER = "default"  # the adapter name LoRA parameters are stored under (the module docstring)
 
 
 class _Layout:
@@ -60,11 +63,15 @@ class _Layout:
 
     params: the trainable parameters by state-dict name, in the optimizer's order; layout: each expert tensor's
     whole layout; held: this rank's slice of each split expert tensor (empty without expert parallelism); ep: the
-    ep DeviceMesh (None: no expert parallelism)."""
+    ep DeviceMesh (None: no expert parallelism); keys: each parameter's name in the checkpoint (see the module
+    docstring)."""
 
     def __init__(self, engine):
         named = {id(p): n for n, p in engine.model.named_parameters()}
         self.params = dict(zip([named[id(p)] for p in engine.params], engine.params))
+        adapter = engine.adapter if engine.lora is not None else STORED_ADAPTER
+        self.keys = {n: n if adapter == STORED_ADAPTER else n.replace(f".{adapter}.", f".{STORED_ADAPTER}.")
+                     for n in self.params}
         self.layout = expert_layout(engine.model)
         self.held = expert_shards(engine.model)
         self.ep = engine.mesh["ep"] if engine.parallel is not None and engine.parallel.ep > 1 else None
@@ -125,16 +132,17 @@ def _state(engine, lay: _Layout, *, gradients: bool) -> tuple[dict, dict]:
         targets[key] = (name, target)
 
     for name, p in lay.params.items():
-        put(f"model.{name}", name, p)
+        key = lay.keys[name]
+        put(f"model.{key}", name, p)
         state = engine.optimizer.state.get(p, {})
         for moment in _MOMENTS:
             if moment in state:
-                put(f"optim.{name}.{moment}", name, state[moment])
+                put(f"optim.{key}.{moment}", name, state[moment])
         if "step" in state:
-            sd[f"optim.{name}.step"] = state["step"]
-            targets[f"optim.{name}.step"] = (None, state["step"])
+            sd[f"optim.{key}.step"] = state["step"]
+            targets[f"optim.{key}.step"] = (None, state["step"])
         if gradients and p.grad is not None:
-            put(f"grad.{name}", name, p.grad)
+            put(f"grad.{key}", name, p.grad)
     return sd, targets
 
 
@@ -161,12 +169,14 @@ def load_state(engine, path: Path, *, weights: bool, optimizer: bool, gradients:
     lay = _Layout(engine)
     saved = saved_keys(path)
     kinds = ("model.",) * weights + ("optim.",) * optimizer + ("grad.",) * gradients
-    expected = {f"model.{n}": lay.shape(n) for n in lay.params}
+    keys = lay.keys
+    expected = {f"model.{keys[n]}": lay.shape(n) for n in lay.params}
     for name in lay.params:
-        expected |= {f"optim.{name}.{m}": lay.shape(name) for m in _MOMENTS} | {f"grad.{name}": lay.shape(name)}
-        expected[f"optim.{name}.step"] = ()
+        key = keys[name]
+        expected |= {f"optim.{key}.{m}": lay.shape(name) for m in _MOMENTS} | {f"grad.{key}": lay.shape(name)}
+        expected[f"optim.{key}.step"] = ()
     unexpected = sorted(k for k in saved if k.startswith(kinds) and k not in expected)
-    missing = sorted(f"model.{n}" for n in lay.params if weights and f"model.{n}" not in saved)
+    missing = sorted(f"model.{keys[n]}" for n in lay.params if weights and f"model.{keys[n]}" not in saved)
     if missing or unexpected:
         raise CheckpointMismatch(f"the distributed checkpoint does not fit: missing {missing[:5]}, unexpected "
                                  f"{unexpected[:5]}")
@@ -177,12 +187,12 @@ def load_state(engine, path: Path, *, weights: bool, optimizer: bool, gradients:
     if optimizer:  # the saved state, created as zeros where the engine has none yet, then loaded
         engine.optimizer.state.clear()
         for name, p in lay.params.items():
-            if f"optim.{name}.step" in saved:
+            if f"optim.{keys[name]}.step" in saved:
                 engine.optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32),
                                              **{m: torch.zeros_like(p) for m in _MOMENTS}}
     if gradients:
         for name, p in lay.params.items():
-            p.grad = torch.zeros_like(p) if f"grad.{name}" in saved else None
+            p.grad = torch.zeros_like(p) if f"grad.{keys[name]}" in saved else None
     sd, targets = _state(engine, lay, gradients=gradients)
     request = {k: v for k, v in sd.items() if k.startswith(kinds)}
     dcp.load(request, checkpoint_id=str(path), no_dist=not lay.sharded)
