@@ -13,7 +13,6 @@ from pydantic import Field, model_validator
 
 from services.common.errors import InvalidArgument
 from services.common.jobqueue import JobQueueSettings
-from services.trainer.engine.parallel.dims import KNOBS, ParallelDims
 
 
 class WorkerSettings(JobQueueSettings):
@@ -27,17 +26,23 @@ class WorkerSettings(JobQueueSettings):
 
     @model_validator(mode="after")
     def _check_parallel(self) -> "WorkerSettings":
-        self.managed_dims()
+        if self.managed_nproc == 1:  # in process: nothing to lay out (and torch stays unimported until a job runs)
+            if self.managed_parallel:
+                raise InvalidArgument("a layout needs managed_nproc > 1 (1 trains in the worker process)",
+                                      field="managed_parallel")
+        else:
+            self.managed_dims()
         return self
 
-    def managed_dims(self) -> ParallelDims:
-        """managed_parallel checked against managed_nproc (InvalidArgument names the knob as managed_parallel.<knob>)."""
+    def managed_dims(self):
+        """managed_parallel checked against managed_nproc, as ParallelDims (InvalidArgument names the knob as
+        managed_parallel.<knob>)."""
+        from services.trainer.engine.parallel.dims import KNOBS, ParallelDims
+
         prefix = "managed_parallel."
         for knob in self.managed_parallel:
             if knob not in KNOBS:
                 raise InvalidArgument(f"unknown knob; one of {', '.join(KNOBS)}", field=prefix + knob)
-        if self.managed_nproc == 1 and any(v not in (1, -1) for v in self.managed_parallel.values()):
-            raise InvalidArgument("a layout other than one rank needs managed_nproc > 1", field="managed_parallel")
         for knob in ("tp", "pp"):
             if self.managed_parallel.get(knob, 1) != 1:
                 raise InvalidArgument(f"{knob} is not available to managed jobs (they train with data, context and "
