@@ -55,7 +55,7 @@ class GroupSpec:
     base_model_name: str
     work_dir: str  # run_sft's work_dir (the job's scratch directory)
     group_dir: str  # the exchange files (module docstring)
-    parallel: dict  # ParallelDims knobs, resolved
+    parallel: dict  # ParallelDims fields: the knobs, resolved, and the field_prefix its errors name them with
     resume_step: int = 0
     resume_root: str = ""  # "" = start afresh
     torch_threads: int = 0  # per rank; 0 = torch's default (torchrun sets OMP_NUM_THREADS=1 for N > 1)

@@ -37,15 +37,10 @@ class WorkerSettings(JobQueueSettings):
     def managed_dims(self):
         """managed_parallel checked against managed_nproc, as ParallelDims (InvalidArgument names the knob as
         managed_parallel.<knob>)."""
-        from services.trainer.engine.parallel.dims import KNOBS, ParallelDims
+        from services.trainer.engine.parallel.dims import from_mapping
 
-        prefix = "managed_parallel."
-        for knob in self.managed_parallel:
-            if knob not in KNOBS:
-                raise InvalidArgument(f"unknown knob; one of {', '.join(KNOBS)}", field=prefix + knob)
         for knob in ("tp", "pp"):
             if self.managed_parallel.get(knob, 1) != 1:
                 raise InvalidArgument(f"{knob} is not available to managed jobs (they train with data, context and "
-                                      "expert parallelism)", field=prefix + knob)
-        dims = ParallelDims(**self.managed_parallel, field_prefix=prefix)
-        return dims.resolved(self.managed_nproc)
+                                      "expert parallelism)", field=f"managed_parallel.{knob}")
+        return from_mapping(self.managed_parallel, world_size=self.managed_nproc, field_prefix="managed_parallel.")

@@ -193,7 +193,7 @@ def test_a_cancellation_reaches_the_group(world):
 @pytest.mark.parametrize("settings, field, message", [
     ({"managed_nproc": 2, "managed_parallel": {"cp": 3}}, "managed_parallel.dp_shard", "does not divide"),
     ({"managed_nproc": 4, "managed_parallel": {"dp_shard": 3}}, "managed_parallel.dp_shard", "not the world size"),
-    ({"managed_nproc": 2, "managed_parallel": {"dp_shrad": 2}}, "managed_parallel.dp_shrad", "unknown knob"),
+    ({"managed_nproc": 2, "managed_parallel": {"dp_shrad": 2}}, "managed_parallel.dp_shrad", "unknown parallel dimension"),
     ({"managed_nproc": 2, "managed_parallel": {"pp": 2}}, "managed_parallel.pp", "not available to managed jobs"),
     ({"managed_parallel": {"dp_shard": 2}}, "managed_parallel", "needs managed_nproc > 1"),
 ])
@@ -206,3 +206,13 @@ def test_the_layout_setting_is_checked_naming_the_knob(tmp_path, settings, field
 def test_the_layout_defaults_to_what_managed_nproc_leaves(tmp_path):
     dims = WorkerSettings(data_dir=tmp_path, managed_nproc=4, managed_parallel={"dp_replicate": 2}).managed_dims()
     assert (dims.dp_replicate, dims.dp_shard, dims.cp) == (2, 2, 1)
+
+
+def test_an_error_of_the_job_on_the_group_fails_it_without_a_retry(world):
+    """The layout fits the ranks but not the model (ep 2 on a dense model): rank 0's error is the job's, named."""
+    job_id = world.new_job()
+    run_managed_job(job_id, world.settings.model_copy(update={"managed_nproc": 2,
+                                                              "managed_parallel": {"dp_shard": 2, "ep": 2}}))
+    job = world.job(job_id)
+    assert (job.status, job.attempts) == ("failed", 1)
+    assert "InvalidArgument: managed_parallel.ep: " in job.error and "needs a mixture-of-experts model" in job.error, job.error
