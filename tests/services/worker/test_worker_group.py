@@ -129,6 +129,7 @@ def _wait(cond, timeout_s: float, what: str):
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
+@pytest.mark.slow
 def test_a_group_job_records_the_in_process_metrics(world, reference):
     job_id = world.new_job()
     run_managed_job(job_id, world.group)
@@ -144,6 +145,7 @@ def test_a_group_job_records_the_in_process_metrics(world, reference):
     print(f"2 ranks vs in process: worst relative metric difference {worst:.2e}")
 
 
+@pytest.mark.slow
 def test_a_killed_rank_fails_the_attempt_and_the_retry_resumes(world, reference):
     job_id = world.new_job()
     attempt = threading.Thread(target=run_managed_job, args=(job_id, world.group))
