@@ -19,9 +19,12 @@ How an attempt ends:
     retry from its last checkpoint (services/worker/job.py).
   - the caller stops reading (it raised, e.g. its lease was lost): the group is terminated (SIGTERM to torchrun,
     which stops its ranks; SIGKILL to all of them after a grace period).
+  - the worker process dies (kill -9): torchrun gets SIGTERM from the kernel (PR_SET_PDEATHSIG, Linux) and stops its
+    ranks, so no orphaned group keeps training (and holding accelerators) beside the job's next attempt.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -37,6 +40,16 @@ from services.trainer.sft_group import EVENTS, STOP, GroupSpec, event_from_json
 
 _PROJECT_ROOT = Path(__file__).resolve().parents[2]  # where `-m services.trainer.sft_group` imports from
 _TERMINATE_GRACE_S = 40.0  # torchrun gives its ranks 30 s after SIGTERM before it kills them
+_PR_SET_PDEATHSIG = 1
+
+
+def _parent_death_signal():
+    """A preexec_fn giving the child SIGTERM when the thread that started it dies (Linux; elsewhere None). prctl is
+    looked up here, before the fork: the child only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class GroupLost(Exception):
@@ -57,7 +70,7 @@ def group_events(spec: GroupSpec, nproc: int, *, stop: StopFlag, poll_s: float) 
            "--max-restarts", "0", "-m", "services.trainer.sft_group", str(spec_path)]
     with open(group / "torchrun.log", "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=_PROJECT_ROOT,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_parent_death_signal())
     lines = _Lines(group / EVENTS)
     finished, error = None, None
     try:
