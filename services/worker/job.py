@@ -133,6 +133,8 @@ def _run(job, ledger: Ledger, blobs: BlobStore, db: Database, worker_id: str, hb
         log.warning("job %s: lease lost; stopping without further writes", job.id)
     except GroupLost as exc:
         log.error("job %s: attempt %d failed, to be retried: %s", job.id, job.attempts, exc)
+        hb.done.set()  # no beat may renew the lease after it is given up
+        hb.join()
         try:
             ledger.abandon(job.id, worker_id, str(exc))
         except LeaseLost:
