@@ -11,7 +11,7 @@ Each transition is one transaction; timestamps are UTC.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from sqlalchemy import delete, func, select, update
@@ -20,6 +20,7 @@ from services.common.db import Database
 from services.common.schema import Checkpoint, Job, JobLog, JobMetric, new_id, utcnow
 
 TERMINAL = ("succeeded", "failed", "cancelled")
+LEASE_EXPIRED = datetime(1970, 1, 1, tzinfo=timezone.utc)  # a heartbeat older than any worker_lost_after_s
 STATUSES = ("queued", "running", *TERMINAL)
 
 
@@ -160,6 +161,18 @@ class Ledger:
                          message=f"{'final ' if final else ''}checkpoint saved at step {step} ({ckpt.id})"))
             job.updated_at = now
             return ckpt
+
+    def abandon(self, job_id: str, worker_id: str, reason: str) -> None:
+        """This worker's attempt failed in a way another attempt may not (its training group lost a rank): the lease
+        expires at once, so the reaper's next pass treats the job as a lost worker's -- retried from its latest
+        checkpoint, or failed after max_job_attempts, or cancelled if that was asked. Raises LeaseLost."""
+        with self.db.session() as s:
+            job = self._owned(s, job_id, worker_id)
+            job.heartbeat_at = LEASE_EXPIRED
+            job.updated_at = utcnow()
+            s.add(JobLog(job_id=job_id, level="error", created_at=utcnow(),
+                         message=f"attempt {job.attempts} failed: {reason}; handed back for a retry from the last "
+                                 "checkpoint"))
 
     def latest_checkpoint(self, job_id: str) -> Checkpoint | None:
         with self.db.session() as s:

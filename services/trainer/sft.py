@@ -21,6 +21,24 @@ holds everything step k depends on: the AdamW state, the global torch RNG (LoRA 
 which fixes both the learning rate (schedule.py) and the data position (data.py). Evaluation draws no random numbers.
 So resuming at k and running to N gives the same adapter, bit for bit, as running 0..N straight, as long as the
 kernels are deterministic (CPU with a fixed thread count, or torch.use_deterministic_algorithms).
+
+On a group (`parallel=ParallelDims(...)`: every rank of an initialized torch.distributed group calls run_sft with the
+same arguments; services/trainer/sft_group.py is the managed job's entry under torchrun) the engine is sharded
+(engine.py) and one step is the one-process step, split:
+  - the step's micro-batches go to the data-parallel ranks in contiguous shares (forward_backward.split_for_ranks
+    over engine.dp_size; the ranks of one cp group take the same share), and every rank runs as many micro-batches
+    as the largest share, padding ones (forward_backward.run_padding_micro_batch: gradients of exactly zero) after
+    its own, because every forward and backward of the sharded model is a collective;
+  - each backward still divides by the WHOLE step's target count, and FSDP sums the gradients over the ranks, so the
+    gradient is the one-process run's (summed in another order: float32 rounding apart);
+  - the train and eval losses are sums all-reduced over the data-parallel ranks, the grad norm the global one;
+  - the stop decision is rank 0's: before every micro-batch rank 0 reads its flag and broadcasts it (other ranks'
+    flags are never read), so every rank stops at the same micro-batch;
+  - checkpoints go through engine.save on every rank (rank 0 writes weights/ and the state files, every rank its
+    shards of state/dcp/: the same layout, resumable on any layout, one process included); every rank yields the
+    same events, the caller records rank 0's, and only rank 0 removes a checkpoint once its caller moves on.
+LoRA dropout draws from each rank's global generator for the rank's own micro-batches, so with dropout > 0 a group
+trains with other (equally random) masks than one process.
 """
 from __future__ import annotations
 
@@ -32,6 +50,7 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from models import CausalLM
 from models.lora import LoraConfig
@@ -41,6 +60,8 @@ from services.common.methods.sft import SftHyperparams
 from services.trainer.data import MicroBatch, SftData, StepSampler, batches, load_sft_data
 from services.trainer.engine import AdamW, TrainingEngine
 from services.trainer.engine.checkpoint import STATE_DIR, WEIGHTS_DIR, CheckpointMismatch, read_checkpoint
+from services.trainer.engine.forward_backward import run_padding_micro_batch, split_for_ranks
+from services.trainer.engine.parallel.dims import ParallelDims
 from services.trainer.schedule import learning_rate
 
 
@@ -99,8 +120,10 @@ SftEvent = Log | Started | Metrics | Checkpoint | Finished
 
 
 def run_sft(model_dir: Path, dataset_path: Path, hp: SftHyperparams, *, stop: StopFlag,
-            resume: SftCheckpoint | None = None, base_model_name: str = "", work_dir: Path) -> Iterator[SftEvent]:
-    """Train a LoRA adapter on the JSONL dataset; see the module docstring for the events and their order."""
+            resume: SftCheckpoint | None = None, base_model_name: str = "", work_dir: Path,
+            parallel: ParallelDims | None = None) -> Iterator[SftEvent]:
+    """Train a LoRA adapter on the JSONL dataset; see the module docstring for the events and their order.
+    parallel: run as one rank of the current torch.distributed group (module docstring), every rank alike."""
     tokenizer = load_tokenizer(model_dir)
     data = load_sft_data(
         Path(dataset_path), tokenizer, max_seq_len=hp.max_seq_len, eval_fraction=hp.eval_fraction, seed=hp.seed
@@ -108,7 +131,7 @@ def run_sft(model_dir: Path, dataset_path: Path, hp: SftHyperparams, *, stop: St
     if data.skipped:
         yield Log(f"skipped {data.skipped} of {data.num_rows} rows with no assistant/completion token within "
                   f"max_seq_len={hp.max_seq_len}", "warning")
-    run = _SftRun(model_dir, data, hp, stop, base_model_name or str(model_dir), Path(work_dir))
+    run = _SftRun(model_dir, data, hp, stop, base_model_name or str(model_dir), Path(work_dir), parallel)
     if resume is not None:
         run.restore(resume)
         yield Log(f"resumed at step {run.step} of {run.total_steps}")
@@ -121,13 +144,15 @@ def run_sft(model_dir: Path, dataset_path: Path, hp: SftHyperparams, *, stop: St
 
 class _SftRun:
     def __init__(self, model_dir: Path, data: SftData, hp: SftHyperparams, stop: StopFlag, base_name: str,
-                 work_dir: Path):
+                 work_dir: Path, parallel: ParallelDims | None):
         self.hp, self.stop, self.data, self.base_name, self.work_dir = hp, stop, data, base_name, work_dir
         self.lora_cfg = LoraConfig(
             rank=hp.lora_rank, alpha=hp.lora_alpha, dropout=hp.lora_dropout, target_modules=hp.target_modules
         )
         self.engine = TrainingEngine.load(model_dir, lora=self.lora_cfg, seed=hp.seed,
-                                          optimizer=self._adamw(hp.learning_rate))
+                                          optimizer=self._adamw(hp.learning_rate), parallel=parallel)
+        self.grouped = self.engine.mesh is not None
+        self.rank0 = not self.grouped or dist.get_rank() == 0
         self.model: CausalLM = self.engine.model
         self.num_trainable = self.engine.num_trainable
         self.sampler = StepSampler(
@@ -171,6 +196,30 @@ class _SftRun:
     def _nll_sum(self, mb: MicroBatch) -> torch.Tensor:
         return self.engine.nll_sum(mb.input_ids_BT, mb.targets_BT, packing=mb.packing)
 
+    def _stop_requested(self) -> bool:
+        """The stop flag; on a group rank 0's, broadcast to every rank (a collective, before every micro-batch)."""
+        if not self.grouped:
+            return self.stop.is_set()
+        flag = torch.tensor([int(self.rank0 and self.stop.is_set())], device=self.engine.device)
+        dist.broadcast(flag, src=0)
+        return bool(flag.item())
+
+    def _share(self, micro_batches: list[MicroBatch]) -> tuple[list[MicroBatch], int]:
+        """This data-parallel rank's micro-batches and how many every rank runs (the largest share)."""
+        shares = split_for_ranks(micro_batches, self.engine.dp_size)
+        return shares[self.engine.dp_rank], max(len(share) for share in shares)
+
+    def _pad(self, *, backward: bool) -> None:
+        """A micro-batch that changes nothing, run where this rank's share is shorter than another's."""
+        run_padding_micro_batch(self.model, backward=backward, device=self.engine.device,
+                                cp=self.engine.context_parallel)
+
+    def _summed(self, nll: torch.Tensor) -> torch.Tensor:
+        """A sum over this rank's micro-batches made the sum over every data-parallel rank's."""
+        if self.engine.dp_size > 1:
+            dist.all_reduce(nll, group=self.engine.dp_group)
+        return nll
+
     def _train_step(self, step: int) -> dict[str, float] | None:
         """One optimizer step over its micro-batches; None when the stop flag was set before one of them."""
         hp = self.hp
@@ -180,17 +229,22 @@ class _SftRun:
         )
         micro_batches = self.sampler.step_batches(step)
         num_targets = sum(mb.num_targets for mb in micro_batches)
+        mine, runs = self._share(micro_batches)
         nll = torch.zeros((), device=self.engine.device)
         start = time.perf_counter()
-        for mb in micro_batches:
-            if self.stop.is_set():
+        for i in range(runs):
+            if self._stop_requested():
                 return None
-            # Dividing every micro-batch by the whole step's target count makes accumulation equal one big batch.
-            mb_nll = self._nll_sum(mb)
+            if i >= len(mine):
+                self._pad(backward=True)
+                continue
+            # Dividing every micro-batch by the whole step's target count makes accumulation equal one big batch
+            # (and, the gradients summed over the ranks, a group's step the one-process step).
+            mb_nll = self._nll_sum(mine[i])
             (mb_nll / num_targets).backward()
             nll += mb_nll.detach()
         grad_norm = self.engine.step(self._adamw(lr))
-        loss = (nll / num_targets).item()  # .item() syncs, once per step
+        loss = (self._summed(nll) / num_targets).item()  # .item() syncs, once per step
         metrics.TRAINING_STEP_SECONDS.labels("managed").observe(time.perf_counter() - start)
         metrics.TRAINING_TOKENS.labels("managed").inc(sum(mb.input_ids_BT.numel() for mb in micro_batches))
         return {
@@ -207,13 +261,16 @@ class _SftRun:
         if not self.data.eval:
             return {}
         self.model.eval()
+        micro_batches = batches(self.data.eval, self.hp.batch_size)
+        mine, runs = self._share(micro_batches)
         nll = torch.zeros((), device=self.engine.device)
-        num_targets = 0
-        for mb in batches(self.data.eval, self.hp.batch_size):
+        for mb in mine:
             nll += self._nll_sum(mb)
-            num_targets += mb.num_targets
+        for _ in range(runs - len(mine)):
+            self._pad(backward=False)
         self.model.train()
-        return {"eval/loss": (nll / num_targets).item()}  # .item() syncs
+        num_targets = sum(mb.num_targets for mb in micro_batches)
+        return {"eval/loss": (self._summed(nll) / num_targets).item()}  # .item() syncs
 
     def _checkpoint(self, final: bool, metrics: dict[str, float]) -> Iterator[SftEvent]:
         root = self.work_dir / "checkpoints" / f"step-{self.step:07d}"
@@ -228,7 +285,8 @@ class _SftRun:
         }
         self.engine.save(root, base_model=self.base_name, progress=progress)
         yield Checkpoint(SftCheckpoint(step=self.step, root=root), final, metrics)
-        shutil.rmtree(root)  # the caller has persisted it; a long run must not fill the worker's disk
+        if self.rank0:  # rank 0's caller has persisted it; a long run must not fill the worker's disk
+            shutil.rmtree(root)
 
     def restore(self, ckpt: SftCheckpoint) -> None:
         """Load the adapter, optimizer, RNG state and step of a checkpoint: everything checked first."""

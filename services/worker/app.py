@@ -10,11 +10,12 @@ from celery import signals
 
 from services.common import metrics
 from services.common.blobstore import BlobStore
-from services.common.jobqueue import RUN_JOB, JobQueueSettings, make_celery
+from services.common.jobqueue import RUN_JOB, make_celery
 from services.common.logs import configure_logging
+from services.worker.settings import WorkerSettings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-settings = JobQueueSettings()
+settings = WorkerSettings()
 settings.ensure_dirs()
 settings.apply_torch_threads()
 configure_logging(settings.log_level, settings.log_format)

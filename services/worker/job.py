@@ -5,6 +5,12 @@ the recipe of job.method (services/worker/recipes/: it resumes from that checkpo
 checkpoints through the ledger, each conditional on the lease) -> finish. A heartbeat thread renews the lease every
 heartbeat_s and turns a cancellation request (or a lost lease) into a stop flag that the recipe checks every step, so
 CancelJob takes effect within about heartbeat_s plus one step.
+
+A job may train on a torchrun group rather than in this process (WorkerSettings.managed_nproc > 1: the recipe starts
+one per attempt, services/worker/group.py). A rank that dies ends the group and the recipe raises GroupLost: the
+attempt failed, but another may not, so the job is handed back (Ledger.abandon: its lease expires at once) and the
+scheduler's reaper retries it from its latest checkpoint, exactly as when the worker itself is lost (bounded by
+max_job_attempts).
 """
 from __future__ import annotations
 
@@ -23,7 +29,8 @@ from services.common.blobstore import BlobStore
 from services.common.db import Database
 from services.common.schema import Checkpoint, Job
 from services.common.ledger import Ledger, LeaseLost
-from services.common.jobqueue import JobQueueSettings
+from services.worker.group import GroupLost
+from services.worker.settings import WorkerSettings
 
 log = logging.getLogger("trainyard.worker")
 
@@ -63,6 +70,7 @@ class JobContext:
     heartbeat: Heartbeat
     work: Path
     latest_checkpoint: Checkpoint | None  # the job's latest checkpoint: a recipe resumes from it
+    settings: WorkerSettings
 
 
 @dataclass
@@ -72,12 +80,12 @@ class RecipeOutcome:
     output_checkpoint_id: str = ""
 
 
-def run_managed_job(job_id: str, settings: JobQueueSettings) -> None:
+def run_managed_job(job_id: str, settings: WorkerSettings) -> None:
     with logs.scope(job_id=job_id):  # the job's log records carry its id (and its account's, once claimed)
         _run_managed_job(job_id, settings)
 
 
-def _run_managed_job(job_id: str, settings: JobQueueSettings) -> None:
+def _run_managed_job(job_id: str, settings: WorkerSettings) -> None:
     db = Database(settings.database_url)
     blobs = BlobStore(settings.blob_dir)
     ledger = Ledger(db)
@@ -94,7 +102,7 @@ def _run_managed_job(job_id: str, settings: JobQueueSettings) -> None:
         # In the process's staging directory: a killed worker's scratch is swept at the next start-up.
         work = Path(tempfile.mkdtemp(prefix=f"{job_id}-", dir=blobs.staging_dir()))
         try:
-            _run(job, ledger, blobs, db, worker_id, hb, work)
+            _run(job, ledger, blobs, db, worker_id, hb, work, settings)
         finally:
             hb.done.set()
             shutil.rmtree(work, ignore_errors=True)
@@ -102,7 +110,8 @@ def _run_managed_job(job_id: str, settings: JobQueueSettings) -> None:
         db.dispose()
 
 
-def _run(job, ledger: Ledger, blobs: BlobStore, db: Database, worker_id: str, hb: Heartbeat, work: Path) -> None:
+def _run(job, ledger: Ledger, blobs: BlobStore, db: Database, worker_id: str, hb: Heartbeat, work: Path,
+         settings: WorkerSettings) -> None:
     from services.worker.recipes import recipe
 
     try:
@@ -110,7 +119,7 @@ def _run(job, ledger: Ledger, blobs: BlobStore, db: Database, worker_id: str, hb
         if job.attempts > 1:
             ledger.rewind(job.id, worker_id, latest.step if latest is not None else 0)
         log.info("job %s: attempt %d of %s on %s", job.id, job.attempts, job.method, job.base_model)
-        outcome = recipe(job.method)(JobContext(job, ledger, blobs, db, worker_id, hb, work, latest))
+        outcome = recipe(job.method)(JobContext(job, ledger, blobs, db, worker_id, hb, work, latest, settings))
         if hb.lost.is_set():
             log.warning("job %s: lease lost; another worker owns it now", job.id)
         elif outcome.stopped:
@@ -122,6 +131,14 @@ def _run(job, ledger: Ledger, blobs: BlobStore, db: Database, worker_id: str, hb
             log.info("job %s: succeeded after %d steps", job.id, outcome.step)
     except LeaseLost:
         log.warning("job %s: lease lost; stopping without further writes", job.id)
+    except GroupLost as exc:
+        log.error("job %s: attempt %d failed, to be retried: %s", job.id, job.attempts, exc)
+        hb.done.set()  # no beat may renew the lease after it is given up
+        hb.join()
+        try:
+            ledger.abandon(job.id, worker_id, str(exc))
+        except LeaseLost:
+            pass
     except Exception as exc:  # noqa: BLE001 - any training failure ends the job with its message
         log.error("job %s failed:\n%s", job.id, traceback.format_exc())
         try:

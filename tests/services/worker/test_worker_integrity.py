@@ -10,7 +10,7 @@ import pytest
 from services.common import auth, registry
 from services.common.blobstore import BlobStore
 from services.common.db import Database, migrate
-from services.common.jobqueue import JobQueueSettings
+from services.worker.settings import WorkerSettings
 from services.common.ledger import Ledger
 from services.common.schema import SHARED_SCOPE, Job
 from services.scheduler.datasets import DatasetStore, UploadHeader
@@ -24,7 +24,7 @@ ROW = b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "
 
 @pytest.fixture()
 def env(tmp_path, tiny_model_dir):
-    settings = JobQueueSettings(data_dir=tmp_path / "data", heartbeat_s=0.2)
+    settings = WorkerSettings(data_dir=tmp_path / "data", heartbeat_s=0.2)
     settings.ensure_dirs()
     migrate(settings.database_url)
     db = Database(settings.database_url)
