@@ -308,7 +308,8 @@ class LossCall:
             c = losses.batch_scale(self.req.loss_fn, self.req.config, self.inputs)
         if not math.isfinite(c):
             raise InvalidArgument(f"the batch factor of loss '{self.req.loss_fn}' is {c}", field="loss_fn_config")
-        metric_sums = self.metric_sums if self.dp_group is None else [self._summed_over_ranks(self.metric_sums)]
+        metric_sums = (self.metric_sums if self.dp_group is None
+                       else [summed_over_ranks(self.metric_sums, self.dp_group)])
         metrics = losses.batch_metrics(self.req.loss_fn, c, metric_sums)
         if self.backward:
             with torch.no_grad():
@@ -352,12 +353,14 @@ class LossCall:
             with self.lock():
                 run_padding_micro_batch(self.model, backward=self.backward, device=self.device, cp=self.cp)
 
-    def _summed_over_ranks(self, metric_sums: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """The metric sums of every rank's datums (float64; keys are the loss's, the same on every rank)."""
-        keys = sorted(metric_sums[0])
-        totals = torch.stack([torch.stack([s[k].double() for s in metric_sums]).sum() for k in keys])
-        dist.all_reduce(totals, group=self.dp_group)
-        return dict(zip(keys, totals))
+
+
+def summed_over_ranks(metric_sums: list[dict[str, torch.Tensor]], group) -> dict[str, torch.Tensor]:
+    """The metric sums of every rank's datums (float64; keys are the loss's, the same on every rank of group)."""
+    keys = sorted(metric_sums[0])
+    totals = torch.stack([torch.stack([s[k].double() for s in metric_sums]).sum() for k in keys])
+    dist.all_reduce(totals, group=group)
+    return dict(zip(keys, totals))
 
 
 def split_for_ranks(items: list, ranks: int) -> list[list]:

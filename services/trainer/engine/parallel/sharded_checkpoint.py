@@ -63,10 +63,20 @@ class _Layout:
     ep DeviceMesh (None: no expert parallelism)."""
 
     def __init__(self, engine):
-        named = {id(p): n for n, p in engine.model.named_parameters()}
-        self.params = dict(zip([named[id(p)] for p in engine.params], engine.params))
-        self.layout = expert_layout(engine.model)
-        self.held = expert_shards(engine.model)
+        models = engine.stage_models  # the whole model, or this rank's pipeline stages (the whole model's names)
+        named = {id(p): n for m in models for n, p in m.named_parameters()}
+        for m in models:  # a pipeline's tied lm_head copy is the embeddings (pipeline.py): stored under their name
+            if m.args.tie_word_embeddings and m.lm_head is not None and m.model.embed_tokens is None:
+                named[id(m.lm_head.weight)] = "model.embed_tokens.weight"
+        self.params: dict[str, torch.nn.Parameter] = {}
+        self.copies: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []  # (copy, its source on this rank)
+        for p in engine.params:
+            if named[id(p)] in self.params:
+                self.copies.append((p, self.params[named[id(p)]]))
+            else:
+                self.params[named[id(p)]] = p
+        self.layout = {k: v for m in models for k, v in expert_layout(m).items()}
+        self.held = {k: v for m in models for k, v in expert_shards(m).items()}
         self.ep = engine.mesh["ep"] if engine.parallel is not None and engine.parallel.ep > 1 else None
         self.sharded = engine.mesh is not None
 
@@ -190,6 +200,16 @@ def load_state(engine, path: Path, *, weights: bool, optimizer: bool, gradients:
         name, target = targets[k]
         if name is not None:  # None: a step count, loaded in place
             lay.restore(name, target, stored)
+    with torch.no_grad():  # a second copy on this rank (a pipeline's tied lm_head, with the embeddings' stage)
+        for copy, source in lay.copies:
+            if weights:
+                copy.copy_(source)
+            if optimizer:
+                engine.optimizer.state.pop(copy, None)
+                if source in engine.optimizer.state:
+                    engine.optimizer.state[copy] = {k: v.clone() for k, v in engine.optimizer.state[source].items()}
+            if gradients:
+                copy.grad = None if source.grad is None else source.grad.clone()
 
 
 def load_single_process(engine, ckpt, *, weights: bool, optimizer: bool, gradients: bool) -> None:
@@ -200,6 +220,10 @@ def load_single_process(engine, ckpt, *, weights: bool, optimizer: bool, gradien
     from services.trainer.engine import checkpoint as ckpt_format
     from services.trainer.engine.parallel.parallelize import load_hf_weights
 
+    if engine.pp > 1:
+        raise ckpt_format.CheckpointMismatch("a single-process checkpoint cannot be restored into a pipeline-"
+                                             "parallel engine (pp > 1) yet: restore it on a layout without pp, save, "
+                                             "and restore that")
     lay = _Layout(engine)
     plain = [torch.empty(lay.held[n].global_shape if n in lay.held else p.shape, dtype=p.dtype, device="meta")
              for n, p in lay.params.items()]
@@ -271,20 +295,43 @@ def gather_whole(engine, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Te
 
 def export_weights(engine, out: Path, *, base_model: str) -> None:
     """The trained weights gathered from the shards, written by rank 0 alone (checkpoint.write_weights' files for
-    the whole model: the PEFT adapter, or the Hugging Face model directory). Every rank calls it."""
+    the whole model: the PEFT adapter, or the Hugging Face model directory). Every rank calls it. Under pipeline
+    parallelism each stage's tensors are gathered within the stage, then sent to rank 0 over its pp group (the
+    ranks at data-parallel coordinate 0), which writes them in the whole model's order."""
     from models import save_pretrained
     from models.lora import save_peft_adapter
 
     if engine.lora is None:
-        whole = gather_whole(engine, dict(engine.model.state_dict()))
+        tensors = {k: v for m in engine.stage_models for k, v in m.state_dict().items()}
+        whole = _from_stages(engine, gather_whole(engine, tensors))
         if dist.get_rank() == 0:
+            if engine.pp > 1:
+                whole = {k: whole[k] for k in engine.whole.state_dict()}
             save_pretrained(engine.model, out, state_dict=whole)
     else:
-        names = {id(p): n for n, p in engine.model.named_parameters()}
-        params = lora_parameters(engine.model, engine.adapter)
-        whole = gather_whole(engine, {names[id(p)]: p for p in params.values()})
+        names = {id(p): n for m in engine.stage_models for n, p in m.named_parameters()}
+        params = [p for m in engine.stage_models for p in lora_parameters(m, engine.adapter).values()]
+        whole = _from_stages(engine, gather_whole(engine, {names[id(p)]: p for p in params}))
         if dist.get_rank() == 0:
-            tensors = {key: whole[names[id(p)]] for key, p in params.items()}
-            save_peft_adapter(engine.model, engine.lora, out, base_model_name_or_path=base_model,
+            model = engine.model
+            if engine.pp > 1:  # the whole adapter's layout (a stage lacks some of its modules)
+                from services.trainer.engine.parallel.pipeline import lora_skeleton
+
+                model = lora_skeleton(engine.whole, engine.lora, engine.adapter)[0]
+            names = {id(p): n for n, p in model.named_parameters()}
+            tensors = {key: whole[names[id(p)]] for key, p in lora_parameters(model, engine.adapter).items()}
+            save_peft_adapter(model, engine.lora, out, base_model_name_or_path=base_model,
                               adapter_name=engine.adapter, tensors=tensors)
     dist.barrier()
+
+
+def _from_stages(engine, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rank 0's {name: whole tensor} of every pipeline stage (mine: this rank's stages'); mine itself without pp.
+    The ranks at data-parallel coordinate 0 (rank 0's pp group) send theirs to rank 0 (gather_object)."""
+    if engine.pp == 1:
+        return mine
+    if engine.mesh["dp_cp"].get_local_rank() != 0:
+        return {}
+    parts = [None] * engine.pp if dist.get_rank() == 0 else None
+    dist.gather_object({k: v.cpu() for k, v in mine.items()}, parts, dst=0, group=engine.mesh["pp"].get_group())
+    return {k: v for part in parts or [] for k, v in part.items()}
