@@ -175,6 +175,10 @@ def load_state(engine, path: Path, *, weights: bool, optimizer: bool, gradients:
     for name in lay.params:
         expected |= {f"optim.{name}.{m}": lay.shape(name) for m in _MOMENTS} | {f"grad.{name}": lay.shape(name)}
         expected[f"optim.{name}.step"] = ()
+    if engine.pp > 1:  # a stage expects its own keys; a key no stage of the pipeline expects is unexpected
+        stages = [None] * engine.pp
+        dist.all_gather_object(stages, expected, group=engine.mesh["pp"].get_group())
+        expected = {k: v for part in stages for k, v in part.items()}
     unexpected = sorted(k for k in saved if k.startswith(kinds) and k not in expected)
     missing = sorted(f"model.{n}" for n in lay.params if weights and f"model.{n}" not in saved)
     if missing or unexpected:

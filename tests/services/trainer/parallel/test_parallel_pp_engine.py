@@ -148,3 +148,101 @@ def test_pipeline_engine_matches_the_single_process_engine(family_dirs, family, 
     ranks, worst = _check(family_dirs[family], lora, world, dims)
     assert sorted(r["layers"] for r in ranks) == [[[0, 1]], [[0, 1]], [[2, 3]], [[2, 3]]]  # 4 layers, 2 stages
     print(f"\n{family} {'lora' if lora else 'full'} world {world} {dims}: {worst}")
+
+
+# -- checkpoints -------------------------------------------------------------------------------------------------------
+def _snapshot(engine: TrainingEngine) -> dict:
+    """test_parallel_checkpoint._snapshot over this rank's stages: the whole trainable weights and AdamW moments of
+    what it holds (gathered over the stage's shards), by name."""
+    from services.trainer.engine.parallel.sharded_checkpoint import gather_whole
+
+    names = {id(p): n for m in engine.stage_models for n, p in m.named_parameters()}
+    params = {names[id(p)]: p for p in engine.params}
+    out = {"steps": engine.steps, "dp_rank": engine.dp_rank,
+           "pp_rank": engine.mesh["pp"].get_local_rank() if engine.pp > 1 else 0}
+    for part, of in (("weights", lambda p: p), ("exp_avg", lambda p: engine.optimizer.state[p]["exp_avg"]),
+                     ("exp_avg_sq", lambda p: engine.optimizer.state[p]["exp_avg_sq"])):
+        out[part] = {n: t.detach() for n, t in gather_whole(engine, {n: of(p) for n, p in params.items()}).items()}
+    out["adam_steps"] = sorted({float(engine.optimizer.state[p]["step"]) for p in params.values()})
+    return out
+
+
+def _train_save(model_dir, lora, dims: dict, root: str) -> dict:
+    from pathlib import Path
+
+    from tests.services.trainer.parallel.test_parallel_checkpoint import BASE, _engine, _step
+
+    engine = _engine(model_dir, lora, dims)
+    _step(engine, seed=0)
+    engine.save(Path(root), base_model=BASE, progress={"step": 1})
+    saved = _snapshot(engine)
+    _step(engine, seed=1)
+    return {"saved": saved, "continued": _snapshot(engine)}
+
+
+def _load_train(model_dir, lora, dims: dict, root: str) -> dict:
+    from pathlib import Path
+
+    from services.trainer.engine.checkpoint import read_checkpoint
+    from tests.services.trainer.parallel.test_parallel_checkpoint import _engine, _step
+
+    engine = _engine(model_dir, lora, dims)
+    engine.restore(read_checkpoint(Path(root)), rng=True)
+    loaded = _snapshot(engine)
+    _step(engine, seed=1)
+    return {"loaded": loaded, "continued": _snapshot(engine)}
+
+
+def _whole(ranks: list[dict], key: str) -> dict:
+    """The snapshots of the ranks at data-parallel coordinate 0 (one per stage) together: the whole model's (the
+    tied lm_head copy checked equal to the embeddings and dropped)."""
+    parts = [r[key] for r in ranks if r[key]["dp_rank"] == 0]
+    out = {"steps": parts[0]["steps"], "adam_steps": sorted({s for p in parts for s in p["adam_steps"]})}
+    for part in ("weights", "exp_avg", "exp_avg_sq"):
+        union: dict = {}
+        for p in parts:
+            assert not union.keys() & p[part].keys()
+            union.update(p[part])
+        if TIED in union and "model.embed_tokens.weight" in union:
+            assert torch.equal(union.pop(TIED), union["model.embed_tokens.weight"]), part
+        out[part] = union
+    return out
+
+
+_CKPT_CASES = [  # (family, lora, (world, dims) saving, [(world, dims) loading ...])
+    ("qwen3", None, (4, dict(pp=2, dp_shard=2)), [(4, dict(pp=2, dp_shard=2)), (4, dict(dp_shard=4))]),
+    ("qwen3_moe", LORA, (4, dict(pp=2, dp_shard=2)), [(4, dict(pp=2, dp_shard=2)), (4, dict(dp_shard=4, ep=2))]),
+]
+
+
+@pytest.mark.parametrize("family, lora, save, loads", _CKPT_CASES, ids=[
+    f"{c[0]}-{'lora' if c[1] else 'full'}" for c in _CKPT_CASES])
+def test_pipeline_engine_checkpoint_continues_like_the_uninterrupted_run(family_dirs, tmp_path, family, lora, save,
+                                                                          loads):
+    """Save after one step under pp 2 x dp_shard 2, then (a) the uninterrupted run's next step and (b) a fresh engine
+    restoring the checkpoint and taking the same step: on the same layout bitwise the same; on a layout without pp
+    (DCP reshards the stages' tensors into dp_shard 4, ep 2 for the MoE) restored bitwise and continued within
+    test_parallel_checkpoint.py's tolerances. The export (weights/, gathered from both stages by rank 0) restores
+    into the single-process engine as the saved weights exactly, and that engine writes the same bytes."""
+    from services.trainer.engine.checkpoint import read_checkpoint
+    from tests.services.trainer.parallel.test_parallel_checkpoint import BASE, _compare, _engine, _same_export
+
+    model_dir, root = str(family_dirs[family]), tmp_path / "ckpt"
+    first = run_ranks(_train_save, save[0], model_dir, lora, save[1], str(root))
+    saved, continued = _whole(first, "saved"), _whole(first, "continued")
+    ckpt = read_checkpoint(root)
+    assert ckpt.has_dcp and ckpt.optim_steps == 1 and ckpt.parallel["pp"] == 2
+    single = _engine(model_dir, lora, None)
+    single.restore(ckpt, optimizer=False)
+    names = {id(p): n for n, p in single.model.named_parameters()}
+    got = {names[id(p)]: p.detach() for p in single.params}
+    assert got.keys() == saved["weights"].keys()
+    for n, w in saved["weights"].items():
+        assert torch.equal(got[n], w), n
+    single.save_weights(tmp_path / "single-export", base_model=BASE)
+    _same_export(ckpt.weights_dir, tmp_path / "single-export")
+    for world, dims in loads:
+        ranks = run_ranks(_load_train, world, model_dir, lora, dims, str(root))
+        _compare(_whole(ranks, "loaded"), saved, bitwise=True)
+        worst = _compare(_whole(ranks, "continued"), continued, bitwise=dims == save[1])
+        print(f"\n{family} {'lora' if lora else 'full'} {save[1]} -> {dims}: continued {worst}")
