@@ -159,7 +159,8 @@ class TrainingEngine:
             pipe = pipeline_of(self.stages, self.mesh["pp"].get_group(), self.whole,
                                schedule=self.parallel.pipeline_schedule, row_tokens=row_tokens,
                                dtype=self.activation_dtype, device=self.device,
-                               tied_shape=local_shape((args.vocab_size, args.hidden_size), self.parallel, self.mesh))
+                               tied_shape=local_shape((args.vocab_size, args.hidden_size), self.parallel, self.mesh),
+                               cp=self.context_parallel)
             self._pipelines[row_tokens] = pipe
         return pipe
 

@@ -55,13 +55,10 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def _refuse_unapplied(dims: ParallelDims) -> None:
-    """Dimensions (and combinations) whose application is not in parallelize yet (see the module docstring)."""
+    """Dimensions whose application is not in parallelize yet (see the module docstring)."""
     if dims.tp > 1:
         raise InvalidArgument(f"tp {dims.tp}: tensor parallelism is not available in this trainer yet; set tp to 1",
                               field=dims._field("tp"))
-    if dims.pp > 1 and dims.cp > 1:
-        raise InvalidArgument(f"cp {dims.cp} with pp {dims.pp}: context parallelism inside the pipeline's stages is "
-                              "not available in this trainer yet; set cp to 1 (or pp to 1)", field=dims._field("cp"))
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, *, param_dtype: torch.dtype | None,

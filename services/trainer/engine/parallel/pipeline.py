@@ -60,7 +60,8 @@ from services.common.errors import InvalidArgument
 from services.trainer.engine import losses
 from services.trainer.engine.logprobs import token_logprobs
 from services.trainer.engine.forward_backward import (
-    Datum, LossRequest, MicroBatcher, micro_batch_loss, micro_batch_metrics, summed_over_ranks,
+    Datum, LossRequest, MicroBatcher, context_parallel_loss, micro_batch_loss, micro_batch_metrics,
+    summed_over_ranks,
 )
 
 PAD_TOKEN = 0
@@ -123,7 +124,7 @@ class StageModule(nn.Module):
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
-        self.packings: list[Packing] = []
+        self.packings: list = []  # kernels.Packing, or under context parallelism the row's ContextLayout
 
     def forward(self, inputs: torch.Tensor, mb_index: torch.Tensor) -> torch.Tensor:
         return self.model(inputs, packing=self.packings[int(mb_index)], return_hidden=True)  # a host tensor
@@ -145,6 +146,12 @@ class Pipeline:
     whole: nn.Module  # the whole model on the meta device (no memory): what the stages were cut from
     modules: list[StageModule] = field(repr=False, default_factory=list)
     tied_shape: tuple[int, ...] | None = None  # this rank's part of the tied gradient, sharded stages (None: whole)
+    cp: object = None  # the stages' ContextParallel (parallel/context.py) under cp > 1, else None
+
+    @property
+    def seq_tokens(self) -> int:
+        """A row's length as it runs: row_tokens, under context parallelism rounded up to a multiple of 2 cp."""
+        return self.row_tokens if self.cp is None else self.row_tokens + -self.row_tokens % (2 * self.cp.size)
 
     @property
     def is_last(self) -> bool:
@@ -181,20 +188,22 @@ def build_pipeline(model_dir: str | Path, pp_mesh, *, schedule: str, row_tokens:
 
 def pipeline_of(stages: list[tuple[int, nn.Module]], group: dist.ProcessGroup, whole: nn.Module, *, schedule: str,
                 row_tokens: int, dtype: torch.dtype, device: torch.device,
-                tied_shape: tuple[int, ...] | None = None) -> Pipeline:
+                tied_shape: tuple[int, ...] | None = None, cp=None) -> Pipeline:
     """A Pipeline over this rank's loaded stage models ((stage index, CausalLM stage), split_model's), for rows of
     row_tokens tokens: a PipelineStage each (no communication; the engine builds one per row size it is asked for).
     whole: the whole model on the meta device; tied_shape: this rank's part of the tied embeddings' gradient when
-    the stages are sharded (see _sum_tied_gradients; None: the whole [V, D])."""
+    the stages are sharded (see _sum_tied_gradients; None: the whole [V, D]); cp: the stages' ContextParallel
+    under context parallelism (each stage then sends this rank's [1, seq_tokens / cp, D] of the row)."""
     from torch.distributed.pipelining import PipelineStage
 
     spec = schedule_spec(schedule)
     num_stages = dist.get_world_size(group) * spec.stages_per_rank
     last_rank = dist.get_global_rank(group, stage_ranks(dist.get_world_size(group), num_stages, spec.style)[-1])
-    hidden = torch.empty(1, row_tokens, whole.args.hidden_size, dtype=dtype, device="meta", requires_grad=True)
-    tokens = torch.empty(1, row_tokens, dtype=torch.int64, device="meta")
     pipe = Pipeline(schedule, row_tokens, group, [], [], num_stages, last_rank, bool(whole.args.tie_word_embeddings),
-                    dtype, whole, tied_shape=tied_shape)
+                    dtype, whole, tied_shape=tied_shape, cp=cp)
+    local = pipe.seq_tokens // (1 if cp is None else cp.size)
+    hidden = torch.empty(1, local, whole.args.hidden_size, dtype=dtype, device="meta", requires_grad=True)
+    tokens = torch.empty(1, local, dtype=torch.int64, device="meta")
     for index, stage_model in stages:
         module = StageModule(stage_model)
         pipe.models.append(stage_model)
@@ -267,6 +276,7 @@ class _Call:
     req: LossRequest
     device: torch.device
     model: nn.Module | None  # the last stage's CausalLM (None on a rank without it)
+    layouts: list | None  # each row's ContextLayout under context parallelism (hidden states: this rank's tokens)
     totals: dict[int, torch.Tensor] = field(default_factory=dict)
     logprobs: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     inputs: dict[int, list[dict[str, torch.Tensor]]] = field(default_factory=dict)
@@ -280,6 +290,9 @@ class _Call:
             first = hidden_1ND[0, :1]
             target = torch.full((1,), PAD_TOKEN, dtype=torch.int64, device=first.device)
             total = 0.0 * token_logprobs(self.model, first, target).sum()
+        elif self.layouts is not None:  # every datum's whole logprobs (gathered over cp), as LossCall under cp
+            total, self.logprobs[i], self.inputs[i] = context_parallel_loss(
+                self.model, hidden_1ND[0], self.layouts[i], datums, self.req, device=self.device)
         else:
             n = sum(d.length for d in datums)
             total, self.logprobs[i], self.inputs[i] = micro_batch_loss(
@@ -322,14 +335,17 @@ def pipeline_step(pipe: Pipeline, datums: list[Datum], req: LossRequest, *, back
         raise InvalidArgument("at least one datum is required", field="data")
     mbs += [[] for _ in range(min_microbatches(pipe.schedule, pp, rows) - len(mbs))]
     device = pipe.stages[0].device
-    tokens_MN = torch.full((len(mbs), pipe.row_tokens), PAD_TOKEN, dtype=torch.int64)
+    tokens_MN = torch.full((len(mbs), pipe.seq_tokens), PAD_TOKEN, dtype=torch.int64)
     packings = []
     for i, mb in enumerate(mbs):
         lengths = [d.length for d in mb]
         if mb:
             tokens_MN[i, :sum(lengths)] = torch.cat([d.tokens for d in mb])
-        pad = pipe.row_tokens - sum(lengths)
+        pad = pipe.seq_tokens - sum(lengths)
         packings.append(Packing.from_lengths(lengths + [pad] if pad else lengths, device))
+    if pipe.cp is not None:  # each row laid out over the cp ranks: this rank's [M, N / cp] tokens
+        packings = [pipe.cp.layout(packing=packing) for packing in packings]
+        tokens_MN = torch.cat([layout.shard(tokens_MN[i:i + 1]) for i, layout in enumerate(packings)])
     for module in pipe.modules:
         module.packings = packings
     c = batch_scale
@@ -338,7 +354,8 @@ def pipeline_step(pipe: Pipeline, datums: list[Datum], req: LossRequest, *, back
     if not math.isfinite(c):
         raise InvalidArgument(f"the batch factor of loss '{req.loss_fn}' is {c}", field="loss_fn_config")
 
-    call = _Call(mbs, req, device, next((m for m, s in zip(pipe.models, pipe.stages) if s.is_last), None))
+    call = _Call(mbs, req, device, next((m for m, s in zip(pipe.models, pipe.stages) if s.is_last), None),
+                 packings if pipe.cp is not None else None)
     params = [p for m in pipe.models for p in m.parameters() if p.requires_grad] if backward else []
     held = [p.grad for p in params]
     for p in params:

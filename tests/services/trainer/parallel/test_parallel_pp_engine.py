@@ -74,16 +74,18 @@ def _rank(model_dir, lora, dims: dict) -> dict:
                                  parallel=ParallelDims(**dims))
     out = _stage_result(engine, _datums(engine.model.args.vocab_size))
     out["rank"], out["dp_rank"], out["pp_rank"] = dist.get_rank(), engine.dp_rank, engine.mesh["pp"].get_local_rank()
+    out["cp_rank"] = engine.mesh["cp"].get_local_rank()
     out["layers"] = [m.layer_ids for m in engine.stage_models]
     return out
 
 
 def _merged(ranks: list[dict], ref: dict, pp: int) -> list[dict]:
-    """One result per data-parallel coordinate: its pp ranks' parts together, in the reference's order (the tied
-    lm_head copy checked equal to the embeddings and dropped, as the single-process engine has one Parameter)."""
+    """One result per (data-parallel, context-parallel) coordinate: its pp ranks' parts together, in the reference's
+    order (the tied lm_head copy checked equal to the embeddings and dropped, as the single-process engine has one
+    Parameter)."""
     by_dp = defaultdict(list)
     for r in ranks:
-        by_dp[r["dp_rank"]].append(r)
+        by_dp[r["dp_rank"], r["cp_rank"]].append(r)
     out = []
     for parts in by_dp.values():
         assert sorted(p["pp_rank"] for p in parts) == list(range(pp))
@@ -121,7 +123,7 @@ def _check(model_dir, lora, world: int, dims: dict) -> tuple[list[dict], dict]:
     ranks = run_ranks(_rank, world, str(model_dir), lora, dims)
     merged = _merged(ranks, ref, dims["pp"])
     worst = _compare(merged, ref, weight_atol=_WEIGHT_ATOL)
-    shares = split_for_ranks(list(range(len(datums))), len(merged))
+    shares = split_for_ranks(list(range(len(datums))), world // (dims["pp"] * dims.get("cp", 1)))
     worst["logprob_abs"] = 0.0
     for got in merged:
         want = [ref["logprobs"][i] for i in shares[got["dp_rank"]]]
@@ -142,11 +144,31 @@ _CASES = [  # (family, lora, world size, dims)
 ]
 
 
-@pytest.mark.parametrize("family, lora, world, dims", _CASES, ids=[
-    f"{f}-{'lora' if lo else 'full'}-{w}-{'x'.join(f'{k}{v}' for k, v in d.items())}" for f, lo, w, d in _CASES])
+def _case_id(f, lo, w, d) -> str:
+    return f"{f}-{'lora' if lo else 'full'}-{w}-{'x'.join(f'{k}{v}' for k, v in d.items())}"
+
+
+@pytest.mark.parametrize("family, lora, world, dims", _CASES, ids=[_case_id(*c) for c in _CASES])
 def test_pipeline_engine_matches_the_single_process_engine(family_dirs, family, lora, world, dims):
     ranks, worst = _check(family_dirs[family], lora, world, dims)
     assert sorted(r["layers"] for r in ranks) == [[[0, 1]], [[0, 1]], [[2, 3]], [[2, 3]]]  # 4 layers, 2 stages
+    print(f"\n{family} {'lora' if lora else 'full'} world {world} {dims}: {worst}")
+
+
+_4D_CASES = [  # world 8: pp 2 x dp_shard 2 x cp 2, with ep 2 (carved from dp_shard x cp) for the MoE families
+    ("qwen3", LORA, 8, dict(pp=2, dp_shard=2, cp=2)),
+    ("qwen3_moe", None, 8, dict(pp=2, dp_shard=2, cp=2, ep=2)),
+    ("deepseek_v3", LORA, 8, dict(pp=2, dp_shard=2, cp=2, ep=2)),
+]
+
+
+@pytest.mark.parametrize("family, lora, world, dims", _4D_CASES, ids=[_case_id(*c) for c in _4D_CASES])
+def test_pipeline_engine_4d_matches_the_single_process_engine(family_dirs, family, lora, world, dims):
+    """Context parallelism inside the pipeline: every row laid out with the zigzag layout (each stage sends this
+    rank's [1, N / cp, D]), ring attention inside each stage, the last stage's loss on the whole datums' gathered
+    logprobs (forward_backward.context_parallel_loss); experts over ep inside each stage."""
+    ranks, worst = _check(family_dirs[family], lora, world, dims)
+    assert {r["cp_rank"] for r in ranks} == {0, 1}
     print(f"\n{family} {'lora' if lora else 'full'} world {world} {dims}: {worst}")
 
 
