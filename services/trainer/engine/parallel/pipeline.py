@@ -303,12 +303,18 @@ class _Call:
 
 def _micro_batches(datums: list[Datum], row_tokens: int) -> list[list[Datum]]:
     batcher, mbs = MicroBatcher(row_tokens), []
-    for i, d in enumerate(datums):
-        if d.length > row_tokens:
-            raise InvalidArgument(f"{d.length} tokens do not fit the pipeline's rows of {row_tokens} tokens",
-                                  field=f"data[{i}]")
+    for d in datums:
         mbs += batcher.add(d)
     return mbs + batcher.finish()
+
+
+def _too_long(datums: list[Datum], row_tokens: int) -> InvalidArgument | None:
+    """The refusal of the first datum longer than the pipeline's rows (None: every datum fits)."""
+    for i, d in enumerate(datums):
+        if d.length > row_tokens:
+            return InvalidArgument(f"{d.length} tokens do not fit the pipeline's rows of {row_tokens} tokens",
+                                   field=f"data[{i}]")
+    return None
 
 
 def pipeline_step(pipe: Pipeline, datums: list[Datum], req: LossRequest, *, backward: bool = True,
@@ -324,13 +330,18 @@ def pipeline_step(pipe: Pipeline, datums: list[Datum], req: LossRequest, *, back
     metrics' sums are all-reduced over dp_group, so they are the whole call's; the logprobs are this rank's datums'."""
     pp = dist.get_world_size(pipe.group)
     mbs = _micro_batches(datums, pipe.row_tokens)
-    rows = len(mbs)
-    if dp_group is not None:
-        counts = torch.tensor([rows, -len(datums)], dtype=torch.int64)
+    rows, refusal = len(mbs), _too_long(datums, pipe.row_tokens)
+    if dp_group is not None:  # agreed before anything runs, so that every dp rank refuses a call alike
+        counts = torch.tensor([rows, -len(datums), refusal is not None], dtype=torch.int64)
         dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=dp_group)
         rows, fewest_datums = int(counts[0]), -int(counts[1])
         if fewest_datums == 0:
             raise InvalidArgument("every data-parallel rank needs at least one datum of the call", field="data")
+        if refusal is None and counts[2]:
+            raise InvalidArgument(f"a datum of another data-parallel rank's share does not fit the pipeline's rows "
+                                  f"of {pipe.row_tokens} tokens", field="data")
+    if refusal is not None:
+        raise refusal
     if not datums:
         raise InvalidArgument("at least one datum is required", field="data")
     mbs += [[] for _ in range(min_microbatches(pipe.schedule, pp, rows) - len(mbs))]

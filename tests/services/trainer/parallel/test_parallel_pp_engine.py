@@ -24,6 +24,7 @@ docs/distributed.md.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import defaultdict
 
 import pytest
@@ -268,3 +269,71 @@ def test_pipeline_engine_checkpoint_continues_like_the_uninterrupted_run(family_
         _compare(_whole(ranks, "loaded"), saved, bitwise=True)
         worst = _compare(_whole(ranks, "continued"), continued, bitwise=dims == save[1])
         print(f"\n{family} {'lora' if lora else 'full'} {save[1]} -> {dims}: continued {worst}")
+
+
+# -- settings and refusals ---------------------------------------------------------------------------------------------
+def test_pipeline_settings_are_checked_by_name(family_dirs):
+    from models.checkpoint import build_on_meta
+    from services.trainer.engine.parallel.dims import from_mapping
+    from services.trainer.engine.parallel.parallelize import parallelize
+
+    with pytest.raises(InvalidArgument) as exc:
+        from_mapping({"pp": 2, "pipeline_schedule": "zigzag"}, world_size=4, field_prefix="parallel.")
+    assert exc.value.violations[0].field == "parallel.pipeline_schedule"
+    assert from_mapping({"pp": 2, "pipeline_schedule": "zbv"}, world_size=4).dp_shard == 2
+    whole = build_on_meta(family_dirs["qwen3"])  # 4 layers
+    for degrees, field in ((dict(pp=8), "parallel.pp"),  # 8 stages
+                           (dict(pp=4, pipeline_schedule="interleaved_1f1b"), "parallel.pp"),  # 2 per rank: 8
+                           (dict(pp=2, tp=2), "parallel.tp")):
+        dims = ParallelDims(field_prefix="parallel.", **degrees).resolved(math.prod(
+            v for k, v in degrees.items() if k != "pipeline_schedule"))
+        with pytest.raises(InvalidArgument) as exc:
+            parallelize(whole, dims, None, param_dtype=None)
+        assert exc.value.violations[0].field == field, degrees
+
+
+def _refusals(model_dir, single_root: str) -> dict:
+    """What a pp 2 engine refuses, each with the field it names (or the error's text)."""
+    from pathlib import Path
+
+    from services.trainer.engine.checkpoint import CheckpointMismatch, read_checkpoint
+    from services.trainer.engine.forward_backward import Datum, LossRequest
+
+    engine = TrainingEngine.load(model_dir, lora=LORA, seed=3, optimizer=SETTINGS, device="cpu",
+                                 parallel=ParallelDims(pp=2, field_prefix="parallel."))
+    out = {}
+    tokens = torch.arange(3, 13)[None]
+    for name, call in (
+            ("nll_sum", lambda: engine.nll_sum(tokens, tokens)),
+            ("deterministic", lambda: engine.loss_call(REQ, backward=True, deterministic=True,
+                                                       lock=contextlib.nullcontext)),
+            ("too_long", lambda: run_call(engine.loss_call(LossRequest("cross_entropy", {}, 8), backward=True,
+                                                           deterministic=False, lock=contextlib.nullcontext),
+                                          [Datum(tokens[0], {"target_tokens": tokens[0],
+                                                             "weights": torch.ones(10)})]))):
+        try:
+            call()
+            out[name] = None
+        except InvalidArgument as exc:
+            out[name] = exc.violations[0].field
+    assert all(p.grad is None for p in engine.params)  # nothing ran
+    try:
+        engine.restore(read_checkpoint(Path(single_root)))
+        out["single_process_checkpoint"] = None
+    except CheckpointMismatch as exc:
+        out["single_process_checkpoint"] = str(exc)
+    return out
+
+
+def test_pipeline_engine_refuses_what_it_cannot_run(family_dirs, tmp_path):
+    """nll_sum (managed SFT's forward: a pipeline has no loss tensor to backpropagate), deterministic mode, a datum
+    longer than the pipeline's rows, and a single-process checkpoint (restore it on a layout without pp first):
+    refused with the field or reason named, on every rank alike."""
+    from tests.services.trainer.parallel.test_parallel_checkpoint import BASE, _engine
+
+    model_dir = str(family_dirs["qwen3"])
+    _engine(model_dir, LORA, None).save(tmp_path, base_model=BASE, progress={})
+    for got in run_ranks(_refusals, 2, model_dir, str(tmp_path)):
+        assert got["nll_sum"] == "parallel.pp" and got["deterministic"] == "deterministic"
+        assert got["too_long"] == "data[0]"
+        assert "pipeline-parallel" in got["single_process_checkpoint"]
