@@ -27,6 +27,11 @@ batch_scale (forward_backward.py). A sharded engine's checkpoint has the same la
 the weights gathered from the shards and written by rank 0, the optimizer state and pending gradients with
 torch.distributed.checkpoint under state/dcp/; save, save_weights and restore are then called on every rank, and
 either engine restores either kind of checkpoint (any layout: DCP reshards).
+
+Under pipeline parallelism (pp > 1, ParallelDims.pipeline_schedule) each rank holds its stages of the model
+(engine.stage_models; engine.model is the first), each sharded over the rest of the mesh; loss_call runs the
+pipeline's schedule over the rank's share (parallel/pipeline.py PipelineLossCall), step's gradient norm is summed
+over the pp group too, and the checkpoint is the same layout (docs/pipeline.md). nll_sum is refused there.
 """
 from __future__ import annotations
 

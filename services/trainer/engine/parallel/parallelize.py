@@ -9,7 +9,8 @@
            (load_hf_weights) and the adapter's initial values copied in
 
     parallelize(model, dims, mesh, ...), in this fixed order (torchtitan's):
-        (pipeline split: done by the caller, one stage per rank's model, models.common.pipeline)
+        (pipeline split, pp > 1: build_parallel_model cuts the whole meta model into this rank's stages first,
+         pipeline.split_model, and applies the rest to each stage over the rank's pp slice of the mesh)
         -> expert parallel (parallel/expert.py)  -> context parallel (parallel/context.py: the attention modules
            attend as a ring over mesh["cp"]; the engine then lays out every micro-batch with the model's
            ContextParallel, context_parallel_of(model), see forward_backward.py)

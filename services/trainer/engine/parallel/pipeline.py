@@ -20,7 +20,8 @@ so stage s sends hidden states [1, N, D] to stage s + 1 and no shape inference r
 
 A step (pipeline_step). The call's datums are packed greedily, in order, into rows of at most N tokens
 (forward_backward.MicroBatcher, the engine's rule); when the schedule needs more micro-batches than that (1f1b: at
-least pp; interleaved_1f1b: a multiple of its rounds), empty rows (pad only, loss 0) are added at the end. The
+least pp; interleaved_1f1b: a multiple of its rounds), empty rows (pad only, loss 0 times one token's logprob:
+gradients of exactly zero) are added at the end. The
 schedule's step() splits [M, N] token rows and the micro-batch index along dim 0; a stage looks up its micro-batch's
 Packing by that index, and the last stage's loss_fn looks up its datums: the engine's logprob head
 (logprobs.token_logprobs, chunked, never [N, V] logits) on the final hidden states of the real tokens, then
@@ -37,6 +38,14 @@ single model's gradient, so the same optimizer step keeps them equal).
 Training mode is the caller's: set_trainable(model, "full") on each of pipe.models, or apply_stage_lora(pipe.models,
 pipe.whole, cfg, seed), which gives the stages together the very adapter apply_lora draws on the whole model with
 that seed (a stage keeps the whole model's parameter names, so a saved adapter or checkpoint also loads by name).
+
+In the training engine (engine.py, parallelize.build_parallel_model): each stage is also sharded over the rest of
+the mesh (FSDP, experts over ep, ring attention over cp) and loaded by parallelize.load_hf_weights; pipeline_of
+builds the stages over them for a row size, and PipelineLossCall runs a call's share of datums as the engine's
+LossCall does (data-parallel ranks agreeing on the row count, loss and metrics summed over them, logprobs and
+metrics broadcast to every pp rank). Under context parallelism every row is laid out with the zigzag ContextLayout
+(its length rounded up to a multiple of 2 cp, Pipeline.seq_tokens): stages send this rank's [1, N / cp, D] and the
+last stage's loss is forward_backward.context_parallel_loss on the gathered logprobs. docs/pipeline.md.
 
 Exactness (float32 on CPU): the loss and every gradient equal the single-process LossCall's over the same datums and
 micro_batch_tokens = N up to float32 rounding (tests/services/trainer/parallel/test_parallel_pipeline.py states the

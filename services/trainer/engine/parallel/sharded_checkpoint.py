@@ -36,6 +36,12 @@ tensors need the whole-tensor wrapping above (get_state_dict would hand DCP the 
 model's names, each ep rank's experts overwriting the others'), and the same code then serves the single-process
 engine without a process group. Keys are the parameters' state-dict names (get_state_dict's FQNs).
 
+Pipeline parallelism: a rank's trainable tensors are its stages' (engine.stage_models, the whole model's names);
+a last stage's tied lm_head copy is stored under model.embed_tokens.weight (the first stage's tensor, equal after
+every step: DCP writes one of the two), so the keys are those of a layout without pp and DCP reshards either way. A
+stage checks the saved keys against the whole pipeline's expected keys (gathered over pp). The export is gathered
+within each stage, sent to rank 0 over its pp group and written in the whole model's order (_from_stages).
+
 Not here: per-rank RNG (rank 0's generator is saved and restored on every rank; only LoRA dropout draws from it).
 """
 from __future__ import annotations
