@@ -9,7 +9,8 @@ Dimensions (their product is the world size):
 - tp: tensor parallel (optional): attention heads and MLP columns split.
 - pp: pipeline parallel: each rank holds a run of the layers.
 - pipeline_schedule (not a degree): the pipeline's schedule under pp > 1, by name (parallel/pipeline.py SCHEDULES:
-  gpipe, 1f1b, interleaved_1f1b, zbv; 1f1b by default); the interleaved ones run two stages per rank.
+  gpipe, 1f1b, interleaved_1f1b, zbv; 1f1b by default; the engine refuses zbv, see parallelize.py); the
+  interleaved ones run two stages per rank.
 - ep: expert parallel: each rank holds num_experts / ep experts. It does not add ranks: its group is carved out of
   dp_shard x cp (torchtitan's layout), so ep must divide dp_shard * cp and be a multiple of cp.
 

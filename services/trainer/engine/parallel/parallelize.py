@@ -60,6 +60,11 @@ def _refuse_unapplied(dims: ParallelDims) -> None:
     if dims.tp > 1:
         raise InvalidArgument(f"tp {dims.tp}: tensor parallelism is not available in this trainer yet; set tp to 1",
                               field=dims._field("tp"))
+    if dims.pp > 1 and dims.pipeline_schedule == "zbv":  # torch's split weight backward cannot find the gradient
+        # accumulators of FSDP's unsharded parameters (stage_backward_weight: KeyError); pipeline.py runs it unsharded
+        raise InvalidArgument("pipeline schedule zbv is not available in the engine (its split weight backward does "
+                              "not work with sharded stages); use gpipe, 1f1b or interleaved_1f1b",
+                              field=dims._field("pipeline_schedule"))
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, *, param_dtype: torch.dtype | None,

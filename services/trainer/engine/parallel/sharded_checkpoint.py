@@ -74,13 +74,10 @@ class _Layout:
         for m in models:  # a pipeline's tied lm_head copy is the embeddings (pipeline.py): stored under their name
             if m.args.tie_word_embeddings and m.lm_head is not None and m.model.embed_tokens is None:
                 named[id(m.lm_head.weight)] = "model.embed_tokens.weight"
-        self.params: dict[str, torch.nn.Parameter] = {}
-        self.copies: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []  # (copy, its source on this rank)
-        for p in engine.params:
-            if named[id(p)] in self.params:
-                self.copies.append((p, self.params[named[id(p)]]))
-            else:
-                self.params[named[id(p)]] = p
+        # no rank holds both tied copies (one key): the engine's schedules put the first and the last stage on
+        # different pp ranks (parallelize refuses zbv, whose rank 0 holds both)
+        self.params = dict(zip([named[id(p)] for p in engine.params], engine.params))
+        assert len(self.params) == len(engine.params), "two trainable tensors under one checkpoint key"
         self.layout = {k: v for m in models for k, v in expert_layout(m).items()}
         self.held = {k: v for m in models for k, v in expert_shards(m).items()}
         self.ep = engine.mesh["ep"] if engine.parallel is not None and engine.parallel.ep > 1 else None
@@ -210,16 +207,6 @@ def load_state(engine, path: Path, *, weights: bool, optimizer: bool, gradients:
         name, target = targets[k]
         if name is not None:  # None: a step count, loaded in place
             lay.restore(name, target, stored)
-    with torch.no_grad():  # a second copy on this rank (a pipeline's tied lm_head, with the embeddings' stage)
-        for copy, source in lay.copies:
-            if weights:
-                copy.copy_(source)
-            if optimizer:
-                engine.optimizer.state.pop(copy, None)
-                if source in engine.optimizer.state:
-                    engine.optimizer.state[copy] = {k: v.clone() for k, v in engine.optimizer.state[source].items()}
-            if gradients:
-                copy.grad = None if source.grad is None else source.grad.clone()
 
 
 def load_single_process(engine, ckpt, *, weights: bool, optimizer: bool, gradients: bool) -> None:

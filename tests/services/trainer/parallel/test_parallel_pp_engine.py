@@ -142,7 +142,10 @@ _CASES = [  # (family, lora, world size, dims)
     ("qwen3_moe", None, 4, dict(pp=2, dp_shard=2)),
     ("deepseek_v3", LORA, 4, dict(pp=2, dp_shard=2)),
     ("deepseek_v3", None, 4, dict(pp=2, dp_shard=2)),
+    ("qwen3_moe", LORA, 4, dict(pp=2, dp_shard=2, pipeline_schedule="interleaved_1f1b")),
 ]
+_LAYERS = {"1f1b": [[[0, 1]], [[0, 1]], [[2, 3]], [[2, 3]]],  # 4 layers: 2 stages, or 4 stages (2 per rank)
+           "interleaved_1f1b": [[[0], [2]], [[0], [2]], [[1], [3]], [[1], [3]]]}
 
 
 def _case_id(f, lo, w, d) -> str:
@@ -152,7 +155,8 @@ def _case_id(f, lo, w, d) -> str:
 @pytest.mark.parametrize("family, lora, world, dims", _CASES, ids=[_case_id(*c) for c in _CASES])
 def test_pipeline_engine_matches_the_single_process_engine(family_dirs, family, lora, world, dims):
     ranks, worst = _check(family_dirs[family], lora, world, dims)
-    assert sorted(r["layers"] for r in ranks) == [[[0, 1]], [[0, 1]], [[2, 3]], [[2, 3]]]  # 4 layers, 2 stages
+    assert [r["layers"] for r in sorted(ranks, key=lambda r: (r["pp_rank"], r["dp_rank"]))] == _LAYERS[
+        dims.get("pipeline_schedule", "1f1b")]
     print(f"\n{family} {'lora' if lora else 'full'} world {world} {dims}: {worst}")
 
 
@@ -284,7 +288,8 @@ def test_pipeline_settings_are_checked_by_name(family_dirs):
     whole = build_on_meta(family_dirs["qwen3"])  # 4 layers
     for degrees, field in ((dict(pp=8), "parallel.pp"),  # 8 stages
                            (dict(pp=4, pipeline_schedule="interleaved_1f1b"), "parallel.pp"),  # 2 per rank: 8
-                           (dict(pp=2, tp=2), "parallel.tp")):
+                           (dict(pp=2, tp=2), "parallel.tp"),
+                           (dict(pp=2, pipeline_schedule="zbv"), "parallel.pipeline_schedule")):
         dims = ParallelDims(field_prefix="parallel.", **degrees).resolved(math.prod(
             v for k, v in degrees.items() if k != "pipeline_schedule"))
         with pytest.raises(InvalidArgument) as exc:
