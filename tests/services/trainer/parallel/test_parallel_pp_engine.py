@@ -143,9 +143,13 @@ _CASES = [  # (family, lora, world size, dims)
     ("deepseek_v3", LORA, 4, dict(pp=2, dp_shard=2)),
     ("deepseek_v3", None, 4, dict(pp=2, dp_shard=2)),
     ("qwen3_moe", LORA, 4, dict(pp=2, dp_shard=2, pipeline_schedule="interleaved_1f1b")),
+    ("qwen3", None, 6, dict(pp=3, dp_shard=2)),  # a middle stage: it adds zeros (its shard) to the tied gradient
 ]
-_LAYERS = {"1f1b": [[[0, 1]], [[0, 1]], [[2, 3]], [[2, 3]]],  # 4 layers: 2 stages, or 4 stages (2 per rank)
-           "interleaved_1f1b": [[[0], [2]], [[0], [2]], [[1], [3]], [[1], [3]]]}
+_LAYERS = {  # (schedule, pp): each rank's stages' layers, by (pp rank, dp rank); 4 layers
+    ("1f1b", 2): [[[0, 1]], [[0, 1]], [[2, 3]], [[2, 3]]],
+    ("interleaved_1f1b", 2): [[[0], [2]], [[0], [2]], [[1], [3]], [[1], [3]]],  # 4 stages, 2 per rank
+    ("1f1b", 3): [[[0]], [[0]], [[1, 2]], [[1, 2]], [[3]], [[3]]],  # the middle stage takes the extra layer
+}
 
 
 def _case_id(f, lo, w, d) -> str:
@@ -156,7 +160,7 @@ def _case_id(f, lo, w, d) -> str:
 def test_pipeline_engine_matches_the_single_process_engine(family_dirs, family, lora, world, dims):
     ranks, worst = _check(family_dirs[family], lora, world, dims)
     assert [r["layers"] for r in sorted(ranks, key=lambda r: (r["pp_rank"], r["dp_rank"]))] == _LAYERS[
-        dims.get("pipeline_schedule", "1f1b")]
+        dims.get("pipeline_schedule", "1f1b"), dims["pp"]]
     print(f"\n{family} {'lora' if lora else 'full'} world {world} {dims}: {worst}")
 
 
