@@ -105,9 +105,8 @@ class TrainingEngine:
             import torch.distributed as dist
 
             from services.trainer.engine.parallel import build_mesh
-            from services.trainer.engine.parallel.parallelize import build_parallel_model
-
             from services.trainer.engine.parallel.fsdp import mixed_precision
+            from services.trainer.engine.parallel.parallelize import build_parallel_model
 
             dims = parallel.resolved(dist.get_world_size())
             mesh = build_mesh(dims, device.type)

@@ -67,6 +67,13 @@ def _refuse_unapplied(dims: ParallelDims) -> None:
                               field=dims._field("pipeline_schedule"))
 
 
+def _check(dims: ParallelDims, model: nn.Module) -> None:
+    """What parallelize refuses for this model (a CausalLM or a stage of one): unapplied dimensions, then
+    ParallelDims.check_model with the pipeline's stages in all (pp times the schedule's stages per rank)."""
+    _refuse_unapplied(dims)
+    dims.check_model(model.args, pp_stages=dims.pp * schedule_spec(dims.pipeline_schedule).stages_per_rank)
+
+
 def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, *, param_dtype: torch.dtype | None,
                 reduce_dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False,
                 reshard_after_forward: bool = True) -> None:
@@ -76,8 +83,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, *, param
     the mesh: every sub-mesh below (mesh["dp_shard_cp"], mesh["ep"], ...) is this rank's pp slice's."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    _refuse_unapplied(dims)
-    dims.check_model(model.args, pp_stages=dims.pp * schedule_spec(dims.pipeline_schedule).stages_per_rank)
+    _check(dims, model)
     apply_expert_parallel(model, mesh, dims)  # each MoE layer keeps num_experts / ep experts; tokens over mesh["ep"]
     apply_context_parallel(model, mesh, dims)  # attention as a ring over mesh["cp"]; context.context_parallel_of
     if activation_checkpointing:
@@ -105,8 +111,7 @@ def build_parallel_model(model_dir: str | Path, dims: ParallelDims, mesh: Device
     _set_dtypes(whole, dtype, _float32_pattern(family))
     args.torch_dtype = str(dtype).removeprefix("torch.")
     if dims.pp > 1:
-        _refuse_unapplied(dims)
-        dims.check_model(args, pp_stages=dims.pp * schedule_spec(dims.pipeline_schedule).stages_per_rank)
+        _check(dims, whole)  # before the split (parallelize checks each stage again)
         stages = split_model(whole, mesh["pp"].get_local_rank(), dims.pp, dims.pipeline_schedule)
     else:
         stages = [(0, whole)]
