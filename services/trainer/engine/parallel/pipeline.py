@@ -21,9 +21,9 @@ so stage s sends hidden states [1, N, D] to stage s + 1 and no shape inference r
 A step (pipeline_step). The call's datums are packed greedily, in order, into rows of at most N tokens
 (forward_backward.MicroBatcher, the engine's rule); when the schedule needs more micro-batches than that (1f1b: at
 least pp; interleaved_1f1b: a multiple of its rounds), empty rows (pad only, loss 0 times one token's logprob:
-gradients of exactly zero) are added at the end. The
-schedule's step() splits [M, N] token rows and the micro-batch index along dim 0; a stage looks up its micro-batch's
-Packing by that index, and the last stage's loss_fn looks up its datums: the engine's logprob head
+gradients of exactly zero) are added at the end. The schedule's step() splits [M, N] token rows and the micro-batch
+index along dim 0; a stage looks up its micro-batch's Packing by that index, and the last stage's loss_fn looks up
+its datums: the engine's logprob head
 (logprobs.token_logprobs, chunked, never [N, V] logits) on the final hidden states of the real tokens, then
 losses.datum_loss of each datum, summed (forward_backward.micro_batch_loss): every built-in loss of losses.LOSS_FNS,
 not only cross_entropy. Gradients are the engine's sums: the schedule runs with scale_grads=False (never divided by
@@ -67,11 +67,11 @@ from models.checkpoint import build_on_meta, load_weights
 from models.common.pipeline import pipeline_stage
 from services.common.errors import InvalidArgument
 from services.trainer.engine import losses
-from services.trainer.engine.logprobs import token_logprobs
 from services.trainer.engine.forward_backward import (
     Datum, LossRequest, MicroBatcher, context_parallel_loss, micro_batch_loss, micro_batch_metrics,
     summed_over_ranks,
 )
+from services.trainer.engine.logprobs import token_logprobs
 
 PAD_TOKEN = 0
 
