@@ -40,7 +40,9 @@ Pipeline parallelism: a rank's trainable tensors are its stages' (engine.stage_m
 a last stage's tied lm_head copy is stored under model.embed_tokens.weight (the first stage's tensor, equal after
 every step: DCP writes one of the two), so the keys are those of a layout without pp and DCP reshards either way. A
 stage checks the saved keys against the whole pipeline's expected keys (gathered over pp). The export is gathered
-within each stage, sent to rank 0 over its pp group and written in the whole model's order (_from_stages).
+within each stage, sent to rank 0 over its pp group and written in the whole model's order (_from_stages). A
+single-process checkpoint's optimizer.pt and gradients.pt are indexed by the single-process engine's parameters,
+rebuilt on the meta device (_whole_trainable), so a stage takes its parameters' entries by name.
 
 Not here: per-rank RNG (rank 0's generator is saved and restored on every rank; only LoRA dropout draws from it).
 """
@@ -211,52 +213,78 @@ def load_state(engine, path: Path, *, weights: bool, optimizer: bool, gradients:
 
 def load_single_process(engine, ckpt, *, weights: bool, optimizer: bool, gradients: bool) -> None:
     """A single-process checkpoint (checkpoint.py: weights/ export, optimizer.pt, gradients.pt) into a sharded
-    engine: every rank reads the whole files and keeps its shard (its experts, then its FSDP chunk)."""
+    engine: every rank reads the whole files and keeps its shard (its experts, then its FSDP chunk). Under pipeline
+    parallelism a rank keeps its stages' part: optimizer.pt and gradients.pt are indexed by the single-process
+    engine's parameter list, which _whole_trainable rebuilds on the meta device."""
     from models.families import family_for_config
     from models.model_dir import read_config
     from services.trainer.engine import checkpoint as ckpt_format
     from services.trainer.engine.parallel.parallelize import load_hf_weights
 
-    if engine.pp > 1:
-        raise ckpt_format.CheckpointMismatch("a single-process checkpoint cannot be restored into a pipeline-"
-                                             "parallel engine (pp > 1) yet: restore it on a layout without pp, save, "
-                                             "and restore that")
     lay = _Layout(engine)
-    plain = [torch.empty(lay.held[n].global_shape if n in lay.held else p.shape, dtype=p.dtype, device="meta")
-             for n, p in lay.params.items()]
+    whole = _whole_trainable(engine, lay)  # {name: a meta tensor of its whole shape}, the single-process order
+    plain = list(whole.values())
     optim = ckpt_format.optimizer_state(ckpt, plain, torch.device("cpu")) if optimizer else None
     grads = (ckpt_format.gradient_tensors(ckpt, plain, torch.device("cpu"))
              if gradients and ckpt.has_gradients else None)
     if weights:
         if engine.lora is None:
-            load_hf_weights(engine.model, ckpt.weights_dir, family_for_config(read_config(ckpt.weights_dir)))
+            family = family_for_config(read_config(ckpt.weights_dir))
+            for model in engine.stage_models:
+                load_hf_weights(model, ckpt.weights_dir, family)
         else:
-            names = {id(p): n for n, p in engine.model.named_parameters()}
-            params = lora_parameters(engine.model, engine.adapter)
-            whole = {k: torch.empty(lay.held[names[id(p)]].global_shape if names[id(p)] in lay.held else p.shape,
-                                    device="meta") for k, p in params.items()}
+            names = {id(p): n for m in engine.stage_models for n, p in m.named_parameters()}
+            params = {k: p for m in engine.stage_models for k, p in lora_parameters(m, engine.adapter).items()}
             try:
                 tensors = load_file(str(ckpt.weights_dir / ADAPTER_WEIGHTS))
             except (OSError, ValueError, RuntimeError) as exc:
                 raise ckpt_format.CheckpointMismatch(f"the saved adapter cannot be read: {exc}") from None
-            ckpt_format._checked(tensors, whole)
+            ckpt_format._checked(tensors, _whole_adapter(engine, lay))
             for key, p in params.items():
                 _copy_full_into(p, _held(lay, names[id(p)], tensors[key]))
-    names = list(lay.params)
-    for i, (name, p) in enumerate(lay.params.items()):
+    index = {name: i for i, name in enumerate(whole)}
+    for name, p in lay.params.items():
         if grads is not None:
-            p.grad = None if grads[i] is None else _sharded_like(p, _held(lay, name, grads[i]))
+            g = grads[index[name]]
+            p.grad = None if g is None else _sharded_like(p, _held(lay, name, g))
         elif gradients:
             p.grad = None
     if optim is not None:
         engine.optimizer.state.clear()
         indices = [i for g in optim["param_groups"] for i in g["params"]]
-        for i, name in zip(indices, names):
-            saved = optim["state"].get(i)
+        for name, p in lay.params.items():
+            saved = optim["state"].get(indices[index[name]])
             if saved:
-                p = lay.params[name]
                 engine.optimizer.state[p] = {"step": saved["step"].clone(),
                                              **{m: _sharded_like(p, _held(lay, name, saved[m])) for m in _MOMENTS}}
+
+
+def _whole_trainable(engine, lay: _Layout) -> dict[str, torch.Tensor]:
+    """{name: meta tensor of the whole shape and dtype} of the single-process engine's trainable parameters, in its
+    order (its optimizer's): this engine's own without pp; under pp the whole meta model's (every parameter, the
+    tied one once) or the whole adapter's (pipeline.lora_skeleton)."""
+    if engine.pp == 1:
+        return {n: torch.empty(lay.held[n].global_shape if n in lay.held else p.shape, dtype=p.dtype,
+                               device="meta") for n, p in lay.params.items()}
+    if engine.lora is None:
+        return {n: p for n, p in engine.whole.named_parameters()}
+    from services.trainer.engine.parallel.pipeline import lora_skeleton
+
+    skeleton, order = lora_skeleton(engine.whole, engine.lora, engine.adapter)
+    names = {id(p): n for n, p in skeleton.named_parameters()}
+    return {names[id(p)]: p for p in order}
+
+
+def _whole_adapter(engine, lay: _Layout) -> dict[str, torch.Tensor]:
+    """{PEFT key: meta tensor of the whole shape} of the whole adapter (what a saved adapter must hold)."""
+    model = engine.model
+    if engine.pp > 1:
+        from services.trainer.engine.parallel.pipeline import lora_skeleton
+
+        model = lora_skeleton(engine.whole, engine.lora, engine.adapter)[0]
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {k: torch.empty(lay.held[names[id(p)]].global_shape if names[id(p)] in lay.held else p.shape,
+                           device="meta") for k, p in lora_parameters(model, engine.adapter).items()}
 
 
 def _held(lay: _Layout, name: str, whole: torch.Tensor) -> torch.Tensor:

@@ -189,11 +189,11 @@ def _snapshot(engine: TrainingEngine) -> dict:
 
     names = {id(p): n for m in engine.stage_models for n, p in m.named_parameters()}
     params = {names[id(p)]: p for p in engine.params}
-    out = {"steps": engine.steps, "dp_rank": engine.dp_rank,
-           "pp_rank": engine.mesh["pp"].get_local_rank() if engine.pp > 1 else 0}
+    out = {"steps": engine.steps, "dp_rank": engine.dp_rank}
     for part, of in (("weights", lambda p: p), ("exp_avg", lambda p: engine.optimizer.state[p]["exp_avg"]),
                      ("exp_avg_sq", lambda p: engine.optimizer.state[p]["exp_avg_sq"])):
-        out[part] = {n: t.detach() for n, t in gather_whole(engine, {n: of(p) for n, p in params.items()}).items()}
+        out[part] = {n: t.detach().clone()  # a single-process engine's are the live tensors
+                     for n, t in gather_whole(engine, {n: of(p) for n, p in params.items()}).items()}
     out["adam_steps"] = sorted({float(engine.optimizer.state[p]["step"]) for p in params.values()})
     return out
 
@@ -203,7 +203,7 @@ def _train_save(model_dir, lora, dims: dict, root: str) -> dict:
 
     from tests.services.trainer.parallel.test_parallel_checkpoint import BASE, _engine, _step
 
-    engine = _engine(model_dir, lora, dims)
+    engine = _engine(model_dir, lora, dims)  # dims None: the single-process engine
     _step(engine, seed=0)
     engine.save(Path(root), base_model=BASE, progress={"step": 1})
     saved = _snapshot(engine)
@@ -243,26 +243,31 @@ def _whole(ranks: list[dict], key: str) -> dict:
 _CKPT_CASES = [  # (family, lora, (world, dims) saving, [(world, dims) loading ...])
     ("qwen3", None, (4, dict(pp=2, dp_shard=2)), [(4, dict(pp=2, dp_shard=2)), (4, dict(dp_shard=4))]),
     ("qwen3_moe", LORA, (4, dict(pp=2, dp_shard=2)), [(4, dict(pp=2, dp_shard=2)), (4, dict(dp_shard=4, ep=2))]),
+    ("qwen3", None, (1, None), [(4, dict(pp=2, dp_shard=2))]),  # a single-process checkpoint into stages
+    ("qwen3_moe", LORA, (1, None), [(4, dict(pp=2, dp_shard=2))]),
 ]
 
 
 @pytest.mark.parametrize("family, lora, save, loads", _CKPT_CASES, ids=[
-    f"{c[0]}-{'lora' if c[1] else 'full'}" for c in _CKPT_CASES])
+    f"{c[0]}-{'lora' if c[1] else 'full'}-{'pp' if c[2][1] else 'single'}" for c in _CKPT_CASES])
 def test_pipeline_engine_checkpoint_continues_like_the_uninterrupted_run(family_dirs, tmp_path, family, lora, save,
                                                                           loads):
-    """Save after one step under pp 2 x dp_shard 2, then (a) the uninterrupted run's next step and (b) a fresh engine
-    restoring the checkpoint and taking the same step: on the same layout bitwise the same; on a layout without pp
-    (DCP reshards the stages' tensors into dp_shard 4, ep 2 for the MoE) restored bitwise and continued within
+    """Save after one step under pp 2 x dp_shard 2 (or on one process), then (a) the uninterrupted run's next step
+    and (b) a fresh engine restoring the checkpoint and taking the same step: on the same layout bitwise the same;
+    on another layout (DCP reshards the stages' tensors into dp_shard 4, ep 2 for the MoE; a single-process
+    checkpoint's optimizer.pt is split into the stages by name) restored bitwise and continued within
     test_parallel_checkpoint.py's tolerances. The export (weights/, gathered from both stages by rank 0) restores
     into the single-process engine as the saved weights exactly, and that engine writes the same bytes."""
     from services.trainer.engine.checkpoint import read_checkpoint
     from tests.services.trainer.parallel.test_parallel_checkpoint import BASE, _compare, _engine, _same_export
 
     model_dir, root = str(family_dirs[family]), tmp_path / "ckpt"
-    first = run_ranks(_train_save, save[0], model_dir, lora, save[1], str(root))
+    first = (run_ranks(_train_save, save[0], model_dir, lora, save[1], str(root)) if save[1] is not None
+             else [_train_save(model_dir, lora, None, str(root))])
     saved, continued = _whole(first, "saved"), _whole(first, "continued")
     ckpt = read_checkpoint(root)
-    assert ckpt.has_dcp and ckpt.optim_steps == 1 and ckpt.parallel["pp"] == 2
+    assert ckpt.optim_steps == 1 and ckpt.has_dcp == (save[1] is not None)
+    assert ckpt.parallel is None if save[1] is None else ckpt.parallel["pp"] == 2
     single = _engine(model_dir, lora, None)
     single.restore(ckpt, optimizer=False)
     names = {id(p): n for n, p in single.model.named_parameters()}
@@ -326,23 +331,23 @@ def _refusals(model_dir, single_root: str) -> dict:
         except InvalidArgument as exc:
             out[name] = exc.violations[0].field
     assert all(p.grad is None for p in engine.params)  # nothing ran
-    try:
+    try:  # a full-parameter checkpoint into a LoRA engine
         engine.restore(read_checkpoint(Path(single_root)))
-        out["single_process_checkpoint"] = None
+        out["checkpoint"] = None
     except CheckpointMismatch as exc:
-        out["single_process_checkpoint"] = str(exc)
+        out["checkpoint"] = str(exc)
     return out
 
 
 def test_pipeline_engine_refuses_what_it_cannot_run(family_dirs, tmp_path):
     """nll_sum (managed SFT's forward: a pipeline has no loss tensor to backpropagate), deterministic mode, a datum
-    longer than the pipeline's rows, and a single-process checkpoint (restore it on a layout without pp first):
-    refused with the field or reason named, on every rank alike."""
+    longer than the pipeline's rows, and a checkpoint of the other training mode: refused with the field or reason
+    named, on every rank alike."""
     from tests.services.trainer.parallel.test_parallel_checkpoint import BASE, _engine
 
     model_dir = str(family_dirs["qwen3"])
-    _engine(model_dir, LORA, None).save(tmp_path, base_model=BASE, progress={})
+    _engine(model_dir, None, None).save(tmp_path, base_model=BASE, progress={})
     for got in run_ranks(_refusals, 2, model_dir, str(tmp_path)):
         assert got["nll_sum"] == "parallel.pp" and got["deterministic"] == "deterministic"
         assert got["too_long"] == "data[0]"
-        assert "pipeline-parallel" in got["single_process_checkpoint"]
+        assert "full-parameter" in got["checkpoint"]
