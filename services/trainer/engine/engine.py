@@ -27,6 +27,11 @@ batch_scale (forward_backward.py). A sharded engine's checkpoint has the same la
 the weights gathered from the shards and written by rank 0, the optimizer state and pending gradients with
 torch.distributed.checkpoint under state/dcp/; save, save_weights and restore are then called on every rank, and
 either engine restores either kind of checkpoint (any layout: DCP reshards).
+
+Under pipeline parallelism (pp > 1, ParallelDims.pipeline_schedule) each rank holds its stages of the model
+(engine.stage_models; engine.model is the first), each sharded over the rest of the mesh; loss_call runs the
+pipeline's schedule over the rank's share (parallel/pipeline.py PipelineLossCall), step's gradient norm is summed
+over the pp group too, and the checkpoint is the same layout (docs/pipeline.md). nll_sum is refused there.
 """
 from __future__ import annotations
 
@@ -65,10 +70,16 @@ class TrainingEngine:
 
     def __init__(self, model: nn.Module, params: list[nn.Parameter], *, optimizer: AdamW, device: torch.device,
                  lora: LoraConfig | None, adapter: str = "default", seed: int = 0,
-                 parallel: ParallelDims | None = None, mesh=None):
+                 parallel: ParallelDims | None = None, mesh=None, stages: list[tuple[int, nn.Module]] | None = None,
+                 whole: nn.Module | None = None, activation_dtype: torch.dtype = torch.float32):
         self.model, self.params, self.device = model, params, device
         self.lora, self.adapter, self.seed = lora, adapter, seed
         self.parallel, self.mesh = parallel, mesh  # None: one process (the model unsharded)
+        # under pipeline parallelism (pp > 1): this rank's stages ((stage index, CausalLM stage); model is the first
+        # of them), the whole model on the meta device, the activations' dtype, and a Pipeline per row size
+        self.stages = stages if stages is not None else [(0, model)]
+        self.whole, self.activation_dtype = whole, activation_dtype
+        self._pipelines: dict = {}
         self.context_parallel = None  # the model's ContextParallel under cp > 1 (parallel/context.py)
         if parallel is not None and parallel.cp > 1:
             from services.trainer.engine.parallel.context import context_parallel_of
@@ -94,14 +105,17 @@ class TrainingEngine:
             import torch.distributed as dist
 
             from services.trainer.engine.parallel import build_mesh
+            from services.trainer.engine.parallel.fsdp import mixed_precision
             from services.trainer.engine.parallel.parallelize import build_parallel_model
 
             dims = parallel.resolved(dist.get_world_size())
             mesh = build_mesh(dims, device.type)
-            model, params = build_parallel_model(model_dir, dims, mesh, lora=lora, seed=seed, device=device,
-                                                 dtype=dtype, activation_checkpointing=activation_checkpointing)
-            return cls(model, params, optimizer=optimizer, device=device, lora=lora, seed=seed, parallel=dims,
-                       mesh=mesh)
+            stages, whole, params = build_parallel_model(model_dir, dims, mesh, lora=lora, seed=seed, device=device,
+                                                         dtype=dtype,
+                                                         activation_checkpointing=activation_checkpointing)
+            return cls(stages[0][1], params, optimizer=optimizer, device=device, lora=lora, seed=seed, parallel=dims,
+                       mesh=mesh, stages=stages, whole=whole,
+                       activation_dtype=mixed_precision(device, full_parameter=lora is None).param_dtype or dtype)
         model = load_pretrained(model_dir, dtype=dtype, device=device)
         params = apply_lora(model, lora, seed=seed) if lora is not None else set_trainable(model, "full")
         if activation_checkpointing:
@@ -125,6 +139,43 @@ class TrainingEngine:
     def dp_size(self) -> int:
         return 1 if self.mesh is None else self.mesh["dp"].size()
 
+    # -- pipeline parallel -------------------------------------------------------------------------------------------
+    @property
+    def pp(self) -> int:
+        """Pipeline stages' ranks (1: no pipeline)."""
+        return 1 if self.parallel is None else self.parallel.pp
+
+    @property
+    def stage_models(self) -> list[nn.Module]:
+        """The models this rank trains: the whole model, or under pp its stages (each keeps the whole model's
+        parameter names; model is the first)."""
+        return [m for _, m in self.stages]
+
+    def pipeline(self, row_tokens: int):
+        """This rank's Pipeline (parallel/pipeline.py) over its stages for rows of row_tokens tokens (built on first
+        use per row size: PipelineStages have static shapes)."""
+        pipe = self._pipelines.get(row_tokens)
+        if pipe is None:
+            from services.trainer.engine.parallel.parallelize import local_shape
+            from services.trainer.engine.parallel.pipeline import pipeline_of
+
+            args = self.whole.args
+            pipe = pipeline_of(self.stages, self.mesh["pp"].get_group(), self.whole,
+                               schedule=self.parallel.pipeline_schedule, row_tokens=row_tokens,
+                               dtype=self.activation_dtype, device=self.device,
+                               tied_shape=local_shape((args.vocab_size, args.hidden_size), self.parallel, self.mesh),
+                               cp=self.context_parallel)
+            self._pipelines[row_tokens] = pipe
+        return pipe
+
+    def _uncounted(self) -> frozenset[int]:
+        """The parameters the gradient norm leaves out: under pp with tied embeddings, the last stage's lm_head (a
+        second copy of the embeddings, whose gradient pipeline.py makes the same; the first stage's counts)."""
+        if self.pp == 1 or not self.model.args.tie_word_embeddings:
+            return frozenset()
+        return frozenset(id(m.lm_head.weight) for m in self.stage_models
+                         if m.lm_head is not None and m.model.embed_tokens is None)
+
     @property
     def num_trainable(self) -> int:
         return sum(p.numel() for p in self.params)
@@ -137,7 +188,14 @@ class TrainingEngine:
         row with packing) is padded to a multiple of 2 cp tokens (IGNORE_INDEX targets; with packing a padding
         document of its own), this rank's shard runs the model and the logprob head, and the value returned is the
         whole batch's sum (an all_reduce over the cp group) whose backward reaches this rank's tokens only
-        (context.SumOverGroup): FSDP sums the weights' gradients over the cp group, so they are the whole sum's."""
+        (context.SumOverGroup): FSDP sums the weights' gradients over the cp group, so they are the whole sum's.
+        Not under pipeline parallelism (InvalidArgument on pp): a pipeline runs its schedule's forward and backward
+        together, so a loss tensor to call backward on does not exist; train through loss_call instead."""
+        if self.pp > 1:
+            from services.common.errors import InvalidArgument
+
+            raise InvalidArgument(f"pp {self.pp}: the summed-NLL forward (managed SFT's) is not available with "
+                                  "pipeline parallelism; set pp to 1", field=self.parallel._field("pp"))
         cp = self.context_parallel
         if cp is None:
             return target_nll_sum(self.model, input_ids_BT.to(self.device), targets_BT.to(self.device),
@@ -159,7 +217,9 @@ class TrainingEngine:
 
     def step(self, settings: AdamW) -> torch.Tensor:
         """One optimizer step over the accumulated gradients (optim.optimizer_step); the gradient norm."""
-        norm = optimizer_step(self.params, self.optimizer, settings, split_over=self._split_gradients())
+        norm = optimizer_step(self.params, self.optimizer, settings, split_over=self._split_gradients(),
+                              sum_over=self.mesh["pp"].get_group() if self.pp > 1 else None,
+                              uncounted=self._uncounted())
         self.steps += 1
         return norm
 
@@ -186,6 +246,12 @@ class TrainingEngine:
         ranks only) and each returns its datums' whole logprobs (forward_backward.py's module docstring)."""
         if self.dp_size > 1 and batch_scale is None:
             raise ValueError("a data-parallel engine needs the call's batch_scale over every rank's datums")
+        if self.pp > 1:
+            from services.trainer.engine.parallel.pipeline import PipelineLossCall
+
+            return PipelineLossCall(self.pipeline(req.micro_batch_tokens), req, backward=backward,
+                                    deterministic=deterministic, lock=lock, batch_scale=batch_scale,
+                                    dp_group=self.dp_group if self.dp_size > 1 else None)
         return LossCall(self.model, self.params, req, backward=backward, deterministic=deterministic,
                         device=self.device, lock=lock, dp_group=self.dp_group, batch_scale=batch_scale,
                         cp=self.context_parallel)
@@ -221,7 +287,8 @@ class TrainingEngine:
             save_state(self, root / ckpt_format.STATE_DIR / ckpt_format.DCP_DIR)
             if dist.get_rank() == 0:
                 layout = {**{k: getattr(self.parallel, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp",
-                                                                    "ep")}, "world_size": dist.get_world_size()}
+                                                                    "ep", "pipeline_schedule")},
+                          "world_size": dist.get_world_size()}
                 ckpt_format.write_state(root / ckpt_format.STATE_DIR, base_model=base_model, lora=self.lora,
                                         seed=self.seed, optim_steps=self.steps, optimizer=None,
                                         rng=self.rng_state(), progress=progress, parallel=layout)

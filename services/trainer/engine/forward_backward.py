@@ -33,7 +33,7 @@ group get the same datums (split_for_ranks over dp only). A micro-batch's packed
 multiple of 2 cp, with a trailing padding document (IGNORE_INDEX targets: logprob 0, no gradient), laid out with
 cp.layout(packing=...), and this rank's L = P / cp tokens go through the model and the logprob head. The whole
 row's [N] logprobs are then gathered over the cp group, the rank's own positions keeping their graph
-(_context_parallel_logprobs), so every rank computes every datum's loss exactly as one process does and its
+(context_parallel_loss), so every rank computes every datum's loss exactly as one process does and its
 backward reaches the model through the rank's own tokens only; FSDP sums the weights' gradients over dp_shard_cp.
 Every built-in loss works this way (gspo, nonlinear in the whole datum's logprobs, included); the logprobs returned
 are the whole datums'. Padding micro-batches are 2 cp tokens. Deterministic mode is refused under cp.
@@ -159,23 +159,34 @@ class MicroBatchResult:
     metric_sums: list[dict[str, torch.Tensor]]
 
 
-def _context_parallel_logprobs(model: nn.Module, cp, datums: list[Datum], targets: torch.Tensor, *,
-                               device: torch.device) -> torch.Tensor:
-    """The micro-batch's [N] or [N, K] logprobs over a context-parallel model (module docstring): the packed row
-    padded to P tokens (a multiple of 2 cp; a trailing padding document with IGNORE_INDEX targets), this rank's
-    L = P / cp tokens run through the model and the logprob head, the whole row's logprobs gathered over the cp
-    group, the graph kept on this rank's own positions (context.with_local_graph), the padding cut off."""
-    from services.trainer.engine.parallel.context import padded_packing, with_local_graph
+def _context_parallel_hidden(model: nn.Module, cp, datums: list[Datum], *, device: torch.device):
+    """(this rank's [L, D] final hidden states, the row's ContextLayout) of the micro-batch's packed row over a
+    context-parallel model (module docstring): the row padded to P tokens (a multiple of 2 cp; a trailing padding
+    document), laid out by cp.layout(packing=...), this rank's L = P / cp tokens run through the model."""
+    from services.trainer.engine.parallel.context import padded_packing
 
-    N = targets.shape[0]
-    packing = padded_packing([d.length for d in datums], cp, device)
-    layout = cp.layout(packing=packing)
-    P = layout.seq_len
-    tokens_1P = F.pad(torch.cat([d.tokens for d in datums]), (0, P - N))[None].to(device)
+    N = sum(d.length for d in datums)
+    layout = cp.layout(packing=padded_packing([d.length for d in datums], cp, device))
+    tokens_1P = F.pad(torch.cat([d.tokens for d in datums]), (0, layout.seq_len - N))[None].to(device)
+    return model(layout.shard(tokens_1P), packing=layout, return_hidden=True)[0], layout
+
+
+def context_parallel_loss(model: nn.Module, hidden_LD: torch.Tensor, layout, datums: list[Datum], req: LossRequest,
+                          *, device: torch.device
+                          ) -> tuple[torch.Tensor, list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """micro_batch_loss's result under context parallelism, from this rank's final hidden states [L, D] of the
+    datums' packed row laid out by layout (its padding, if any, a trailing document): the local tokens' logprobs
+    (the targets padded with IGNORE_INDEX: logprob 0, no gradient), the whole row's gathered over the cp group with
+    the graph kept on this rank's own positions (context.with_local_graph), then every datum's loss as on one
+    process. model holds lm_head (a whole model or a last pipeline stage)."""
+    from services.trainer.engine.parallel.context import with_local_graph
+
+    targets = _packed_targets(datums).to(device)
+    N, P = targets.shape[0], layout.seq_len
     targets_P = torch.cat([targets, targets.new_full((P - N, *targets.shape[1:]), IGNORE_INDEX)])
-    hidden_LD = model(layout.shard(tokens_1P), packing=layout, return_hidden=True)[0]
     logprobs_L = token_logprobs(model, hidden_LD, layout.shard(targets_P, dim=0))
-    return with_local_graph(layout.gather(logprobs_L.detach(), dim=0), logprobs_L, layout)[:N]
+    logprobs = with_local_graph(layout.gather(logprobs_L.detach(), dim=0), logprobs_L, layout)[:N]
+    return _datum_losses(logprobs, datums, req, device)
 
 
 def run_micro_batch(model: nn.Module, datums: list[Datum], req: LossRequest, *, backward: bool,
@@ -188,9 +199,8 @@ def run_micro_batch(model: nn.Module, datums: list[Datum], req: LossRequest, *, 
             total, per_datum, inputs = micro_batch_loss(model, hidden_ND, datums, req, deterministic=deterministic,
                                                         device=device)
         else:
-            logprobs = _context_parallel_logprobs(model, cp, datums, _packed_targets(datums).to(device),
-                                                  device=device)
-            total, per_datum, inputs = _datum_losses(logprobs, datums, req, device)
+            hidden_LD, layout = _context_parallel_hidden(model, cp, datums, device=device)
+            total, per_datum, inputs = context_parallel_loss(model, hidden_LD, layout, datums, req, device=device)
         if backward:
             total.backward()
         del total
@@ -308,7 +318,8 @@ class LossCall:
             c = losses.batch_scale(self.req.loss_fn, self.req.config, self.inputs)
         if not math.isfinite(c):
             raise InvalidArgument(f"the batch factor of loss '{self.req.loss_fn}' is {c}", field="loss_fn_config")
-        metric_sums = self.metric_sums if self.dp_group is None else [self._summed_over_ranks(self.metric_sums)]
+        metric_sums = (self.metric_sums if self.dp_group is None
+                       else [summed_over_ranks(self.metric_sums, self.dp_group)])
         metrics = losses.batch_metrics(self.req.loss_fn, c, metric_sums)
         if self.backward:
             with torch.no_grad():
@@ -352,12 +363,14 @@ class LossCall:
             with self.lock():
                 run_padding_micro_batch(self.model, backward=self.backward, device=self.device, cp=self.cp)
 
-    def _summed_over_ranks(self, metric_sums: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """The metric sums of every rank's datums (float64; keys are the loss's, the same on every rank)."""
-        keys = sorted(metric_sums[0])
-        totals = torch.stack([torch.stack([s[k].double() for s in metric_sums]).sum() for k in keys])
-        dist.all_reduce(totals, group=self.dp_group)
-        return dict(zip(keys, totals))
+
+
+def summed_over_ranks(metric_sums: list[dict[str, torch.Tensor]], group) -> dict[str, torch.Tensor]:
+    """The metric sums of every rank's datums (float64; keys are the loss's, the same on every rank of group)."""
+    keys = sorted(metric_sums[0])
+    totals = torch.stack([torch.stack([s[k].double() for s in metric_sums]).sum() for k in keys])
+    dist.all_reduce(totals, group=group)
+    return dict(zip(keys, totals))
 
 
 def split_for_ranks(items: list, ranks: int) -> list[list]:

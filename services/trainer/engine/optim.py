@@ -37,14 +37,17 @@ class NonFiniteGradient(ValueError):
 
 
 def optimizer_step(params: list[nn.Parameter], optimizer: torch.optim.Optimizer, settings: AdamW, *,
-                   split_over: dict | None = None) -> torch.Tensor:
+                   split_over: dict | None = None, sum_over=None, uncounted: frozenset[int] = frozenset()
+                   ) -> torch.Tensor:
     """Apply the accumulated gradients with these settings and clear them; returns the gradient norm before any
     clipping (a 0-dim tensor). A NaN or infinite norm would turn every weight it reaches into NaN (clipping
     included, which scales by max_norm / norm): then nothing is applied, the gradients are cleared and
     NonFiniteGradient raised, the weights and the optimizer's state and hyperparameters untouched.
-    split_over: see total_norm."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = total_norm(grads, split_over) if grads else torch.zeros(())
+    split_over, sum_over: see total_norm (with sum_over every rank of the group calls it, whatever gradients it
+    has). uncounted: ids of parameters left out of the norm (still clipped and stepped): a second copy of a weight
+    the norm already counts (a pipeline's tied lm_head, pipeline.py)."""
+    grads = [p.grad for p in params if p.grad is not None and id(p) not in uncounted]
+    norm = total_norm(grads, split_over, sum_over) if grads or sum_over is not None else torch.zeros(())
     if not torch.isfinite(norm):  # syncs: once per optimizer step, so that inf/NaN is never applied
         optimizer.zero_grad(set_to_none=True)
         raise NonFiniteGradient(float(norm))
@@ -68,16 +71,22 @@ def _by_mesh(items: list, tensor_of=lambda t: t) -> dict:
     return groups
 
 
-def total_norm(grads: list[torch.Tensor], split_over: dict | None = None) -> torch.Tensor:
+def total_norm(grads: list[torch.Tensor], split_over: dict | None = None, sum_over=None) -> torch.Tensor:
     """The L2 norm of all the gradients together (0-dim, a plain tensor). Sharded gradients (DTensors: FSDP's, or
     experts sharded over another mesh) count whole: each mesh's group of them is normed as a DTensor (partial sums
     of squares) and made whole with full_tensor() (an all-reduce over that mesh), so every rank gets the same, global
     norm, the one the unsharded gradients have. split_over {mesh: process group}: a mesh whose gradients are, beyond
     it, different tensors on the group's ranks (expert parallelism: each ep rank holds other experts), so their
-    squares are summed over that group too. Plain tensors take torch's own path (the single-process engine's,
-    unchanged)."""
+    squares are summed over that group too. sum_over: a process group whose ranks hold different parameters
+    altogether (pipeline parallelism: each pp rank its stages), over which the squares of everything are summed
+    last. Plain tensors take torch's own path (the single-process engine's, unchanged)."""
     if not any(isinstance(g, DTensor) for g in grads):
-        return torch.nn.utils.get_total_norm(grads)
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        if sum_over is None:
+            return norm
+        square = norm.square()
+        dist.all_reduce(square, group=sum_over)
+        return square.sqrt()
     squares = []
     for mesh, group in _by_mesh(grads).items():
         norm = torch.nn.utils.get_total_norm(group)
@@ -85,4 +94,7 @@ def total_norm(grads: list[torch.Tensor], split_over: dict | None = None) -> tor
         if split_over and mesh in split_over:
             dist.all_reduce(square, group=split_over[mesh])
         squares.append(square)
-    return torch.stack(squares).sum().sqrt()
+    square = torch.stack(squares).sum()
+    if sum_over is not None:
+        dist.all_reduce(square, group=sum_over)
+    return square.sqrt()

@@ -8,6 +8,9 @@ Dimensions (their product is the world size):
 - cp: context parallel: each rank holds a slice of every sequence (ring attention).
 - tp: tensor parallel (optional): attention heads and MLP columns split.
 - pp: pipeline parallel: each rank holds a run of the layers.
+- pipeline_schedule (not a degree): the pipeline's schedule under pp > 1, by name (parallel/pipeline.py SCHEDULES:
+  gpipe, 1f1b, interleaved_1f1b, zbv; 1f1b by default; the engine refuses zbv, see parallelize.py); the
+  interleaved ones run two stages per rank.
 - ep: expert parallel: each rank holds num_experts / ep experts. It does not add ranks: its group is carved out of
   dp_shard x cp (torchtitan's layout), so ep must divide dp_shard * cp and be a multiple of cp.
 
@@ -43,6 +46,7 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    pipeline_schedule: str = "1f1b"  # with pp > 1: the schedule's name (parallel/pipeline.py SCHEDULES)
     world_size: int = 1
     field_prefix: str = ""  # how errors name a knob (e.g. "parallel." in a setting, "--" on the command line)
 
@@ -79,6 +83,9 @@ class ParallelDims:
                     "them)", field=self._field("ep"))
             if self.ep % self.cp:
                 raise InvalidArgument(f"ep {self.ep} must be a multiple of cp {self.cp}", field=self._field("ep"))
+        from services.trainer.engine.parallel.pipeline import schedule_spec
+
+        schedule_spec(self.pipeline_schedule, self._field("pipeline_schedule"))  # a known name
         return replace(self, dp_shard=dp_shard, world_size=world)
 
     # -- derived degrees -------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@
            (load_hf_weights) and the adapter's initial values copied in
 
     parallelize(model, dims, mesh, ...), in this fixed order (torchtitan's):
-        (pipeline split: done by the caller, one stage per rank's model, models.common.pipeline)
+        (pipeline split, pp > 1: build_parallel_model cuts the whole meta model into this rank's stages first,
+         pipeline.split_model, and applies the rest to each stage over the rank's pp slice of the mesh)
         -> expert parallel (parallel/expert.py)  -> context parallel (parallel/context.py: the attention modules
            attend as a ring over mesh["cp"]; the engine then lays out every micro-batch with the model's
            ContextParallel, context_parallel_of(model), see forward_backward.py)
@@ -39,6 +40,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from models.checkpoint import _stage_holds as stage_holds
 from models.families import family_for_config
 from models.lora import LoraConfig, apply_lora, set_trainable
 from models.model_dir import read_config, weight_files
@@ -48,17 +50,28 @@ from services.trainer.engine.parallel.context import apply_context_parallel
 from services.trainer.engine.parallel.dims import ParallelDims
 from services.trainer.engine.parallel.expert import apply_expert_parallel, expert_shards
 from services.trainer.engine.parallel.fsdp import apply_fsdp, mixed_precision
+from services.trainer.engine.parallel.pipeline import apply_stage_lora, schedule_spec, split_model
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def _refuse_unapplied(dims: ParallelDims) -> None:
     """Dimensions whose application is not in parallelize yet (see the module docstring)."""
-    unapplied = {"pp": "pipeline parallelism (a pipeline schedule over the engine)", "tp": "tensor parallelism"}
-    for knob, what in unapplied.items():
-        if getattr(dims, knob) > 1:
-            raise InvalidArgument(f"{knob} {getattr(dims, knob)}: {what} is not available in this trainer yet; "
-                                  f"set {knob} to 1", field=dims._field(knob))
+    if dims.tp > 1:
+        raise InvalidArgument(f"tp {dims.tp}: tensor parallelism is not available in this trainer yet; set tp to 1",
+                              field=dims._field("tp"))
+    if dims.pp > 1 and dims.pipeline_schedule == "zbv":  # torch's split weight backward cannot find the gradient
+        # accumulators of FSDP's unsharded parameters (stage_backward_weight: KeyError); pipeline.py runs it unsharded
+        raise InvalidArgument("pipeline schedule zbv is not available in the engine (its split weight backward does "
+                              "not work with sharded stages); use gpipe, 1f1b or interleaved_1f1b",
+                              field=dims._field("pipeline_schedule"))
+
+
+def _check(dims: ParallelDims, model: nn.Module) -> None:
+    """What parallelize refuses for this model (a CausalLM or a stage of one): unapplied dimensions, then
+    ParallelDims.check_model with the pipeline's stages in all (pp times the schedule's stages per rank)."""
+    _refuse_unapplied(dims)
+    dims.check_model(model.args, pp_stages=dims.pp * schedule_spec(dims.pipeline_schedule).stages_per_rank)
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, *, param_dtype: torch.dtype | None,
@@ -66,11 +79,11 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, *, param
                 reshard_after_forward: bool = True) -> None:
     """Apply dims to model (a CausalLM or a pipeline stage of one, normally on the meta device), in place, in the
     module docstring's order. param_dtype / reduce_dtype: FSDP's mixed precision (fsdp.mixed_precision picks them
-    from the device; None keeps each parameter's dtype for compute)."""
+    from the device; None keeps each parameter's dtype for compute). A stage is parallelized over its own part of
+    the mesh: every sub-mesh below (mesh["dp_shard_cp"], mesh["ep"], ...) is this rank's pp slice's."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    _refuse_unapplied(dims)
-    dims.check_model(model.args)
+    _check(dims, model)
     apply_expert_parallel(model, mesh, dims)  # each MoE layer keeps num_experts / ep experts; tokens over mesh["ep"]
     apply_context_parallel(model, mesh, dims)  # attention as a ring over mesh["cp"]; context.context_parallel_of
     if activation_checkpointing:
@@ -81,35 +94,62 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, *, param
 
 def build_parallel_model(model_dir: str | Path, dims: ParallelDims, mesh: DeviceMesh, *, lora: LoraConfig | None,
                          seed: int, device: torch.device, dtype: torch.dtype, activation_checkpointing: bool = False,
-                         reshard_after_forward: bool = True) -> tuple[nn.Module, list[nn.Parameter]]:
-    """(the sharded model in train mode, its trainable parameters) of a model directory: the module docstring's
-    four steps. dtype: the stored weights' dtype (engine.training_dtype); the parameters come back in the order
-    the single-process engine lists them (apply_lora's, or model.parameters()), so optimizer states line up."""
+                         reshard_after_forward: bool = True
+                         ) -> tuple[list[tuple[int, nn.Module]], nn.Module, list[nn.Parameter]]:
+    """(this rank's models in train mode, as (pipeline stage index, CausalLM stage) pairs, one (0, the whole model)
+    without pp; the whole model on the meta device; their trainable parameters) of a model directory: the module
+    docstring's four steps, with pp > 1 the whole meta model first cut into this rank's stages
+    (pipeline.split_model under dims.pipeline_schedule) and each stage parallelized and loaded alone (its own
+    tensors). dtype: the stored weights' dtype (engine.training_dtype); the parameters come back in the order the
+    single-process engine lists them (apply_lora's, or model.parameters(); a stage's: the same order restricted to
+    the stage), so optimizer states line up."""
     config = read_config(model_dir)
     family = family_for_config(config)
     args = family.ModelArgs.from_hf_config(config)
     with torch.device("meta"):
-        model = family.CausalLM(args)
-    _set_dtypes(model, dtype, _float32_pattern(family))
+        whole = family.CausalLM(args)
+    _set_dtypes(whole, dtype, _float32_pattern(family))
     args.torch_dtype = str(dtype).removeprefix("torch.")
-    if lora is not None:
-        trainable = apply_lora(model, lora, seed=seed, device="cpu")
+    if dims.pp > 1:
+        _check(dims, whole)  # before the split (parallelize checks each stage again)
+        stages = split_model(whole, mesh["pp"].get_local_rank(), dims.pp, dims.pipeline_schedule)
     else:
-        trainable = set_trainable(model, "full")
-    names = {id(p): n for n, p in model.named_parameters()}
-    trainable_names = [names[id(p)] for p in trainable]
-    initial = {n: p.detach().clone() for n, p in model.named_parameters() if not p.is_meta}  # the adapter's init
+        stages = [(0, whole)]
+    models = [m for _, m in stages]
+    if lora is not None:
+        trainable = (apply_stage_lora(models, whole, lora, seed, device="cpu") if dims.pp > 1
+                     else apply_lora(whole, lora, seed=seed, device="cpu"))
+    else:
+        trainable = [p for m in models for p in set_trainable(m, "full")]
+    where = {id(p): (i, n) for i, m in enumerate(models) for n, p in m.named_parameters()}
+    trainable_names = [where[id(p)] for p in trainable]
     mp = mixed_precision(device, full_parameter=lora is None)
-    parallelize(model, dims, mesh, param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
-                activation_checkpointing=activation_checkpointing, reshard_after_forward=reshard_after_forward)
-    model.to_empty(device=device)
-    load_hf_weights(model, model_dir, family)
-    targets, held = model.state_dict(), expert_shards(model)
-    with torch.no_grad():
-        for name, tensor in initial.items():
-            copy_full_into(targets[name], held[name].take(tensor) if name in held else tensor)
-    params = dict(model.named_parameters())
-    return model.train(), [params[n] for n in trainable_names]
+    for model in models:
+        initial = {n: p.detach().clone() for n, p in model.named_parameters() if not p.is_meta}  # the adapter's init
+        parallelize(model, dims, mesh, param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
+                    activation_checkpointing=activation_checkpointing, reshard_after_forward=reshard_after_forward)
+        model.to_empty(device=device)
+        load_hf_weights(model, model_dir, family)
+        targets, held = model.state_dict(), expert_shards(model)
+        with torch.no_grad():
+            for name, tensor in initial.items():
+                copy_full_into(targets[name], held[name].take(tensor) if name in held else tensor)
+        model.train()
+    params = [dict(m.named_parameters()) for m in models]
+    return stages, whole, [params[i][n] for i, n in trainable_names]
+
+
+def local_shape(shape: tuple[int, ...], dims: ParallelDims, mesh: DeviceMesh) -> tuple[int, ...]:
+    """This rank's part of a dense parameter of this (whole) shape once FSDP shards it (fsdp.py: Shard(0) over the
+    dense shard mesh, replicated over dp_replicate under HSDP)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from services.trainer.engine.parallel.fsdp import dense_shard_mesh
+
+    dense = dense_shard_mesh(mesh, dims)
+    placements = [Replicate()] * (dense.ndim - 1) + [Shard(0)]
+    return tuple(compute_local_shape_and_global_offset(shape, dense, placements)[0])
 
 
 def _float32_pattern(family) -> re.Pattern:
@@ -143,16 +183,25 @@ def copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
 def load_hf_weights(model: nn.Module, model_dir: str | Path, family) -> None:
     """Load a model directory's weights into model's (sharded, materialized) parameters and buffers, one decoder
     layer at a time (module docstring). Every key the model expects must come (LoRA tensors and a tied lm_head
-    excepted, as in models.checkpoint.load_pretrained); a missing or surplus key or a wrong shape is a ValueError."""
+    excepted, as in models.checkpoint.load_pretrained); a missing or surplus key or a wrong shape is a ValueError.
+    model may be a pipeline stage (models/common/pipeline.py): then only the tensors it holds are read (the layers
+    it does not hold are skipped whole), only those are expected, and a last stage whose lm_head is tied to
+    embeddings it does not hold reads model.embed_tokens.weight into it (models.checkpoint.load_weights' rules)."""
     adapter, args = family.state_dict_adapter, model.args
     targets, held = model.state_dict(), expert_shards(model)  # expert parallelism: a rank holds some experts
     expected = adapter.expected_keys(list(targets), args)
+    tied_head = bool(args.tie_word_embeddings) and model.lm_head is not None and model.model.embed_tokens is None
+    if tied_head:
+        expected.add("lm_head.weight")
+    whole = (len(model.model.layers) == args.num_layers
+             and None not in (model.model.embed_tokens, model.model.norm, model.lm_head))
     locations: dict[str, list[tuple[Path, str]]] = defaultdict(list)  # layer (or "") -> (file, key)
     for file in weight_files(model_dir):
         with safe_open(file, framework="pt", device="cpu") as f:
             for key in f.keys():
-                match = _LAYER.match(key)
-                locations[match.group(1) if match else ""].append((file, key))
+                if whole or stage_holds(model, key, tied_head):
+                    match = _LAYER.match(key)
+                    locations[match.group(1) if match else ""].append((file, key))
     loaded: set[str] = set()
     for group in sorted(locations, key=lambda g: -1 if g == "" else int(g)):
         hf_state, by_file = {}, defaultdict(list)
@@ -162,6 +211,8 @@ def load_hf_weights(model: nn.Module, model_dir: str | Path, family) -> None:
             with safe_open(file, framework="pt", device="cpu") as f:
                 hf_state.update((key, f.get_tensor(key)) for key in keys)
         for key, full in adapter.from_hf(hf_state, args).items():
+            if tied_head and key == "model.embed_tokens.weight":
+                key = "lm_head.weight"
             if key not in expected:
                 raise ValueError(f"Checkpoint in {str(model_dir)!r} does not match {args.architecture}: unexpected "
                                  f"key {key}")

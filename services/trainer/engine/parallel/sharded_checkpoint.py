@@ -38,6 +38,14 @@ engine without a process group. Keys are the parameters' state-dict names (get_s
 adapter's under the name "default" whatever the engine calls it (a Training API session's adapter is named by its
 session id on one process): any LoRA engine loads any LoRA engine's state of the same shapes.
 
+Pipeline parallelism: a rank's trainable tensors are its stages' (engine.stage_models, the whole model's names);
+a last stage's tied lm_head copy is stored under model.embed_tokens.weight (the first stage's tensor, equal after
+every step: DCP writes one of the two), so the keys are those of a layout without pp and DCP reshards either way. A
+stage checks the saved keys against the whole pipeline's expected keys (gathered over pp). The export is gathered
+within each stage, sent to rank 0 over its pp group and written in the whole model's order (_from_stages). A
+single-process checkpoint's optimizer.pt and gradients.pt are indexed by the single-process engine's parameters,
+rebuilt on the meta device (_whole_trainable), so a stage takes its parameters' entries by name.
+
 Not here: per-rank RNG (rank 0's generator is saved and restored on every rank; only LoRA dropout draws from it).
 """
 from __future__ import annotations
@@ -67,13 +75,20 @@ class _Layout:
     docstring)."""
 
     def __init__(self, engine):
-        named = {id(p): n for n, p in engine.model.named_parameters()}
+        models = engine.stage_models  # the whole model, or this rank's pipeline stages (the whole model's names)
+        named = {id(p): n for m in models for n, p in m.named_parameters()}
+        for m in models:  # a pipeline's tied lm_head copy is the embeddings (pipeline.py): stored under their name
+            if m.args.tie_word_embeddings and m.lm_head is not None and m.model.embed_tokens is None:
+                named[id(m.lm_head.weight)] = "model.embed_tokens.weight"
+        # no rank holds both tied copies (one key): the engine's schedules put the first and the last stage on
+        # different pp ranks (parallelize refuses zbv, whose rank 0 holds both)
         self.params = dict(zip([named[id(p)] for p in engine.params], engine.params))
+        assert len(self.params) == len(engine.params), "two trainable tensors under one checkpoint key"
         adapter = engine.adapter if engine.lora is not None else STORED_ADAPTER
         self.keys = {n: n if adapter == STORED_ADAPTER else n.replace(f".{adapter}.", f".{STORED_ADAPTER}.")
                      for n in self.params}
-        self.layout = expert_layout(engine.model)
-        self.held = expert_shards(engine.model)
+        self.layout = {k: v for m in models for k, v in expert_layout(m).items()}
+        self.held = {k: v for m in models for k, v in expert_shards(m).items()}
         self.ep = engine.mesh["ep"] if engine.parallel is not None and engine.parallel.ep > 1 else None
         self.sharded = engine.mesh is not None
 
@@ -175,6 +190,10 @@ def load_state(engine, path: Path, *, weights: bool, optimizer: bool, gradients:
         key = keys[name]
         expected |= {f"optim.{key}.{m}": lay.shape(name) for m in _MOMENTS} | {f"grad.{key}": lay.shape(name)}
         expected[f"optim.{key}.step"] = ()
+    if engine.pp > 1:  # a stage expects its own keys; a key no stage of the pipeline expects is unexpected
+        stages = [None] * engine.pp
+        dist.all_gather_object(stages, expected, group=engine.mesh["pp"].get_group())
+        expected = {k: v for part in stages for k, v in part.items()}
     unexpected = sorted(k for k in saved if k.startswith(kinds) and k not in expected)
     missing = sorted(f"model.{keys[n]}" for n in lay.params if weights and f"model.{keys[n]}" not in saved)
     if missing or unexpected:
@@ -204,48 +223,78 @@ def load_state(engine, path: Path, *, weights: bool, optimizer: bool, gradients:
 
 def load_single_process(engine, ckpt, *, weights: bool, optimizer: bool, gradients: bool) -> None:
     """A single-process checkpoint (checkpoint.py: weights/ export, optimizer.pt, gradients.pt) into a sharded
-    engine: every rank reads the whole files and keeps its shard (its experts, then its FSDP chunk)."""
+    engine: every rank reads the whole files and keeps its shard (its experts, then its FSDP chunk). Under pipeline
+    parallelism a rank keeps its stages' part: optimizer.pt and gradients.pt are indexed by the single-process
+    engine's parameter list, which _whole_trainable rebuilds on the meta device."""
     from models.families import family_for_config
     from models.model_dir import read_config
     from services.trainer.engine import checkpoint as ckpt_format
     from services.trainer.engine.parallel.parallelize import load_hf_weights
 
     lay = _Layout(engine)
-    plain = [torch.empty(lay.held[n].global_shape if n in lay.held else p.shape, dtype=p.dtype, device="meta")
-             for n, p in lay.params.items()]
+    whole = _whole_trainable(engine, lay)  # {name: a meta tensor of its whole shape}, the single-process order
+    plain = list(whole.values())
     optim = ckpt_format.optimizer_state(ckpt, plain, torch.device("cpu")) if optimizer else None
     grads = (ckpt_format.gradient_tensors(ckpt, plain, torch.device("cpu"))
              if gradients and ckpt.has_gradients else None)
     if weights:
         if engine.lora is None:
-            load_hf_weights(engine.model, ckpt.weights_dir, family_for_config(read_config(ckpt.weights_dir)))
+            family = family_for_config(read_config(ckpt.weights_dir))
+            for model in engine.stage_models:
+                load_hf_weights(model, ckpt.weights_dir, family)
         else:
-            names = {id(p): n for n, p in engine.model.named_parameters()}
-            params = lora_parameters(engine.model, engine.adapter)
-            whole = {k: torch.empty(lay.held[names[id(p)]].global_shape if names[id(p)] in lay.held else p.shape,
-                                    device="meta") for k, p in params.items()}
+            names = {id(p): n for m in engine.stage_models for n, p in m.named_parameters()}
+            params = {k: p for m in engine.stage_models for k, p in lora_parameters(m, engine.adapter).items()}
             try:
                 tensors = load_file(str(ckpt.weights_dir / ADAPTER_WEIGHTS))
             except (OSError, ValueError, RuntimeError) as exc:
                 raise ckpt_format.CheckpointMismatch(f"the saved adapter cannot be read: {exc}") from None
-            ckpt_format._checked(tensors, whole)
+            ckpt_format._checked(tensors, _whole_adapter(engine, lay))
             for key, p in params.items():
                 _copy_full_into(p, _held(lay, names[id(p)], tensors[key]))
-    names = list(lay.params)
-    for i, (name, p) in enumerate(lay.params.items()):
+    index = {name: i for i, name in enumerate(whole)}
+    for name, p in lay.params.items():
         if grads is not None:
-            p.grad = None if grads[i] is None else _sharded_like(p, _held(lay, name, grads[i]))
+            g = grads[index[name]]
+            p.grad = None if g is None else _sharded_like(p, _held(lay, name, g))
         elif gradients:
             p.grad = None
     if optim is not None:
         engine.optimizer.state.clear()
         indices = [i for g in optim["param_groups"] for i in g["params"]]
-        for i, name in zip(indices, names):
-            saved = optim["state"].get(i)
+        for name, p in lay.params.items():
+            saved = optim["state"].get(indices[index[name]])
             if saved:
-                p = lay.params[name]
                 engine.optimizer.state[p] = {"step": saved["step"].clone(),
                                              **{m: _sharded_like(p, _held(lay, name, saved[m])) for m in _MOMENTS}}
+
+
+def _whole_trainable(engine, lay: _Layout) -> dict[str, torch.Tensor]:
+    """{name: meta tensor of the whole shape and dtype} of the single-process engine's trainable parameters, in its
+    order (its optimizer's): this engine's own without pp; under pp the whole meta model's (every parameter, the
+    tied one once) or the whole adapter's (pipeline.lora_skeleton)."""
+    if engine.pp == 1:
+        return {n: torch.empty(lay.held[n].global_shape if n in lay.held else p.shape, dtype=p.dtype,
+                               device="meta") for n, p in lay.params.items()}
+    if engine.lora is None:
+        return {n: p for n, p in engine.whole.named_parameters()}
+    from services.trainer.engine.parallel.pipeline import lora_skeleton
+
+    skeleton, order = lora_skeleton(engine.whole, engine.lora, engine.adapter)
+    names = {id(p): n for n, p in skeleton.named_parameters()}
+    return {names[id(p)]: p for p in order}
+
+
+def _whole_adapter(engine, lay: _Layout) -> dict[str, torch.Tensor]:
+    """{PEFT key: meta tensor of the whole shape} of the whole adapter (what a saved adapter must hold)."""
+    model = engine.model
+    if engine.pp > 1:
+        from services.trainer.engine.parallel.pipeline import lora_skeleton
+
+        model = lora_skeleton(engine.whole, engine.lora, engine.adapter)[0]
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {k: torch.empty(lay.held[names[id(p)]].global_shape if names[id(p)] in lay.held else p.shape,
+                           device="meta") for k, p in lora_parameters(model, engine.adapter).items()}
 
 
 def _held(lay: _Layout, name: str, whole: torch.Tensor) -> torch.Tensor:
@@ -281,20 +330,43 @@ def gather_whole(engine, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Te
 
 def export_weights(engine, out: Path, *, base_model: str) -> None:
     """The trained weights gathered from the shards, written by rank 0 alone (checkpoint.write_weights' files for
-    the whole model: the PEFT adapter, or the Hugging Face model directory). Every rank calls it."""
+    the whole model: the PEFT adapter, or the Hugging Face model directory). Every rank calls it. Under pipeline
+    parallelism each stage's tensors are gathered within the stage, then sent to rank 0 over its pp group (the
+    ranks at data-parallel coordinate 0), which writes them in the whole model's order."""
     from models import save_pretrained
     from models.lora import save_peft_adapter
 
     if engine.lora is None:
-        whole = gather_whole(engine, dict(engine.model.state_dict()))
+        tensors = {k: v for m in engine.stage_models for k, v in m.state_dict().items()}
+        whole = _from_stages(engine, gather_whole(engine, tensors))
         if dist.get_rank() == 0:
+            if engine.pp > 1:
+                whole = {k: whole[k] for k in engine.whole.state_dict()}
             save_pretrained(engine.model, out, state_dict=whole)
     else:
-        names = {id(p): n for n, p in engine.model.named_parameters()}
-        params = lora_parameters(engine.model, engine.adapter)
-        whole = gather_whole(engine, {names[id(p)]: p for p in params.values()})
+        names = {id(p): n for m in engine.stage_models for n, p in m.named_parameters()}
+        params = [p for m in engine.stage_models for p in lora_parameters(m, engine.adapter).values()]
+        whole = _from_stages(engine, gather_whole(engine, {names[id(p)]: p for p in params}))
         if dist.get_rank() == 0:
-            tensors = {key: whole[names[id(p)]] for key, p in params.items()}
-            save_peft_adapter(engine.model, engine.lora, out, base_model_name_or_path=base_model,
+            model = engine.model
+            if engine.pp > 1:  # the whole adapter's layout (a stage lacks some of its modules)
+                from services.trainer.engine.parallel.pipeline import lora_skeleton
+
+                model = lora_skeleton(engine.whole, engine.lora, engine.adapter)[0]
+            names = {id(p): n for n, p in model.named_parameters()}
+            tensors = {key: whole[names[id(p)]] for key, p in lora_parameters(model, engine.adapter).items()}
+            save_peft_adapter(model, engine.lora, out, base_model_name_or_path=base_model,
                               adapter_name=engine.adapter, tensors=tensors)
     dist.barrier()
+
+
+def _from_stages(engine, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rank 0's {name: whole tensor} of every pipeline stage (mine: this rank's stages'); mine itself without pp.
+    The ranks at data-parallel coordinate 0 (rank 0's pp group) send theirs to rank 0 (gather_object)."""
+    if engine.pp == 1:
+        return mine
+    if engine.mesh["dp_cp"].get_local_rank() != 0:
+        return {}
+    parts = [None] * engine.pp if dist.get_rank() == 0 else None
+    dist.gather_object({k: v.cpu() for k, v in mine.items()}, parts, dst=0, group=engine.mesh["pp"].get_group())
+    return {k: v for part in parts or [] for k, v in part.items()}
