@@ -55,20 +55,21 @@ class TrainerSettings(TrainyardSettings):
     trainer_max_restarts: int = Field(default=3, ge=0)
     trainer_group_timeout_s: float = Field(default=300.0, gt=0)
     # The sessions' parallel layout over the group (engine/parallel/dims.py): dp_replicate, dp_shard (-1: what the
-    # others leave), cp, ep; e.g. TRAINYARD_TRAINER_PARALLEL='{"dp_shard": 2}'. Empty: FSDP over every rank.
-    trainer_parallel: dict[str, int] = Field(default_factory=dict)
+    # others leave), cp, ep, pp and pipeline_schedule (with pp > 1; 1f1b by default); e.g.
+    # TRAINYARD_TRAINER_PARALLEL='{"dp_shard": 2}'. Empty: FSDP over every rank.
+    trainer_parallel: dict[str, int | str] = Field(default_factory=dict)
 
     def parallel_dims(self, world_size: int) -> ParallelDims:
         """trainer_parallel for world_size ranks, checked; errors name the setting's knob."""
         prefix = "trainer_parallel."
-        for knob in ("tp", "pp"):
-            if self.trainer_parallel.get(knob, 1) != 1:
-                raise InvalidArgument("the trainer service does not run sessions with it yet (only dp_replicate, "
-                                      "dp_shard, cp, ep)", field=prefix + knob)
+        if self.trainer_parallel.get("tp", 1) != 1:
+            raise InvalidArgument("the trainer service does not run sessions with tensor parallelism yet",
+                                  field=prefix + "tp")
         dims = from_mapping(dict(self.trainer_parallel), world_size=world_size, field_prefix=prefix)
-        if dims.cp > 1 and self.deterministic:
-            raise InvalidArgument("deterministic (batch-invariant) mode is not available with context parallelism",
-                                  field=prefix + "cp")
+        for knob, what in (("cp", "context"), ("pp", "pipeline")):
+            if getattr(dims, knob) > 1 and self.deterministic:
+                raise InvalidArgument(f"deterministic (batch-invariant) mode is not available with {what} "
+                                      "parallelism", field=prefix + knob)
         return dims
 
 

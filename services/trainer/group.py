@@ -31,8 +31,8 @@ messages come), are gathered there; at the end rank 0 computes the call's batch 
 of a group get the same share), and every rank runs the engine's LossCall on its share. A stream that fails or is
 cancelled before its end therefore ran nothing (the gradients are unchanged), and the unary and the streamed call
 send the same command: the same result. The logprobs come back from each data-parallel rank, in datum order; the
-metrics are every rank's (the engine all-reduces their sums). A call needs at least one datum per data-parallel rank
-(the engine runs no empty rank): fewer is INVALID_ARGUMENT naming data.
+metrics are every rank's (the engine all-reduces their sums). A call with fewer datums than data-parallel ranks
+leaves some ranks without any: they run padding micro-batches only (forward_backward.LossCall).
 
 Failures. A command whose engine refuses it the same way on every rank (a non-finite gradient norm, a checkpoint
 that does not fit) comes back as that refusal, raised on rank 0 from its own engine's exception; the group goes on.
@@ -293,9 +293,6 @@ class GroupCall:
         engine = self.engine
         if not self.datums:
             raise InvalidArgument("at least one datum is required", field="data")
-        if len(self.datums) < engine.dp_size:
-            raise InvalidArgument(f"this trainer runs data parallel over {engine.dp_size} ranks; a call needs at "
-                                  f"least {engine.dp_size} datums, got {len(self.datums)}", field="data")
         c = losses.batch_scale(self.req.loss_fn, self.req.config, [d.inputs for d in self.datums])
         if not math.isfinite(c):
             raise InvalidArgument(f"the batch factor of loss '{self.req.loss_fn}' is {c}", field="loss_fn_config")

@@ -319,7 +319,7 @@ class LossCall:
         if not math.isfinite(c):
             raise InvalidArgument(f"the batch factor of loss '{self.req.loss_fn}' is {c}", field="loss_fn_config")
         metric_sums = (self.metric_sums if self.dp_group is None
-                       else [summed_over_ranks(self.metric_sums, self.dp_group)])
+                       else [summed_over_ranks(self.metric_sums, self.dp_group, self.req.loss_fn, self.device)])
         metrics = losses.batch_metrics(self.req.loss_fn, c, metric_sums)
         if self.backward:
             with torch.no_grad():
@@ -348,15 +348,15 @@ class LossCall:
     def _run_data_parallel(self) -> None:
         """This rank's micro-batches, then padding ones up to the most any rank of the group runs: every forward
         and backward of a sharded model is a collective of its shard group, so every rank must run as many. The
-        count is agreed before the first forward (one all-reduce); a call in which some rank has no datum is
-        refused on every rank alike."""
+        count is agreed before the first forward (one all-reduce). A rank may have no datum of the call (fewer
+        datums than data-parallel ranks): it runs padding micro-batches only, and adds no logprobs and zero metric
+        sums; a call with no datum on any rank is refused on every rank alike."""
         queued, self.queued = self.queued + self.batcher.finish(), []
-        counts = torch.tensor([len(queued), -len(self.inputs)], dtype=torch.int64, device=self.device)
+        counts = torch.tensor([len(queued), len(self.inputs)], dtype=torch.int64, device=self.device)
         dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.dp_group)
-        most, fewest_datums = int(counts[0]), -int(counts[1])  # .item() syncs, once per call
-        if fewest_datums == 0:
-            raise InvalidArgument("every data-parallel rank needs at least one datum of the call",
-                                  field="data")
+        most, most_datums = int(counts[0]), int(counts[1])  # .item() syncs, once per call
+        if most_datums == 0:
+            raise InvalidArgument("at least one datum is required", field="data")
         for mb in queued:
             self._run(mb)
         for _ in range(most - len(queued)):
@@ -365,10 +365,14 @@ class LossCall:
 
 
 
-def summed_over_ranks(metric_sums: list[dict[str, torch.Tensor]], group) -> dict[str, torch.Tensor]:
-    """The metric sums of every rank's datums (float64; keys are the loss's, the same on every rank of group)."""
-    keys = sorted(metric_sums[0])
-    totals = torch.stack([torch.stack([s[k].double() for s in metric_sums]).sum() for k in keys])
+def summed_over_ranks(metric_sums: list[dict[str, torch.Tensor]], group, loss_fn: str,
+                      device: torch.device) -> dict[str, torch.Tensor]:
+    """The metric sums of every rank's datums (float64; the loss's keys, losses.metric_keys): a rank without
+    datums (metric_sums empty) adds zeros."""
+    keys = losses.metric_keys(loss_fn)
+    totals = torch.zeros(len(keys), dtype=torch.float64, device=device)
+    if metric_sums:
+        totals += torch.stack([torch.stack([s[k].double() for s in metric_sums]).sum() for k in keys])
     dist.all_reduce(totals, group=group)
     return dict(zip(keys, totals))
 

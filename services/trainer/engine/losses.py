@@ -276,6 +276,16 @@ def batch_scale(loss_fn: str, config: dict[str, float], datums: list[dict[str, t
     return 1.0
 
 
+def metric_keys(loss_fn: str) -> list[str]:
+    """The keys of datum_loss's metric sums for loss_fn (the same for every datum): what a data-parallel rank
+    without datums contributes zeros for."""
+    _spec(loss_fn)
+    if loss_fn == "cross_entropy":
+        return ["loss", "weights"]
+    keys = ["loss", "tokens", "ratio", "kl_sample_train"]
+    return keys if loss_fn in ("importance_sampling", "dro") else [*keys, "clip_fraction"]
+
+
 def batch_metrics(loss_fn: str, scale: float, metric_sums: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     """The call's metrics from its datums' metric sums (in datum order) and c."""
     _spec(loss_fn)

@@ -54,8 +54,15 @@ def test_the_parallel_setting_is_checked_naming_its_knob():
         TrainerSettings(trainer_parallel={"dp_shard": 3}).parallel_dims(2)
     assert exc.value.violations[0].field == "trainer_parallel.dp_shard"
     with pytest.raises(InvalidArgument) as exc:
-        TrainerSettings(trainer_parallel={"pp": 2}).parallel_dims(2)
+        TrainerSettings(trainer_parallel={"tp": 2}).parallel_dims(2)
+    assert exc.value.violations[0].field == "trainer_parallel.tp"
+    with pytest.raises(InvalidArgument) as exc:
+        TrainerSettings(trainer_parallel={"pp": 2}, deterministic=True).parallel_dims(2)
     assert exc.value.violations[0].field == "trainer_parallel.pp"
+    with pytest.raises(InvalidArgument) as exc:
+        TrainerSettings(trainer_parallel={"pp": 2, "pipeline_schedule": "1f2b"}).parallel_dims(2)
+    assert exc.value.violations[0].field == "trainer_parallel.pipeline_schedule"
+    assert TrainerSettings(trainer_parallel={"pp": 2, "pipeline_schedule": "gpipe"}).parallel_dims(4).dp_shard == 2
     with pytest.raises(InvalidArgument) as exc:
         TrainerSettings(trainer_parallel={"shard": 2}).parallel_dims(2)
     assert exc.value.violations[0].field == "trainer_parallel.shard"
@@ -273,9 +280,14 @@ def test_sessions_on_the_group_match_the_one_process_trainer(platform):
             _assert_close_results(g, r, platform)
         info = clients["lora_b"][0].get_info()
         assert info.optim_steps == 1 and info.lora_rank == 8
+        # one datum on two data-parallel ranks: the rank without one runs padding only; the same answer
+        (g_one, r_one) = (c.forward(_batch(6)[:1], "cross_entropy").result() for c in clients["lora_a"])
+        assert len(_logprobs(g_one)) == 1
+        torch.testing.assert_close(_logprobs(g_one), _logprobs(r_one), rtol=RTOL, atol=ATOL_LOGPROBS)
+        assert g_one.metrics["loss:sum"] == pytest.approx(r_one.metrics["loss:sum"], rel=RTOL)
         # bad input is refused on rank 0 by name, and the session goes on
         with pytest.raises(Exception, match="data"):
-            clients["lora_a"][0].forward_backward(_batch(6)[:1], "cross_entropy").result()
+            clients["lora_a"][0].forward_backward([], "cross_entropy").result()
         assert clients["lora_a"][0].forward(_batch(5), "cross_entropy").result().metrics
         clients["lora_b"][0].close()  # its engine is released on every rank; the others go on
         assert clients["full"][0].forward(_batch(5), "cross_entropy").result().metrics

@@ -13,7 +13,7 @@ import torch
 
 from services.common.errors import InvalidArgument
 from services.trainer.engine.losses import (LOSS_FNS, batch_metrics, batch_scale, check_datum, datum_loss,
-                                     resolve_config)
+                                     metric_keys, resolve_config)
 
 V = 50
 TOL = dict(rtol=1e-6, atol=1e-6)
@@ -351,3 +351,14 @@ def test_check_datum_fills_defaults_and_keeps_given_inputs():
     assert check_datum("ppo", inputs, T, V, "data[0]").keys() == inputs.keys()
     ce = check_datum("cross_entropy", {"target_tokens": torch.zeros(T, 4, dtype=torch.int64)}, T, V, "data[0]")
     assert torch.equal(ce["weights"], torch.ones(T, 4))
+
+
+@pytest.mark.parametrize("loss_fn", sorted(LOSS_FNS))
+def test_metric_keys_are_the_datum_losses(loss_fn):
+    """metric_keys (what a data-parallel rank without datums adds zeros for) names exactly datum_loss's sums."""
+    raw, lps = make_batch(loss_fn, seed=0, G=1)
+    if loss_fn == "cross_entropy":
+        raw = [{"target_tokens": raw[0]["target_tokens"]}]
+    datum = check_datum(loss_fn, raw[0], lps[0].shape[0], V, "data[0]")
+    _, sums = datum_loss(loss_fn, resolve_config(loss_fn, {}), lps[0], datum)
+    assert sorted(sums) == sorted(metric_keys(loss_fn))

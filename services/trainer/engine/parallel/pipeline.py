@@ -341,17 +341,17 @@ def pipeline_step(pipe: Pipeline, datums: list[Datum], req: LossRequest, *, back
     mbs = _micro_batches(datums, pipe.row_tokens)
     rows, refusal = len(mbs), _too_long(datums, pipe.row_tokens)
     if dp_group is not None:  # agreed before anything runs, so that every dp rank refuses a call alike
-        counts = torch.tensor([rows, -len(datums), refusal is not None], dtype=torch.int64)
+        counts = torch.tensor([rows, len(datums), refusal is not None], dtype=torch.int64)
         dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=dp_group)
-        rows, fewest_datums = int(counts[0]), -int(counts[1])
-        if fewest_datums == 0:
-            raise InvalidArgument("every data-parallel rank needs at least one datum of the call", field="data")
+        rows, most_datums = int(counts[0]), int(counts[1])  # a rank without datums runs empty rows only
+        if most_datums == 0:
+            raise InvalidArgument("at least one datum is required", field="data")
         if refusal is None and counts[2]:
             raise InvalidArgument(f"a datum of another data-parallel rank's share does not fit the pipeline's rows "
                                   f"of {pipe.row_tokens} tokens", field="data")
     if refusal is not None:
         raise refusal
-    if not datums:
+    if not datums and dp_group is None:
         raise InvalidArgument("at least one datum is required", field="data")
     mbs += [[] for _ in range(min_microbatches(pipe.schedule, pp, rows) - len(mbs))]
     device = pipe.stages[0].device
@@ -414,7 +414,7 @@ def pipeline_step(pipe: Pipeline, datums: list[Datum], req: LossRequest, *, back
         sums = micro_batch_metrics(req, logprobs, [x for i in order for x in call.inputs[i]])
         if dp_group is not None:
             dist.all_reduce(loss, group=dp_group)
-            sums = [summed_over_ranks(sums, dp_group)]
+            sums = [summed_over_ranks(sums, dp_group, req.loss_fn, device)]
         metrics = {k: float(v) for k, v in losses.batch_metrics(req.loss_fn, c, sums).items()}
     dist.broadcast(loss, src=pipe.last_rank, group=pipe.group)
     return PipelineResult(float(loss), logprobs, metrics)  # float() syncs, once per call

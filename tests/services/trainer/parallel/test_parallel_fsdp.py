@@ -270,12 +270,13 @@ def test_activation_checkpointing_on_one_process_keeps_names_and_gradients_bitwi
     assert all(torch.equal(params[n].grad, ac_params[n].grad) for n in params)
 
 
-def _rank_calls(model_dir, give_last_rank_nothing: bool) -> dict:
-    """A forward-only call over this rank's share (its metrics), or one in which the last rank has no datum."""
+def _rank_calls(model_dir, shares_of: str) -> dict:
+    """A forward-only call over this rank's share (its metrics): shares_of "split" (even shares), "last_empty" (the
+    first rank takes every datum) or "none" (no rank has a datum: refused on every rank)."""
     engine = TrainingEngine.load(model_dir, lora=LORA, seed=3, optimizer=SETTINGS, device="cpu",
                                  parallel=ParallelDims(dp_shard=2))
     datums = _datums(engine.model.args.vocab_size)
-    shares = [datums, []] if give_last_rank_nothing else split_for_ranks(datums, engine.dp_size)
+    shares = {"split": split_for_ranks(datums, engine.dp_size), "last_empty": [datums, []], "none": [[], []]}[shares_of]
     call = engine.loss_call(REQ, backward=False, deterministic=False, lock=contextlib.nullcontext, batch_scale=1.0)
     try:
         logprobs, metrics = run_call(call, shares[engine.dp_rank])
@@ -286,18 +287,22 @@ def _rank_calls(model_dir, give_last_rank_nothing: bool) -> dict:
 
 def test_forward_only_calls_and_a_rank_without_datums(family_dirs):
     """A Forward over a mesh: each rank's logprobs are its own datums', the metrics the whole call's (reference:
-    the single-process engine, loss relative 1e-6, logprobs 1e-5 absolute). A call in which some rank has no datum
-    is refused on every rank (InvalidArgument on data), not left hanging in a collective."""
+    the single-process engine, loss relative 1e-6, logprobs 1e-5 absolute). A rank without any datum of the call
+    (fewer datums than ranks) runs padding micro-batches only: it returns no logprobs and the metrics are still the
+    whole call's."""
     model_dir = family_dirs["qwen3"]
     single = TrainingEngine.load(model_dir, lora=LORA, seed=3, optimizer=SETTINGS, device="cpu")
     datums = _datums(single.model.args.vocab_size)
     call = single.loss_call(REQ, backward=False, deterministic=False, lock=contextlib.nullcontext)
     want_logprobs, want = run_call(call, datums)
-    ranks = run_ranks(_rank_calls, 2, model_dir, False)
-    got_logprobs = [lp for r in ranks for lp in r["logprobs"]]
-    assert len(got_logprobs) == len(want_logprobs)
-    assert all(float((g - w).abs().max()) <= 1e-5 for g, w in zip(got_logprobs, want_logprobs))
-    for r in ranks:
-        assert r["metrics"].keys() == want.keys()
-        assert abs(r["metrics"]["loss:sum"] - want["loss:sum"]) <= _LOSS_RTOL * abs(want["loss:sum"])
-    assert run_ranks(_rank_calls, 2, model_dir, True) == [{"refused": "data"}, {"refused": "data"}]
+    for shares_of in ("split", "last_empty"):
+        ranks = run_ranks(_rank_calls, 2, model_dir, shares_of)
+        got_logprobs = [lp for r in ranks for lp in r["logprobs"]]
+        assert len(got_logprobs) == len(want_logprobs)
+        assert all(float((g - w).abs().max()) <= 1e-5 for g, w in zip(got_logprobs, want_logprobs))
+        if shares_of == "last_empty":
+            assert ranks[1]["logprobs"] == []
+        for r in ranks:
+            assert r["metrics"].keys() == want.keys()
+            assert abs(r["metrics"]["loss:sum"] - want["loss:sum"]) <= _LOSS_RTOL * abs(want["loss:sum"])
+    assert run_ranks(_rank_calls, 2, model_dir, "none") == [{"refused": "data"}, {"refused": "data"}]
