@@ -168,6 +168,10 @@ _4D_CASES = [  # world 8: pp 2 x dp_shard 2 x cp 2, with ep 2 (carved from dp_sh
     ("qwen3", LORA, 8, dict(pp=2, dp_shard=2, cp=2)),
     ("qwen3_moe", None, 8, dict(pp=2, dp_shard=2, cp=2, ep=2)),
     ("deepseek_v3", LORA, 8, dict(pp=2, dp_shard=2, cp=2, ep=2)),
+    # the other training mode of each family
+    ("qwen3", None, 8, dict(pp=2, dp_shard=2, cp=2)),
+    ("qwen3_moe", LORA, 8, dict(pp=2, dp_shard=2, cp=2, ep=2)),
+    ("deepseek_v3", None, 8, dict(pp=2, dp_shard=2, cp=2, ep=2)),
 ]
 
 
