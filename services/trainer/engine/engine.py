@@ -80,6 +80,7 @@ class TrainingEngine:
         self.stages = stages if stages is not None else [(0, model)]
         self.whole, self.activation_dtype = whole, activation_dtype
         self._pipelines: dict = {}
+        self._stage_module_list: list | None = None
         self.context_parallel = None  # the model's ContextParallel under cp > 1 (parallel/context.py)
         if parallel is not None and parallel.cp > 1:
             from services.trainer.engine.parallel.context import context_parallel_of
@@ -164,9 +165,24 @@ class TrainingEngine:
                                schedule=self.parallel.pipeline_schedule, row_tokens=row_tokens,
                                dtype=self.activation_dtype, device=self.device,
                                tied_shape=local_shape((args.vocab_size, args.hidden_size), self.parallel, self.mesh),
-                               cp=self.context_parallel)
+                               cp=self.context_parallel, modules=self._stage_modules())
             self._pipelines[row_tokens] = pipe
         return pipe
+
+    def _stage_modules(self) -> list:
+        """The StageModule of each of this rank's stages, made once (pipeline.stage_modules), shared by the
+        pipelines of every row size."""
+        if self._stage_module_list is None:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            from services.trainer.engine.parallel.fsdp import dense_shard_mesh, mixed_precision
+            from services.trainer.engine.parallel.pipeline import stage_modules
+
+            mp = mixed_precision(self.device, full_parameter=self.lora is None)
+            self._stage_module_list = stage_modules(
+                self.stages, dense_shard_mesh(self.mesh, self.parallel),
+                MixedPrecisionPolicy(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype))
+        return self._stage_module_list
 
     def _uncounted(self) -> frozenset[int]:
         """The parameters the gradient norm leaves out: under pp with tied embeddings, the last stage's lm_head (a

@@ -197,12 +197,14 @@ def build_pipeline(model_dir: str | Path, pp_mesh, *, schedule: str, row_tokens:
 
 def pipeline_of(stages: list[tuple[int, nn.Module]], group: dist.ProcessGroup, whole: nn.Module, *, schedule: str,
                 row_tokens: int, dtype: torch.dtype, device: torch.device,
-                tied_shape: tuple[int, ...] | None = None, cp=None) -> Pipeline:
+                tied_shape: tuple[int, ...] | None = None, cp=None,
+                modules: list[StageModule] | None = None) -> Pipeline:
     """A Pipeline over this rank's loaded stage models ((stage index, CausalLM stage), split_model's), for rows of
     row_tokens tokens: a PipelineStage each (no communication; the engine builds one per row size it is asked for).
     whole: the whole model on the meta device; tied_shape: this rank's part of the tied embeddings' gradient when
     the stages are sharded (see _sum_tied_gradients; None: the whole [V, D]); cp: the stages' ContextParallel
-    under context parallelism (each stage then sends this rank's [1, seq_tokens / cp, D] of the row)."""
+    under context parallelism (each stage then sends this rank's [1, seq_tokens / cp, D] of the row); modules: the
+    StageModule of each stage when the caller keeps them (stage_modules: FSDP-sharded stages), else new ones."""
     from torch.distributed.pipelining import PipelineStage
 
     spec = schedule_spec(schedule)
@@ -213,13 +215,30 @@ def pipeline_of(stages: list[tuple[int, nn.Module]], group: dist.ProcessGroup, w
     local = pipe.seq_tokens // (1 if cp is None else cp.size)
     hidden = torch.empty(1, local, whole.args.hidden_size, dtype=dtype, device="meta", requires_grad=True)
     tokens = torch.empty(1, local, dtype=torch.int64, device="meta")
-    for index, stage_model in stages:
-        module = StageModule(stage_model)
+    for i, (index, stage_model) in enumerate(stages):
+        module = StageModule(stage_model) if modules is None else modules[i]
         pipe.models.append(stage_model)
         pipe.modules.append(module)
         pipe.stages.append(PipelineStage(module, index, num_stages, device, output_args=hidden, group=group,
                                          input_args=tokens if index == 0 else hidden))
     return pipe
+
+
+def stage_modules(stages: list[tuple[int, nn.Module]], fsdp_mesh, mp_policy) -> list[StageModule]:
+    """A StageModule per FSDP-sharded stage model, itself made an FSDP module (fully_shard, holding no parameters of
+    its own: its stage's units hold them all), so that torch.distributed.pipelining recognizes the stage as sharded:
+    the schedule then keeps each micro-batch's gradients unreduced and the parameters gathered between micro-batches,
+    reduce-scatters once per step after the last backward (REDUCE_GRAD), and its split backward (zbv: input, then
+    weight gradients) finds the gathered parameters the forward used. Build them once per engine: a stage model has
+    one FSDP parent."""
+    from torch.distributed.fsdp import fully_shard
+
+    out = []
+    for _, stage_model in stages:
+        module = StageModule(stage_model)
+        fully_shard(module, mesh=fsdp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
+        out.append(module)
+    return out
 
 
 def lora_skeleton(whole: nn.Module, cfg, adapter_name: str = "default") -> tuple[nn.Module, list[nn.Parameter]]:
