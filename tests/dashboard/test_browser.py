@@ -74,7 +74,7 @@ def test_sign_in_upload_train_and_watch(stack, page, tmp_path):
     choose_file(page, good)
     upload.click()
     expect(page.get_by_text("as dataset").first).to_be_visible()
-    expect(page.get_by_text("sft_chat", exact=True)).to_be_visible()
+    expect(page.get_by_text("sft_chat", exact=True).first).to_be_visible()  # the summary, and the datasets table once it renders
     expect(page.get_by_test_id("stTable").first.get_by_text("user: What is 1 plus 1?")).to_be_visible()
 
     # An invalid file: nothing stored, the bad row named.
