@@ -65,7 +65,7 @@ from services.trainer.engine.checkpoint import CheckpointMismatch, EngineCheckpo
 from services.trainer.engine.forward_backward import Datum, LossRequest, run_call, split_for_ranks
 from services.trainer.engine.optim import NonFiniteGradient
 from services.trainer.engine.parallel.controller import Controller, serve
-from services.trainer.engine.parallel.dims import ParallelDims
+from services.trainer.engine.parallel.dims import ParallelDims, join_torchrun_group
 
 log = logging.getLogger("trainyard.trainer.group")
 
@@ -310,21 +310,13 @@ class GroupCall:
 def init_group(settings) -> tuple[ParallelDims, torch.device]:
     """The default process group from torchrun's environment (NCCL on CUDA, gloo otherwise) and the resolved layout
     (the setting checked against the world size)."""
-    from datetime import timedelta
-
     world = int(os.environ["WORLD_SIZE"])
     dims = settings.parallel_dims(world)  # checked before joining: a bad setting fails every rank alike
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        device, backend = torch.device("cuda", torch.cuda.current_device()), "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS",
                                                                                        "0")):
         log.warning("torchrun shares its rendezvous store across restarts: a restarted group may fail to meet; "
                     "launch it with %s", " ".join(f"{k}={v}" for k, v in TORCHRUN_ENV.items()))
-    dist.init_process_group(backend, timeout=timedelta(seconds=settings.trainer_group_timeout_s))
-    return dims, device
+    return dims, join_torchrun_group(settings.trainer_group_timeout_s)
 
 
 def run_worker(settings, host: EngineHost) -> None:

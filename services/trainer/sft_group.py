@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from services.common.errors import TrainyardError
 from services.common.methods.sft import SftHyperparams
-from services.trainer.engine.parallel.dims import ParallelDims
+from services.trainer.engine.parallel.dims import ParallelDims, join_torchrun_group
 from services.trainer.sft import (
     Checkpoint,
     Finished,
@@ -160,9 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     (Path(spec.group_dir) / f"rank{os.environ['RANK']}.pid").write_text(str(os.getpid()))
     if spec.torch_threads:
         torch.set_num_threads(spec.torch_threads)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    join_torchrun_group()
     try:
         run(spec)
         dist.barrier()  # no rank tears the group down while another still uses it

@@ -364,7 +364,6 @@ class LossCall:
                 run_padding_micro_batch(self.model, backward=self.backward, device=self.device, cp=self.cp)
 
 
-
 def summed_over_ranks(metric_sums: list[dict[str, torch.Tensor]], group, loss_fn: str,
                       device: torch.device) -> dict[str, torch.Tensor]:
     """The metric sums of every rank's datums (float64; the loss's keys, losses.metric_keys): a rank without

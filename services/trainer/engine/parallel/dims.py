@@ -149,6 +149,25 @@ def from_mapping(values: dict, *, world_size: int, field_prefix: str = "") -> Pa
     return ParallelDims(**values, world_size=world_size, field_prefix=field_prefix).resolved()
 
 
+def join_torchrun_group(timeout_s: float | None = None):
+    """Join the default process group from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR...):
+    NCCL on this rank's GPU where there is CUDA, gloo on the CPU otherwise; this rank's device. timeout_s: how long
+    a collective waits for a silent rank (torch's default when None)."""
+    import os
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device, backend = torch.device("cuda", torch.cuda.current_device()), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend, timeout=None if timeout_s is None else timedelta(seconds=timeout_s))
+    return device
+
+
 def build_mesh(dims: ParallelDims, device_type: str = "cpu"):
     """The named DeviceMesh of resolved dims over the default process group (see the module docstring for the
     names). A dimension of degree 1 is kept (size 1), so code may always ask for mesh["dp_shard_cp"] etc."""
