@@ -330,11 +330,7 @@ class TrainingEngine:
             return
         targets = tensors = optim = rng_state = grads = None
         if weights:
-            if self.lora is None:
-                targets, tensors = self.model.state_dict(), ckpt_format.full_tensors(ckpt, self.model)
-            else:
-                targets = lora_state_dict(self.model, self.adapter)
-                tensors = ckpt_format.lora_tensors(ckpt, self.model, self.adapter)
+            targets, tensors = self._weights_of(ckpt)
         if optimizer:
             optim = ckpt_format.optimizer_state(ckpt, self.params, self.device)
         if rng:
@@ -349,9 +345,19 @@ class TrainingEngine:
             self.optimizer.load_state_dict(optim)
             self.steps = ckpt.optim_steps
         if rng_state is not None:
-            torch.set_rng_state(rng_state["cpu"])
-            if self.device.type == "cuda" and "cuda" in rng_state:
-                torch.cuda.set_rng_state(rng_state["cuda"], self.device)
+            self._set_rng_state(rng_state)
+
+    def _weights_of(self, ckpt: EngineCheckpoint) -> tuple[dict, dict]:
+        """(this engine's tensors a checkpoint's weights go into, the checkpoint's tensors for them): the whole
+        state dict, or the adapter's."""
+        if self.lora is None:
+            return self.model.state_dict(), ckpt_format.full_tensors(ckpt, self.model)
+        return lora_state_dict(self.model, self.adapter), ckpt_format.lora_tensors(ckpt, self.model, self.adapter)
+
+    def _set_rng_state(self, rng_state: dict) -> None:
+        torch.set_rng_state(rng_state["cpu"])
+        if self.device.type == "cuda" and "cuda" in rng_state:
+            torch.cuda.set_rng_state(rng_state["cuda"], self.device)
 
     def _restore_sharded(self, ckpt: EngineCheckpoint, *, weights: bool, optimizer: bool, rng: bool,
                          gradients: bool) -> None:
@@ -364,11 +370,7 @@ class TrainingEngine:
             sharded.load_state(self, ckpt.state_dir / ckpt_format.DCP_DIR, weights=weights and self.mesh is not None,
                                optimizer=optimizer, gradients=gradients)
             if weights and self.mesh is None:  # the export: the weights as the single-process engine reads them
-                if self.lora is None:
-                    targets, tensors = self.model.state_dict(), ckpt_format.full_tensors(ckpt, self.model)
-                else:
-                    targets = lora_state_dict(self.model, self.adapter)
-                    tensors = ckpt_format.lora_tensors(ckpt, self.model, self.adapter)
+                targets, tensors = self._weights_of(ckpt)
                 ckpt_format.copy_into(tensors, targets)
         else:
             sharded.load_single_process(self, ckpt, weights=weights, optimizer=optimizer, gradients=gradients)
@@ -378,9 +380,7 @@ class TrainingEngine:
         if optimizer:
             self.steps = ckpt.optim_steps
         if rng_state is not None:
-            torch.set_rng_state(rng_state["cpu"])
-            if self.device.type == "cuda" and "cuda" in rng_state:
-                torch.cuda.set_rng_state(rng_state["cuda"], self.device)
+            self._set_rng_state(rng_state)
 
     def _check_config(self, ckpt: EngineCheckpoint) -> None:
         if (ckpt.lora is None) != (self.lora is None):
