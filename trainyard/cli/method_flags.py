@@ -40,6 +40,8 @@ def flag_of(field: str) -> str:
 
 def _option(f: Field) -> Callable:
     s = f.setting
+    if f.type is bool:  # --full-parameter / --no-full-parameter; neither: unset, the server's default applies
+        return click.option(f"{s.flag}/--no-{s.flag.removeprefix('--')}", f.name, default=None, help=f.describe())
     kind = click.Choice(s.choices) if s.choices else {int: click.INT, float: click.FLOAT}.get(f.type, click.STRING)
     return click.option(s.flag, *s.aliases, f.name, type=kind, default=None, multiple=f.is_list, help=f.describe())
 

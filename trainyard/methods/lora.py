@@ -29,4 +29,13 @@ class LoraSettings:
         help="Module names to adapt, e.g. q_proj (repeat the flag); empty: every attention and MLP projection")
 
 
+@dataclass(frozen=True)
+class TrainingModeSettings:
+    """Whether a job trains a LoRA adapter (the default) or every weight of the model. Full-parameter jobs ignore the
+    LoRA settings; their checkpoints hold the whole model (a Hugging Face-format directory) instead of an adapter."""
+
+    full_parameter: bool = setting(
+        False, label="Full-parameter", help="Train every weight of the model instead of a LoRA adapter")
+
+
 LORA_DEFAULTS = LoraSettings()
