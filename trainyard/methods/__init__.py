@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainyard.methods.lora import LORA_DEFAULTS, LoraSettings
+from trainyard.methods.rft import RftSettings
 from trainyard.methods.sft import SftSettings
 from trainyard.methods.spec import Field, Problem, declared, resolve
 from trainyard.v1 import scheduler_pb2 as pb
@@ -37,6 +38,7 @@ class Method:
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("sft", "Supervised fine-tuning (LoRA)", pb.JOB_METHOD_SFT, "sft", SftSettings,
            ("sft_chat", "sft_prompt_completion"), "sft"),
+    Method("rft", "Reinforcement fine-tuning", pb.JOB_METHOD_RFT, "rft", RftSettings, ("rft",), "rft"),
 )}
 BY_PROTO = {m.proto: m for m in METHODS.values()}
 
@@ -48,5 +50,5 @@ def method(name: str) -> Method:
     return METHODS[name]
 
 
-__all__ = ["BY_PROTO", "LORA_DEFAULTS", "METHODS", "LoraSettings", "Method", "Problem", "SftSettings", "method",
+__all__ = ["BY_PROTO", "LORA_DEFAULTS", "METHODS", "LoraSettings", "Method", "Problem", "RftSettings", "SftSettings", "method",
            "resolve"]

@@ -24,6 +24,7 @@ class JobMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     JOB_METHOD_UNSPECIFIED: _ClassVar[JobMethod]
     JOB_METHOD_SFT: _ClassVar[JobMethod]
+    JOB_METHOD_RFT: _ClassVar[JobMethod]
 
 class JobStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -40,6 +41,29 @@ class LrScheduler(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LR_SCHEDULER_COSINE: _ClassVar[LrScheduler]
     LR_SCHEDULER_LINEAR: _ClassVar[LrScheduler]
     LR_SCHEDULER_CONSTANT: _ClassVar[LrScheduler]
+
+class RftLoss(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RFT_LOSS_UNSPECIFIED: _ClassVar[RftLoss]
+    RFT_LOSS_GRPO: _ClassVar[RftLoss]
+    RFT_LOSS_DAPO: _ClassVar[RftLoss]
+    RFT_LOSS_GSPO: _ClassVar[RftLoss]
+    RFT_LOSS_CISPO: _ClassVar[RftLoss]
+    RFT_LOSS_DRO: _ClassVar[RftLoss]
+    RFT_LOSS_DR_GRPO: _ClassVar[RftLoss]
+
+class RftMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RFT_MODE_UNSPECIFIED: _ClassVar[RftMode]
+    RFT_MODE_SYNC: _ClassVar[RftMode]
+    RFT_MODE_ASYNC: _ClassVar[RftMode]
+
+class RftTis(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RFT_TIS_UNSPECIFIED: _ClassVar[RftTis]
+    RFT_TIS_OFF: _ClassVar[RftTis]
+    RFT_TIS_TOKEN: _ClassVar[RftTis]
+    RFT_TIS_SEQUENCE: _ClassVar[RftTis]
 
 class CheckpointKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -61,6 +85,7 @@ DATASET_FORMAT_DPO: DatasetFormat
 DATASET_FORMAT_RFT: DatasetFormat
 JOB_METHOD_UNSPECIFIED: JobMethod
 JOB_METHOD_SFT: JobMethod
+JOB_METHOD_RFT: JobMethod
 JOB_STATUS_UNSPECIFIED: JobStatus
 JOB_STATUS_QUEUED: JobStatus
 JOB_STATUS_RUNNING: JobStatus
@@ -71,6 +96,20 @@ LR_SCHEDULER_UNSPECIFIED: LrScheduler
 LR_SCHEDULER_COSINE: LrScheduler
 LR_SCHEDULER_LINEAR: LrScheduler
 LR_SCHEDULER_CONSTANT: LrScheduler
+RFT_LOSS_UNSPECIFIED: RftLoss
+RFT_LOSS_GRPO: RftLoss
+RFT_LOSS_DAPO: RftLoss
+RFT_LOSS_GSPO: RftLoss
+RFT_LOSS_CISPO: RftLoss
+RFT_LOSS_DRO: RftLoss
+RFT_LOSS_DR_GRPO: RftLoss
+RFT_MODE_UNSPECIFIED: RftMode
+RFT_MODE_SYNC: RftMode
+RFT_MODE_ASYNC: RftMode
+RFT_TIS_UNSPECIFIED: RftTis
+RFT_TIS_OFF: RftTis
+RFT_TIS_TOKEN: RftTis
+RFT_TIS_SEQUENCE: RftTis
 CHECKPOINT_KIND_UNSPECIFIED: CheckpointKind
 CHECKPOINT_KIND_LORA_ADAPTER: CheckpointKind
 CHECKPOINT_KIND_FULL: CheckpointKind
@@ -340,19 +379,73 @@ class SftConfig(_message.Message):
     max_grad_norm: float
     def __init__(self, lora: _Optional[_Union[LoraConfig, _Mapping]] = ..., learning_rate: _Optional[float] = ..., epochs: _Optional[int] = ..., max_steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., gradient_accumulation_steps: _Optional[int] = ..., warmup_steps: _Optional[int] = ..., lr_scheduler: _Optional[_Union[LrScheduler, str]] = ..., weight_decay: _Optional[float] = ..., max_seq_len: _Optional[int] = ..., eval_fraction: _Optional[float] = ..., eval_every: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., seed: _Optional[int] = ..., max_grad_norm: _Optional[float] = ...) -> None: ...
 
+class RftConfig(_message.Message):
+    __slots__ = ("lora", "full_parameter", "learning_rate", "steps", "prompts_per_step", "group_size", "max_tokens", "temperature", "loss", "kl_coef", "clip_low", "clip_high", "dynamic_sampling", "mode", "max_staleness", "tis", "tis_cap", "partial_rollouts", "router_replay", "evaluator", "checkpoint_every", "seed", "max_grad_norm", "weight_decay")
+    LORA_FIELD_NUMBER: _ClassVar[int]
+    FULL_PARAMETER_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    KL_COEF_FIELD_NUMBER: _ClassVar[int]
+    CLIP_LOW_FIELD_NUMBER: _ClassVar[int]
+    CLIP_HIGH_FIELD_NUMBER: _ClassVar[int]
+    DYNAMIC_SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    TIS_FIELD_NUMBER: _ClassVar[int]
+    TIS_CAP_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_REPLAY_FIELD_NUMBER: _ClassVar[int]
+    EVALUATOR_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    lora: LoraConfig
+    full_parameter: bool
+    learning_rate: float
+    steps: int
+    prompts_per_step: int
+    group_size: int
+    max_tokens: int
+    temperature: float
+    loss: RftLoss
+    kl_coef: float
+    clip_low: float
+    clip_high: float
+    dynamic_sampling: bool
+    mode: RftMode
+    max_staleness: int
+    tis: RftTis
+    tis_cap: float
+    partial_rollouts: bool
+    router_replay: bool
+    evaluator: str
+    checkpoint_every: int
+    seed: int
+    max_grad_norm: float
+    weight_decay: float
+    def __init__(self, lora: _Optional[_Union[LoraConfig, _Mapping]] = ..., full_parameter: _Optional[bool] = ..., learning_rate: _Optional[float] = ..., steps: _Optional[int] = ..., prompts_per_step: _Optional[int] = ..., group_size: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., loss: _Optional[_Union[RftLoss, str]] = ..., kl_coef: _Optional[float] = ..., clip_low: _Optional[float] = ..., clip_high: _Optional[float] = ..., dynamic_sampling: _Optional[bool] = ..., mode: _Optional[_Union[RftMode, str]] = ..., max_staleness: _Optional[int] = ..., tis: _Optional[_Union[RftTis, str]] = ..., tis_cap: _Optional[float] = ..., partial_rollouts: _Optional[bool] = ..., router_replay: _Optional[bool] = ..., evaluator: _Optional[str] = ..., checkpoint_every: _Optional[int] = ..., seed: _Optional[int] = ..., max_grad_norm: _Optional[float] = ..., weight_decay: _Optional[float] = ...) -> None: ...
+
 class JobSpec(_message.Message):
-    __slots__ = ("method", "base_model", "dataset_id", "display_name", "sft")
+    __slots__ = ("method", "base_model", "dataset_id", "display_name", "sft", "rft")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     DATASET_ID_FIELD_NUMBER: _ClassVar[int]
     DISPLAY_NAME_FIELD_NUMBER: _ClassVar[int]
     SFT_FIELD_NUMBER: _ClassVar[int]
+    RFT_FIELD_NUMBER: _ClassVar[int]
     method: JobMethod
     base_model: str
     dataset_id: str
     display_name: str
     sft: SftConfig
-    def __init__(self, method: _Optional[_Union[JobMethod, str]] = ..., base_model: _Optional[str] = ..., dataset_id: _Optional[str] = ..., display_name: _Optional[str] = ..., sft: _Optional[_Union[SftConfig, _Mapping]] = ...) -> None: ...
+    rft: RftConfig
+    def __init__(self, method: _Optional[_Union[JobMethod, str]] = ..., base_model: _Optional[str] = ..., dataset_id: _Optional[str] = ..., display_name: _Optional[str] = ..., sft: _Optional[_Union[SftConfig, _Mapping]] = ..., rft: _Optional[_Union[RftConfig, _Mapping]] = ...) -> None: ...
 
 class Job(_message.Message):
     __slots__ = ("id", "spec", "status", "created_at", "started_at", "finished_at", "error", "step", "total_steps", "attempts", "cancel_requested", "output_checkpoint_id", "latest_metrics")

@@ -1,0 +1,268 @@
+"""The job's rollout: the rollout engine (services/rollout/engine.py) in a process of its own, serving the job's
+current policy version and hot-loading each new one, so sampling runs beside training (no shared GIL, its own cores).
+
+    rollout = RolloutProcess(model_dir, lora=..., work_dir=..., partial=...)
+    rollout.submit(batch, requests)              # queued; batches are sampled one after another, in order
+    rollout.update(version, path)                # hot-load version (full weights: a safetensors file of the
+                                                 # parameters, written in place between two engine steps; LoRA: a
+                                                 # PEFT directory loaded as a new adapter) -- returns at once
+    rollout.result(batch) -> (samples, stats)    # waits for that batch
+
+Ordering at a weight update from version v to v + 1 (exact per-token versions): the command is applied between two
+batches' requests or in the middle of one: (1) every request in flight is aborted (the engine's inbox runs the abort
+before anything queued after it), (2) each aborted sample keeps the tokens it got, all produced by v, as a segment
+tagged v, (3) the new weights are written / loaded, (4) the aborted samples are submitted again on v + 1: with
+partial_rollouts as prompt + their tokens so far for the tokens left (a new segment tagged v + 1), without it from the
+prompt alone (their tokens so far are discarded and counted). A sample's segments give each token's version; a
+request submitted at version v runs on v until the next update aborts it.
+
+Each sample is its own request (n = 1) with seed = the request's seed: a sample's draws do not depend on the batch.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("trainyard.rl.rollout")
+
+
+@dataclass
+class SampleRequest:
+    prompt: list[int]
+    seed: int
+
+
+@dataclass
+class Segment:
+    version: int
+    tokens: list[int]
+    logprobs: list[float]
+
+
+@dataclass
+class Sample:
+    segments: list[Segment] = field(default_factory=list)
+    finish_reason: str = ""
+    router_ids: object = None  # torch.Tensor [P + n - 1, L, K] of the last segment's request (router replay)
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for s in self.segments for t in s.tokens]
+
+    @property
+    def logprobs(self) -> list[float]:
+        return [x for s in self.segments for x in s.logprobs]
+
+    @property
+    def token_versions(self) -> list[int]:
+        return [s.version for s in self.segments for _ in s.tokens]
+
+    @property
+    def versions(self) -> list[int]:
+        """The versions that produced its tokens (the first segment's version when it has none)."""
+        return sorted({s.version for s in self.segments if s.tokens} or {self.segments[0].version})
+
+
+@dataclass
+class BatchStats:
+    tokens: int  # tokens sampled, discarded ones included
+    discarded_tokens: int  # tokens thrown away at a weight update (partial_rollouts off)
+    seconds: float  # from the batch's first request to its last sample
+
+
+class RolloutProcess:
+    def __init__(self, model_dir: str | Path, *, lora: bool, work_dir: Path, partial: bool, max_tokens: int,
+                 temperature: float, router_ids: bool = False, torch_threads: int = 1):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.work_dir = Path(work_dir)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.proc = ctx.Process(target=_serve, name="rft-rollout", daemon=True, args=(
+            child, str(model_dir), lora, partial, max_tokens, temperature, router_ids, torch_threads))
+        self.proc.start()
+        child.close()
+        self._results: dict[int, tuple[list[list[Sample]], BatchStats]] = {}
+        self.version = 0
+
+    def submit(self, batch: int, requests: list[list[SampleRequest]]) -> None:
+        """Queue a batch: per prompt, its group's requests."""
+        self.conn.send(("sample", batch, requests))
+
+    def update(self, version: int, weights: Path) -> None:
+        """Hot-load a version (module docstring); weights is removed by the rollout once loaded."""
+        self.conn.send(("update", version, str(weights)))
+        self.version = version
+
+    def result(self, batch: int) -> tuple[list[list[Sample]], BatchStats]:
+        while batch not in self._results:
+            if not self.conn.poll(1.0):
+                if not self.proc.is_alive():
+                    raise RuntimeError(f"the rollout process exited (status {self.proc.exitcode})")
+                continue
+            kind, *payload = self.conn.recv()
+            if kind == "error":
+                raise RuntimeError(f"the rollout process failed: {payload[0]}")
+            b, samples, stats = payload
+            self._results[b] = (samples, stats)
+        return self._results.pop(batch)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("stop",))
+            except (BrokenPipeError, OSError):
+                pass
+            self.proc.join(10)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join()
+        self.conn.close()
+
+
+# -- the rollout process -------------------------------------------------------------------------------------------
+class _Gate:
+    """Who may submit: requests are submitted at the current version; an update aborts those in flight first."""
+
+    def __init__(self):
+        self.cv = threading.Condition()
+        self.version = 0
+        self.adapter: str | None = None
+        self.updating = False
+        self.in_flight: set = set()
+
+
+def _serve(conn, model_dir: str, lora: bool, partial: bool, max_tokens: int, temperature: float, router_ids: bool,
+           torch_threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(torch_threads)
+    from services.rollout.engine import Engine, EngineConfig
+
+    send_lock = threading.Lock()
+
+    def send(msg) -> None:
+        with send_lock:
+            conn.send(msg)
+
+    try:
+        engine = Engine(EngineConfig(max_loaded_adapters=4, kv_cache_mb=256))
+        engine.base(model_dir)
+        gate = _Gate()
+        batches: deque = deque()
+        have_batch = threading.Condition()
+        stopping = threading.Event()
+        worker = threading.Thread(target=_batches, daemon=True, args=(
+            engine, model_dir, gate, batches, have_batch, stopping, send, partial, max_tokens, temperature,
+            router_ids))
+        worker.start()
+        while True:
+            msg = conn.recv()
+            if msg[0] == "stop":
+                break
+            if msg[0] == "sample":
+                with have_batch:
+                    batches.append(msg[1:])
+                    have_batch.notify()
+            elif msg[0] == "update":
+                _update(engine, model_dir, gate, lora, msg[1], Path(msg[2]))
+        stopping.set()
+        with have_batch:
+            have_batch.notify()
+        engine.close()
+    except (EOFError, KeyboardInterrupt):
+        pass
+    except BaseException:  # noqa: BLE001 - reported to the job, which fails with it
+        send(("error", traceback.format_exc()))
+
+
+def _update(engine, model_dir: str, gate: _Gate, lora: bool, version: int, weights: Path) -> None:
+    from safetensors.torch import load_file
+
+    with gate.cv:
+        gate.updating = True
+        for handle in list(gate.in_flight):
+            handle.cancel()
+    try:
+        if lora:
+            adapter = f"v{version}"
+            engine.load_adapter(adapter, model_dir, weights, eager=True)
+            old, gate.adapter = gate.adapter, adapter
+            if old is not None:
+                engine.unload_adapter(old)  # its weights go once its last (aborted) request ends
+        else:
+            engine.update_base_weights(model_dir, load_file(weights))
+            weights.unlink()
+    finally:
+        with gate.cv:
+            gate.version = version
+            gate.updating = False
+            gate.cv.notify_all()
+
+
+def _batches(engine, model_dir, gate: _Gate, batches: deque, have_batch, stopping, send, partial: bool,
+             max_tokens: int, temperature: float, router_ids: bool) -> None:
+    from services.rollout.sampling import SamplingParams
+
+    try:
+        while True:
+            with have_batch:
+                while not batches and not stopping.is_set():
+                    have_batch.wait()
+                if stopping.is_set():
+                    return
+                batch, requests = batches.popleft()
+            start = time.perf_counter()
+            flat = [(g, r) for g, group in enumerate(requests) for r in group]
+            samples = [Sample() for _ in flat]
+            pending = list(range(len(flat)))
+            tokens = discarded = 0
+            while pending:
+                with gate.cv:
+                    while gate.updating:
+                        gate.cv.wait()
+                    version, adapter = gate.version, gate.adapter
+                    handles = []
+                    for i in pending:
+                        req, s = flat[i][1], samples[i]
+                        done = s.tokens if partial else []
+                        params = SamplingParams(temperature=temperature, max_tokens=max_tokens - len(done),
+                                                seed=req.seed + 7919 * len(s.segments),
+                                                return_router_ids=router_ids)
+                        h = engine.submit(model_dir, adapter, req.prompt + done, params)
+                        gate.in_flight.add(h)
+                        handles.append((i, h))
+                left = []
+                for i, h in handles:
+                    seq = h.result().sequences[0]
+                    with gate.cv:
+                        gate.in_flight.discard(h)
+                    s = samples[i]
+                    tokens += len(seq.tokens)
+                    if not partial and not seq.finish_reason:  # aborted by an update: start again
+                        discarded += len(seq.tokens)
+                        s.segments = []
+                        left.append(i)
+                        continue
+                    s.segments.append(Segment(version, list(seq.tokens), list(seq.logprobs)))
+                    s.router_ids = seq.router_ids
+                    if seq.finish_reason:
+                        s.finish_reason = seq.finish_reason
+                    elif len(s.tokens) >= max_tokens:
+                        s.finish_reason = "length"
+                    else:
+                        left.append(i)
+                pending = left
+            grouped = [[] for _ in requests]
+            for (g, _), s in zip(flat, samples):
+                grouped[g].append(s)
+            send(("batch", batch, grouped, BatchStats(tokens, discarded, time.perf_counter() - start)))
+    except BaseException:  # noqa: BLE001 - reported to the job
+        send(("error", traceback.format_exc()))
+        os._exit(1)
