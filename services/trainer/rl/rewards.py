@@ -55,9 +55,16 @@ def exact_match(completion: str, row: dict) -> float:
     return 1.0 if completion.strip() == str(row["answer"]).strip() else 0.0
 
 
+def digit_share(completion: str, row: dict) -> float:
+    """The share of the completion's characters that are digits (0.0 for an empty one): a graded reward that a
+    random-weight model can climb, for smoke tests of the loop."""
+    return sum(c.isdigit() for c in completion) / len(completion) if completion else 0.0
+
+
 BUILTINS: dict[str, Callable[[str, dict], float]] = {
     BUILTIN_PREFIX + "first_number": first_number_matches,
     BUILTIN_PREFIX + "exact_match": exact_match,
+    BUILTIN_PREFIX + "digit_share": digit_share,
 }
 
 

@@ -142,7 +142,8 @@ def _serve(conn, model_dir: str, lora: bool, partial: bool, max_tokens: int, tem
            torch_threads: int) -> None:
     import torch
 
-    torch.set_num_threads(torch_threads)
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
     from services.rollout.engine import Engine, EngineConfig
 
     send_lock = threading.Lock()

@@ -21,24 +21,38 @@ from services.worker.job import JobContext, RecipeOutcome
 
 
 def run(ctx: JobContext) -> RecipeOutcome:
-    job, blobs, ledger = ctx.job, ctx.blobs, ctx.ledger
+    return record(ctx, _events(ctx, dataset_file(ctx), resume_from(ctx)))
+
+
+def dataset_file(ctx: JobContext) -> Path:
+    """The job's dataset laid out in the scratch directory. Every stored file is laid out verified against the
+    sha256 its row names: damage fails the job with DataLoss naming the object, instead of training on it."""
     with ctx.db.session() as s:
-        dataset = s.get(Dataset, job.dataset_id)
-    # Every stored file is laid out verified against the sha256 its row names: damage fails the job with DataLoss
-    # naming the object, instead of training on it.
-    data_path = blobs.materialize([StoredFile("dataset.jsonl", dataset.sha256, dataset.size_bytes)],
-                                  ctx.work / "data", what=f"dataset {dataset.id}") / "dataset.jsonl"
-    resume = None
+        dataset = s.get(Dataset, ctx.job.dataset_id)
+    return ctx.blobs.materialize([StoredFile("dataset.jsonl", dataset.sha256, dataset.size_bytes)],
+                                 ctx.work / "data", what=f"dataset {dataset.id}") / "dataset.jsonl"
+
+
+def resume_from(ctx: JobContext) -> SftCheckpoint | None:
+    """The job's latest checkpoint laid out in the scratch directory (None on a first attempt)."""
     latest = ctx.latest_checkpoint
-    if latest is not None:
-        resume = SftCheckpoint(step=latest.step, root=ctx.work / "resume")
-        blobs.materialize([StoredFile.from_json(f) for f in latest.files], resume.weights_dir,
+    if latest is None:
+        return None
+    resume = SftCheckpoint(step=latest.step, root=ctx.work / "resume")
+    ctx.blobs.materialize([StoredFile.from_json(f) for f in latest.files], resume.weights_dir,
                           what=f"checkpoint {latest.id}")
-        blobs.materialize([StoredFile.from_json(f) for f in latest.state], resume.state_dir,
+    ctx.blobs.materialize([StoredFile.from_json(f) for f in latest.state], resume.state_dir,
                           what=f"checkpoint {latest.id} state")
-        ledger.log(job.id, f"resuming from the checkpoint at step {latest.step} ({latest.id})")
+    ctx.ledger.log(ctx.job.id, f"resuming from the checkpoint at step {latest.step} ({latest.id})")
+    return resume
+
+
+def record(ctx: JobContext, events: Iterator[SftEvent], *, kind: str = "lora_adapter") -> RecipeOutcome:
+    """Record a training run's events through the ledger (each write conditional on the lease) and the object
+    store: the loop every recipe shares. kind: the checkpoints' kind (lora_adapter or full)."""
+    job, blobs, ledger = ctx.job, ctx.blobs, ctx.ledger
     final_checkpoint_id, finished = "", None
-    for event in _events(ctx, data_path, resume):
+    for event in events:
         match event:
             case Log(message, level):
                 ledger.log(job.id, message, level)
@@ -53,12 +67,12 @@ def run(ctx: JobContext) -> RecipeOutcome:
                     files = [f.to_json() for f in save.put_tree(ckpt.weights_dir)]
                     state = [f.to_json() for f in save.put_tree(ckpt.state_dir)]
                     row = ledger.add_checkpoint(job.id, ctx.worker_id, step=ckpt.step, files=files, state=state,
-                                                final=final, metrics=metrics)
+                                                final=final, metrics=metrics, kind=kind)
                 if final:
                     final_checkpoint_id = row.id
             case Finished():
                 finished = event
-    assert finished is not None, "run_sft always ends with Finished"
+    assert finished is not None, "a training run always ends with Finished"
     return RecipeOutcome(step=finished.step, stopped=finished.stopped, output_checkpoint_id=final_checkpoint_id)
 
 
