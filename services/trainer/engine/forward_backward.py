@@ -70,6 +70,9 @@ class Datum:
 
     tokens: torch.Tensor  # int64 [T]
     inputs: dict[str, torch.Tensor]
+    # Router replay (MoE): [T, L, K] expert ids of each position at each MoE layer (in layer order), e.g. the
+    # rollout's router_ids; the forward routes the datum's tokens to exactly these experts (models.moe.RouterReplay).
+    routes: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -144,13 +147,40 @@ def _hidden_states(model: nn.Module, datums: list[Datum], *, deterministic: bool
     lengths = [d.length for d in datums]
     if not deterministic:
         tokens_1N = torch.cat([d.tokens for d in datums])[None].to(device)
-        return model(tokens_1N, packing=Packing.from_lengths(lengths, device), return_hidden=True)[0]
+        routing = _replay(model, [d.routes for d in datums], device)
+        return model(tokens_1N, packing=Packing.from_lengths(lengths, device), return_hidden=True,
+                     routing=routing)[0]
     tokens_BT = torch.zeros(len(datums), max(lengths), dtype=torch.int64)
     for b, d in enumerate(datums):
         tokens_BT[b, :d.length] = d.tokens
+    routing = None
+    if datums[0].routes is not None:  # right-padded like the tokens (the padding's routes are never used)
+        routes = [F.pad(d.routes, (0, 0, 0, 0, 0, max(lengths) - d.length)) if d.routes is not None else None
+                  for d in datums]
+        routing = _replay(model, routes, device, rows=True)
     with batch_invariant_mode():  # the backward runs outside the mode, as torch computes it
-        hidden_BTD = model(tokens_BT.to(device), return_hidden=True)
+        hidden_BTD = model(tokens_BT.to(device), return_hidden=True, routing=routing)
     return torch.cat([hidden_BTD[b, :n] for b, n in enumerate(lengths)])
+
+
+def moe_layers(model: nn.Module) -> list[int]:
+    """The decoder layer indices of the model's MoE layers, in order (router ids are stacked in this order)."""
+    from models.moe import MoE
+
+    return sorted(m.layer_idx for m in model.modules() if isinstance(m, MoE))
+
+
+def _replay(model: nn.Module, routes: list[torch.Tensor | None], device: torch.device, rows: bool = False):
+    """A RouterReplay of the datums' routes back to back ([1, N, L, K]; rows: one row each, [B, T, L, K]), None
+    when no datum has routes. A micro-batch mixes no datum with routes and one without (InvalidArgument)."""
+    if all(r is None for r in routes):
+        return None
+    if any(r is None for r in routes):
+        raise InvalidArgument("router replay needs routes for every datum of a call, or for none", field="routes")
+    from models.moe import RouterReplay
+
+    stacked = torch.stack(routes) if rows else torch.cat(routes)[None]
+    return RouterReplay.from_stacked(moe_layers(model), stacked.to(device))
 
 
 @dataclass

@@ -55,7 +55,7 @@ from services.common.methods.rft import RftHyperparams
 from services.trainer.engine import AdamW, TrainingEngine
 from services.trainer.engine import losses
 from services.trainer.engine.checkpoint import CheckpointMismatch, read_checkpoint
-from services.trainer.engine.forward_backward import Datum, LossCall, LossRequest, run_call
+from services.trainer.engine.forward_backward import Datum, LossCall, LossRequest, moe_layers, run_call
 from services.trainer.rl import algo
 from services.trainer.rl.rewards import Reward
 from services.trainer.rl.rollout import RolloutProcess, Sample, SampleRequest
@@ -102,6 +102,8 @@ class _RftRun:
                                                               target_modules=hp.target_modules)
         self.engine = TrainingEngine.load(model_dir, lora=self.lora, seed=hp.seed, optimizer=self._adamw())
         self.vocab = self.engine.model.args.vocab_size
+        if hp.router_replay and not moe_layers(self.engine.model):
+            raise ValueError("router_replay is for MoE models; this model has no MoE layer")
         self.reference = None
         if hp.kl_coef > 0:  # the base policy, frozen, for the KL penalty
             self.reference = load_pretrained(model_dir, dtype=torch.float32, device=self.engine.device).eval()
@@ -218,7 +220,7 @@ class _RftRun:
         raw_rewards = list(rewards)
         kl_ref = []
         if self.reference is not None:
-            ref_lps = self._logprobs(self.reference, [self._datum(rows[g], s, 0.0, None) for g, s in flat])
+            ref_lps = self._logprobs(self.reference, [self._datum(rows[g], s, 0.0) for g, s in flat])
             for i, ((_, s), ref) in enumerate(zip(flat, ref_lps)):
                 per_token = algo.k3(torch.tensor(s.logprobs, dtype=torch.float64), ref[-len(s.tokens):].double())
                 kl_ref.append(per_token)
@@ -234,7 +236,7 @@ class _RftRun:
                 continue
             advantages.update(zip(members, algo.group_advantages(rs, hp.loss)))
         chosen = sorted(advantages)
-        datums = [self._datum(rows[flat[i][0]], flat[i][1], advantages[i], None) for i in chosen]
+        datums = [self._datum(rows[flat[i][0]], flat[i][1], advantages[i]) for i in chosen]
         tis_w = {}
         if datums and hp.tis != "off":
             trainer_lps = self._logprobs(self.engine.model, datums)
@@ -281,8 +283,10 @@ class _RftRun:
             tokens = tokens[:-1]
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
-    def _datum(self, row: int, s: Sample, advantage: float, _unused) -> Datum:
-        """A sample as a policy-gradient datum: the prompt's positions have advantage 0 and mask 0."""
+    def _datum(self, row: int, s: Sample, advantage: float) -> Datum:
+        """A sample as a policy-gradient datum: the prompt's positions have advantage 0 and mask 0; with router
+        replay, the rollout's routes of every position (its last request's: a partial rollout's earlier tokens are
+        re-prefilled, and routed, by the version that finished it)."""
         prompt, n = self.prompts[row], len(s.tokens)
         pad = [0.0] * (len(prompt) - 1)
         tokens = torch.tensor(prompt + s.tokens[:-1], dtype=torch.int64)
@@ -291,12 +295,18 @@ class _RftRun:
                   "advantages": torch.tensor(pad + [advantage] * n, dtype=torch.float32)}
         if "mask" in losses.LOSS_FNS[self.hp.loss].optional_inputs:
             inputs["mask"] = torch.tensor(pad + [1.0] * n, dtype=torch.float32)
-        return Datum(tokens, losses.check_datum(self.hp.loss, inputs, len(tokens), self.vocab, where="sample"))
+        routes = None
+        if self.hp.router_replay:
+            routes = torch.as_tensor(s.router_ids)
+            assert routes.shape[0] == len(tokens), (routes.shape, len(tokens))
+        return Datum(tokens, losses.check_datum(self.hp.loss, inputs, len(tokens), self.vocab, where="sample"),
+                     routes=routes)
 
     def _logprobs(self, model, datums: list[Datum]) -> list[torch.Tensor]:
         """Each datum's target logprobs under model, without gradient (a forward-only loss call)."""
         req = LossRequest("cross_entropy", {}, MICRO_BATCH_TOKENS)
-        plain = [Datum(d.tokens, {"target_tokens": d.targets, "weights": torch.zeros(d.length)}) for d in datums]
+        plain = [Datum(d.tokens, {"target_tokens": d.targets, "weights": torch.zeros(d.length)}, d.routes)
+                 for d in datums]
         call = LossCall(model, [], req, backward=False, deterministic=False, device=self.engine.device,
                         lock=contextlib.nullcontext)
         with torch.no_grad():

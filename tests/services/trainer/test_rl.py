@@ -85,8 +85,8 @@ def arithmetic(tmp_path_factory):
 
 
 def _hp(**kw):
-    return RftHyperparams.from_request(dict(evaluator="builtin:digit_share", full_parameter=True, prompts_per_step=4,
-                                            group_size=4, max_tokens=4, learning_rate=1e-3, **kw))
+    return RftHyperparams.from_request({**dict(evaluator="builtin:digit_share", full_parameter=True, prompts_per_step=4,
+                                                group_size=4, max_tokens=4, learning_rate=1e-3), **kw})
 
 
 def _run(tiny_model_dir, data, tmp_path, hp, reward=None):
@@ -134,3 +134,46 @@ def test_sync_run_trains_on_fresh_samples_and_survives_reward_errors(tiny_model_
     logged = [e.message for e in events if isinstance(e, Log) and "reward error" in e.message]
     assert errors > 0 and logged and "ZeroDivisionError: boom" in logged[0]
     assert from_function(lambda c, r: "x")(["a"], [{}]) == [Score(None, "the reward is not a finite number: 'x'")]
+
+
+def _lp(model, datum, deterministic=False):
+    from services.trainer.engine.forward_backward import LossCall, LossRequest, run_call
+
+    call = LossCall(model, [], LossRequest("cross_entropy", {}, 4096), backward=False, deterministic=deterministic,
+                    device=torch.device("cpu"), lock=__import__("contextlib").nullcontext)
+    with torch.no_grad():
+        return run_call(call, [datum])[0][0]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_router_replay_routes_the_trainer_forward(family_dirs, deterministic):
+    """The rollout records the experts of every position ([T, L, K], models.moe.RouterReplay); a datum carrying
+    them makes the engine's forward route to exactly those: its own routes give the same logprobs, other routes
+    other ones."""
+    from models import load_pretrained
+    from models.moe import RouterReplay
+    from services.trainer.engine.forward_backward import Datum, moe_layers
+
+    model = load_pretrained(family_dirs["qwen3_moe"]).eval()
+    tokens = torch.tensor([3, 17, 42, 8, 99, 5, 61, 7])
+    recorder = RouterReplay.record()
+    with torch.no_grad():
+        model(tokens[None], routing=recorder)
+    assert recorder.layers == moe_layers(model)
+    own = recorder.stacked()[0]  # [T, L, K]
+    inputs = {"target_tokens": torch.roll(tokens, -1), "weights": torch.ones(8)}
+    plain = _lp(model, Datum(tokens, inputs), deterministic)
+    replayed = _lp(model, Datum(tokens, inputs, routes=own), deterministic)
+    num_experts = model.args.moe_args().num_experts
+    other = ((own.long() + 1) % num_experts).to(own.dtype)
+    rerouted = _lp(model, Datum(tokens, inputs, routes=other), deterministic)
+    torch.testing.assert_close(replayed, plain, rtol=0, atol=1e-6)
+    assert (rerouted - plain).abs().max() > 1e-4
+
+
+def test_loop_replays_the_rollouts_routes_on_a_moe_model(family_dirs, arithmetic, tmp_path):
+    hp = _hp(steps=1, router_replay=True, max_tokens=3)
+    metrics = [e.metrics for e in _run(family_dirs["qwen3_moe"], arithmetic, tmp_path, hp) if isinstance(e, Metrics)]
+    assert len(metrics) == 1 and metrics[0]["kl/k3_rollout_trainer"] < 1e-3
+    with pytest.raises(ValueError, match="router_replay is for MoE models"):
+        _run(family_dirs["qwen3"], arithmetic, tmp_path / "dense", hp)

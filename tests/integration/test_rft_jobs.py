@@ -1,0 +1,101 @@
+"""Managed RFT jobs through the CLI, the real scheduler, Celery worker (Redis broker) and Postgres: the reward rises in
+sync and in async mode (staleness within its bound), bad settings name their field, and a worker killed mid-job
+resumes from its last checkpoint with each step's metrics recorded once."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.integration.data import jsonl
+from trainyard.v1 import scheduler_pb2 as pb
+
+pytestmark = pytest.mark.integration
+
+# The tiny random-weight model learns to write digits (reward: the share of digit characters) in a few steps.
+TASK = ("--model", "tiny-qwen3", "--full-parameter", "--evaluator", "builtin:digit_share", "--lr", "1e-3",
+        "--prompts-per-step", "8", "--group-size", "8", "--max-tokens", "4")
+
+
+@pytest.fixture()
+def cli(stack, api_key, tmp_path):
+    env = {**os.environ, "TRAINYARD_URL": stack.url("scheduler"), "TRAINYARD_API_KEY": api_key,
+           "TRAINYARD_CLIENT_CONFIG": str(tmp_path / "client.json"), "COLUMNS": "200"}
+
+    def run(*args, ok=True):
+        proc = subprocess.run([sys.executable, "-m", "trainyard.cli.main", *args], env=env, capture_output=True,
+                              text=True, timeout=600)
+        if ok:
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc
+    return run
+
+
+@pytest.fixture()
+def dataset(cli, tmp_path):
+    data = tmp_path / "arithmetic.jsonl"
+    data.write_bytes(jsonl([{"prompt": f"{a}+{b}=", "answer": a + b} for a in range(10) for b in range(10)]))
+    out = cli("datasets", "upload", str(data), "--name", "arithmetic").stdout
+    assert "rft, 100 rows" in out, out
+    return out.split()[1]
+
+
+def _rewards(cli, job_id: str) -> list[dict]:
+    metrics = json.loads(cli("jobs", "metrics", job_id, "--json").stdout)
+    return [m for m in metrics if "reward/mean" in m]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_rft_job_from_the_cli_raises_the_reward(cli, dataset, mode):
+    created = cli("jobs", "create", "--method", "rft", "--dataset", dataset, *TASK, "--steps", "12", "--mode", mode,
+                  "--max-staleness", "1", "--checkpoint-every", "6", "--watch")
+    assert "succeeded" in created.stdout and "12/12" in created.stdout, created.stdout
+    job_id = created.stdout.split("job ")[1].split()[0]
+    steps = _rewards(cli, job_id)
+    assert [m["step"] for m in steps] == list(range(1, 13))
+    first = sum(m["reward/mean"] for m in steps[:3]) / 3
+    last = sum(m["reward/mean"] for m in steps[-3:]) / 3
+    assert last > first + 0.05, [round(m["reward/mean"], 3) for m in steps]
+    stale = [m["staleness/max"] for m in steps]
+    if mode == "sync":
+        assert set(stale) == {0.0}
+    else:
+        assert max(stale) == 1.0 and all(m["samples/dropped_stale"] == 0 for m in steps)
+    assert all(m["kl/k3_rollout_trainer"] >= 0 and m["rollout/tokens_per_s"] > 0 for m in steps)
+    job = json.loads(cli("jobs", "get", job_id).stdout)
+    assert job["spec"]["rft"]["mode"] == f"RFT_MODE_{mode.upper()}" and job["output_checkpoint_id"]
+
+
+def test_rft_settings_are_checked_with_their_field(cli, dataset):
+    bad = cli("jobs", "create", "--method", "rft", "--dataset", dataset, "--model", "tiny-qwen3", "--evaluator",
+              "builtin:nope", "--group-size", "1", "--max-staleness", "0", ok=False)
+    assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
+    for field in ("spec.rft.evaluator", "spec.rft.group_size", "spec.rft.max_staleness"):
+        assert field in bad.stderr, bad.stderr
+    missing = cli("jobs", "create", "--method", "rft", "--dataset", dataset, "--model", "tiny-qwen3", ok=False)
+    assert "spec.rft.evaluator" in missing.stderr and "required" in missing.stderr
+
+
+def test_rft_worker_killed_mid_job_resumes_without_lost_or_duplicated_steps(stack, client, cli, dataset):
+    created = cli("jobs", "create", "--method", "rft", "--dataset", dataset, *TASK, "--steps", "30", "--mode",
+                  "async", "--max-staleness", "2", "--checkpoint-every", "5")
+    job_id = created.stdout.split("job ")[1].split()[0]
+    deadline = time.monotonic() + 240
+    while not any(c.step >= 5 for c in client.list_checkpoints(job_id)):
+        assert time.monotonic() < deadline, "no checkpoint in time"
+        time.sleep(0.2)
+    stack.kill("worker")  # SIGKILL: the worker and its rollout process get no chance to report
+    assert client.get_job(job_id).status == pb.JOB_STATUS_RUNNING
+    stack.start("worker")
+    stack.wait_ready("worker")
+    done = client.wait_job(job_id, timeout_s=400)
+    assert done.status == pb.JOB_STATUS_SUCCEEDED, done.error
+    assert done.attempts == 2 and done.step == 30
+    logs = [e.message for e in client.job_logs(job_id)]
+    resumed = [m for m in logs if m.startswith("resuming from the checkpoint at step")]
+    assert resumed and int(resumed[0].split("step ")[1].split()[0]) >= 5, logs
+    assert [m["step"] for m in _rewards(cli, job_id)] == list(range(1, 31))  # each step once
