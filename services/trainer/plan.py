@@ -174,7 +174,43 @@ def plan_sft(req: dict) -> dict:
     }
 
 
-PLANNERS = {"sft": plan_sft}
+def plan_rft(req: dict) -> dict:
+    """An RFT job's plan: its steps (one per policy version), the passes over the prompts they make, the trainable
+    count and the memory of the training side (one step's datums: prompts_per_step x group_size samples of at most
+    the longest prompt + max_tokens tokens, trained in micro-batches of the loop's MICRO_BATCH_TOKENS)."""
+    from services.trainer.rl.loop import MICRO_BATCH_TOKENS
+
+    hp = HYPERPARAMS["rft"].from_json(req["settings"])
+    rows = read_jsonl(verified_bytes(Path(req["dataset_path"]), req["dataset_sha256"]))
+    if req["model_path"] not in _tokenizers:
+        _tokenizers[req["model_path"]] = load_tokenizer(req["model_path"])
+    tokenizer = _tokenizers[req["model_path"]]
+    prompt_tokens = [len(tokenizer.encode(r["prompt"], add_special_tokens=False)) if isinstance(r.get("prompt"), str)
+                     else 0 for r in rows]
+    longest = max(prompt_tokens, default=0) + hp.max_tokens
+    lora = LoraConfig(rank=hp.lora_rank, alpha=hp.lora_alpha, dropout=hp.lora_dropout,
+                      target_modules=hp.target_modules)
+    numbers = model_numbers(req["model_path"], lora, hp.seed)
+    if hp.full_parameter:
+        numbers = {**numbers, "trainable": numbers["base"]}
+    steps_per_epoch = -(-len(rows) // hp.prompts_per_step)
+    warnings = []
+    if hp.steps < FEW_STEPS:
+        warnings.append(f"only {hp.steps} optimizer step{'s' * (hp.steps != 1)}: too few to learn much; raise steps")
+    largest = min(MICRO_BATCH_TOKENS, hp.prompts_per_step * hp.group_size * longest)
+    return {
+        "dataset_rows": len(rows), "train_rows": len(rows), "eval_rows": 0, "skipped_rows": 0,
+        "tokens_per_epoch": sum(prompt_tokens), "target_tokens_per_epoch": 0, "eval_target_tokens": 0,
+        "steps_per_epoch": steps_per_epoch, "total_steps": hp.steps,
+        "epochs": hp.steps / steps_per_epoch if steps_per_epoch else 0.0,
+        "checkpoints": -(-hp.steps // hp.checkpoint_every), "eval_passes": 0,
+        "trainable_parameters": numbers["trainable"], "base_parameters": numbers["base"],
+        "largest_micro_batch_tokens": largest, "memory": memory_estimate(numbers, largest, longest),
+        "warnings": warnings,
+    }
+
+
+PLANNERS = {"sft": plan_sft, "rft": plan_rft}
 
 
 def main() -> None:

@@ -71,6 +71,11 @@ def test_rft_job_from_the_cli_raises_the_reward(cli, dataset, mode):
 
 
 def test_rft_settings_are_checked_with_their_field(cli, dataset):
+    plan = json.loads(cli("jobs", "plan", "--method", "rft", "--dataset", dataset, *TASK, "--steps", "12",
+                          "--checkpoint-every", "5", "--json").stdout)
+    assert (plan["total_steps"], plan["checkpoints"], plan["dataset_rows"], plan["steps_per_epoch"]) == \
+        ("12", "3", "100", "13")
+    assert plan["spec"]["rft"]["evaluator"] == "builtin:digit_share" and plan["spec"]["rft"]["full_parameter"]
     bad = cli("jobs", "create", "--method", "rft", "--dataset", dataset, "--model", "tiny-qwen3", "--evaluator",
               "builtin:nope", "--group-size", "1", "--max-staleness", "0", ok=False)
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
