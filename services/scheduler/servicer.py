@@ -11,6 +11,7 @@ from services.scheduler.accounts import AccountCore
 from services.common.streams import split_header
 from services.scheduler.datasets import DatasetStore, UploadHeader
 from services.scheduler.deployments import DeploymentCore
+from services.scheduler.evaluators import EvaluatorCore
 from services.scheduler.jobs import JobCore, NewJob
 from trainyard.methods import BY_PROTO, proto as method_proto
 from trainyard.v1 import common_pb2, scheduler_pb2 as pb, scheduler_pb2_grpc as rpc
@@ -213,3 +214,25 @@ class DeploymentServicer(rpc.DeploymentServiceServicer):
         caller = current_caller()
         dep = self.core.delete(caller.account_id, caller.api_key, request.id)
         return convert.deployment(dep, self.core.job_of(dep))
+
+
+class EvaluatorServicer(rpc.EvaluatorServiceServicer):
+    def __init__(self, core: EvaluatorCore):
+        self.core = core
+
+    def UploadEvaluator(self, request, context):
+        row = self.core.store.upload(current_caller().account_id, request.name, request.filename, request.content)
+        return convert.evaluator(row)
+
+    def ListEvaluators(self, request, context):
+        offset, size = page(request.page)
+        rows, nxt = self.core.store.list(current_caller().account_id, request.name, offset, size)
+        return pb.EvaluatorListResponse(evaluators=[convert.evaluator(e) for e in rows], next_page_token=token(nxt))
+
+    def GetEvaluator(self, request, context):
+        return convert.evaluator(self.core.store.get(current_caller().account_id, request.evaluator))
+
+    def TestEvaluator(self, request, context):
+        report = self.core.test(current_caller().account_id, request.evaluator, request.rows, request.completions,
+                                request.dataset_id, request.num_rows)
+        return convert.evaluator_test(report)
