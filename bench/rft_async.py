@@ -8,17 +8,21 @@ number of the completion is the sum) is not always 0; RL then runs on all 100 pr
 same warm-up weights and the same seeds.
 
 Modes: sync (sample batch k at version k, then train), async with max_staleness 1 and 2 (sampling of the next
-batches overlaps training; partial rollouts). Reported per mode: median and mean wall time per step (steps 2..N:
-the first step includes loading the rollout), the speed-up over sync, the reward curve, staleness and the
-trainer-vs-rollout k3 KL per step. Writes bench/results/rft_async.csv (one row per mode and step).
+batches overlaps training; partial rollouts). Each mode runs --repeats times, in the order sync, s1, s2, s2, s1, sync,
+... so that a change in the machine's load during the run falls on every mode alike. Reported per mode: median and
+mean wall time per step over its runs (steps 2..N: the first step includes loading the rollout), the speed-up over
+sync, the reward curve, staleness and the trainer-vs-rollout k3 KL per step. Writes bench/results/rft_async.csv (one
+row per mode, run and step; the reward curves are the same seeds in every run of a mode, up to the async modes'
+timing-dependent staleness).
 
-    .venv/bin/python bench/rft_async.py [--steps 30] [--prompts 16] [--group 8] [--threads 1]
+    .venv/bin/python bench/rft_async.py [--steps 30] [--prompts 16] [--group 8] [--threads 1] [--repeats 2]
 """
 from __future__ import annotations
 
 import argparse
 import csv
 import json
+import os
 import random
 import shutil
 import statistics
@@ -70,7 +74,7 @@ def warm_up(base: Path, out: Path, steps: int, seed: int) -> Path:
     return out
 
 
-def run_mode(model: Path, data: Path, work: Path, args, mode: str, staleness: int) -> list[dict]:
+def run_mode(model: Path, data: Path, work: Path, args, mode: str, staleness: int, run: int) -> list[dict]:
     hp = RftHyperparams.from_request(dict(
         evaluator="builtin:first_number", full_parameter=True, steps=args.steps, prompts_per_step=args.prompts,
         group_size=args.group, max_tokens=4, learning_rate=args.lr, mode=mode, max_staleness=staleness,
@@ -80,7 +84,7 @@ def run_mode(model: Path, data: Path, work: Path, args, mode: str, staleness: in
                       torch_threads=args.threads):
         if isinstance(ev, Metrics):
             m = ev.metrics
-            rows.append({"mode": mode if mode == "sync" else f"async-s{staleness}", "step": ev.step,
+            rows.append({"mode": mode if mode == "sync" else f"async-s{staleness}", "run": run, "step": ev.step,
                          "step_s": round(m["time/step_s"], 4), "wait_rollout_s": round(m["time/wait_rollout_s"], 4),
                          "reward_mean": round(m["reward/mean"], 4), "staleness_mean": round(m["staleness/mean"], 3),
                          "staleness_max": m["staleness/max"],
@@ -101,6 +105,7 @@ def main() -> None:
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=1, help="torch threads of the trainer and of the rollout each")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=2, help="runs of each mode, interleaved")
     p.add_argument("--out", type=Path, default=RESULTS / "rft_async.csv")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -112,10 +117,13 @@ def main() -> None:
         data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": a + b}) + "\n"
                                 for a in range(10) for b in range(10)))
         rows = []
-        for mode, s in (("sync", 1), ("async", 1), ("async", 2)):
-            t0 = time.perf_counter()
-            rows += run_mode(model, data, tmp / f"work-{mode}-{s}", args, mode, s)
-            print(f"{mode} s={s}: {time.perf_counter() - t0:.1f}s", flush=True)
+        modes = [("sync", 1), ("async", 1), ("async", 2)]
+        for run in range(args.repeats):
+            for mode, s in (modes if run % 2 == 0 else modes[::-1]):
+                t0 = time.perf_counter()
+                rows += run_mode(model, data, tmp / f"work-{mode}-{s}-{run}", args, mode, s, run)
+                print(f"{mode} s={s} run {run}: {time.perf_counter() - t0:.1f}s, load average "
+                      f"{os.getloadavg()[0]:.2f}", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -125,12 +133,13 @@ def main() -> None:
         w.writerows(rows)
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     sync_med = statistics.median(r["step_s"] for r in rows if r["mode"] == "sync" and r["step"] > 1)
-    print("\n| mode | median s/step | mean s/step | speed-up vs sync (median) | reward first 5 -> last 5 | "
+    print(f"\n{args.repeats} run(s) per mode; reward, staleness and KL columns: run 0")
+    print("| mode | median s/step | mean s/step | speed-up vs sync (median) | reward first 5 -> last 5 | "
           "staleness mean / max | k3 KL mean |")
     print("|---|---|---|---|---|---|---|")
     for mode in modes:
-        rs = [r for r in rows if r["mode"] == mode]
-        times = [r["step_s"] for r in rs if r["step"] > 1]
+        rs = [r for r in rows if r["mode"] == mode and r["run"] == 0]
+        times = [r["step_s"] for r in rows if r["mode"] == mode and r["step"] > 1]
         med = statistics.median(times)
         print(f"| {mode} | {med:.3f} | {statistics.mean(times):.3f} | {sync_med / med:.2f}x | "
               f"{statistics.mean(r['reward_mean'] for r in rs[:5]):.3f} -> "

@@ -74,6 +74,9 @@ class JobCore:
         wrong = {v.field for v in problems}  # a value already reported is checked against the model no further
         problems += [v for v in model_violations(settings, model.path, model.max_position_embeddings,
                                                  prefix=method.prefix) if v.field not in wrong]
+        with self.db.session() as s:
+            problems += [v for v in settings.account_violations(s, account_id, prefix=method.prefix)
+                         if v.field not in wrong]
         if problems:
             raise InvalidArgument(violations=problems)
         return CheckedJob(method, model, ds, settings)

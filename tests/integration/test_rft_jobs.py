@@ -104,3 +104,30 @@ def test_rft_worker_killed_mid_job_resumes_without_lost_or_duplicated_steps(stac
     resumed = [m for m in logs if m.startswith("resuming from the checkpoint at step")]
     assert resumed and int(resumed[0].split("step ")[1].split()[0]) >= 5, logs
     assert [m["step"] for m in _rewards(cli, job_id)] == list(range(1, 31))  # each step once
+
+
+DIGITS = b'''
+def reward_fn(completion, row):
+    if row["answer"] % 7 == 0:
+        raise ValueError("no reward for multiples of seven")
+    return sum(c.isdigit() for c in completion) / max(len(completion), 1)
+'''
+
+
+def test_rft_job_with_an_uploaded_evaluator_in_the_sandbox(client, cli, dataset):
+    """The reward of an uploaded evaluator runs in the sandbox; its per-row errors are logged and score 0, and the
+    job succeeds. A reference the account does not hold is refused at creation, naming the field."""
+    missing = cli("jobs", "create", "--method", "rft", "--dataset", dataset, "--model", "tiny-qwen3", "--evaluator",
+                  "no-such-evaluator", ok=False)
+    assert "INVALID_ARGUMENT" in missing.stderr and "spec.rft.evaluator" in missing.stderr, missing.stderr
+    uploaded = client.upload_evaluator(DIGITS, name="digits", filename="evaluator.py")
+    task = [a if a != "builtin:digit_share" else f"digits@{uploaded.version}" for a in TASK]
+    created = cli("jobs", "create", "--method", "rft", "--dataset", dataset, *task, "--steps", "3", "--watch")
+    assert "succeeded" in created.stdout, created.stdout
+    job_id = created.stdout.split("job ")[1].split()[0]
+    steps = _rewards(cli, job_id)
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    logs = [e.message for e in client.job_logs(job_id)]
+    assert any(m.startswith("reward: evaluator digits@") for m in logs), logs
+    errors = [m for m in logs if "reward error" in m]
+    assert sum(m["reward/errors"] for m in steps) > 0 and "no reward for multiples of seven" in errors[0], logs

@@ -39,6 +39,11 @@ class Resolved:
             raise InvalidArgument(violations=violations)
         return settings
 
+    def account_violations(self, session, account_id: str, *, prefix: str) -> list[Violation]:
+        """What the settings name that the account does not hold (RFT: its evaluator); none by default. session: a
+        database session of the scheduler's."""
+        return []
+
     def to_json(self) -> dict[str, Any]:
         return as_dict(self)
 

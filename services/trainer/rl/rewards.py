@@ -3,23 +3,18 @@
 A Score's value is the reward, or None with an error (the evaluator raised, returned a non-number, ran out of time):
 the loop logs each error to the job's log (row index and message) and counts the sample as reward 0, so one bad row
 never ends a job. Uploaded evaluators run in a sandboxed subprocess (services/evaluators/); the built-in ones here are
-plain Python, for tests, benchmarks and the arithmetic examples. Torch-free: the scheduler checks evaluator names
+plain Python, for tests, benchmarks and the arithmetic examples. Both give the sandbox's Score. Torch-free: the scheduler checks evaluator names
 against BUILTINS.
 """
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+
+from services.evaluators.sandbox import Score
 
 BUILTIN_PREFIX = "builtin:"
 NUMBER = re.compile(r"-?\d+")
-
-
-@dataclass(frozen=True)
-class Score:
-    value: float | None
-    error: str = ""
 
 
 Reward = Callable[[Sequence[str], Sequence[dict]], list[Score]]

@@ -5,7 +5,8 @@ current policy version and hot-loading each new one, so sampling runs beside tra
     rollout.submit(batch, requests)              # queued; batches are sampled one after another, in order
     rollout.update(version, path)                # hot-load version (full weights: a safetensors file of the
                                                  # parameters, written in place between two engine steps; LoRA: a
-                                                 # PEFT directory loaded as a new adapter) -- returns at once
+                                                 # PEFT directory loaded as a new adapter, the previous one
+                                                 # unloaded) -- returns at once; the rollout removes path later
     rollout.result(batch) -> (samples, stats)    # waits for that batch
 
 Ordering at a weight update from version v to v + 1 (exact per-token versions): the command is applied between two
@@ -23,6 +24,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import threading
 import time
 import traceback
@@ -134,6 +136,7 @@ class _Gate:
         self.cv = threading.Condition()
         self.version = 0
         self.adapter: str | None = None
+        self.adapter_dir: Path | None = None
         self.updating = False
         self.in_flight: set = set()
 
@@ -194,9 +197,11 @@ def _update(engine, model_dir: str, gate: _Gate, lora: bool, version: int, weigh
         if lora:
             adapter = f"v{version}"
             engine.load_adapter(adapter, model_dir, weights, eager=True)
-            old, gate.adapter = gate.adapter, adapter
+            old, old_dir = gate.adapter, gate.adapter_dir
+            gate.adapter, gate.adapter_dir = adapter, weights
             if old is not None:
-                engine.unload_adapter(old)  # its weights go once its last (aborted) request ends
+                engine.unload_adapter(old)  # no request uses it: those in flight were aborted
+                shutil.rmtree(old_dir, ignore_errors=True)
         else:
             engine.update_base_weights(model_dir, load_file(weights))
             weights.unlink()

@@ -3,9 +3,12 @@ with the job's evaluator as the reward, and record its events like every recipe 
 samples from its own rollout process (services/trainer/rl/rollout.py); it runs in this worker process (one rank)."""
 from __future__ import annotations
 
+from contextlib import ExitStack
 from pathlib import Path
 
 from services.common.methods.rft import RftHyperparams
+from services.evaluators.sandbox import Sandbox
+from services.evaluators.store import load_evaluator
 from services.trainer.rl.loop import run_rft
 from services.trainer.rl.rewards import BUILTIN_PREFIX, BUILTINS, Reward, builtin
 from services.worker.job import JobContext, RecipeOutcome
@@ -15,18 +18,29 @@ from services.worker.recipes.sft import dataset_file, record, resume_from
 def run(ctx: JobContext) -> RecipeOutcome:
     job = ctx.job
     hp = RftHyperparams.from_json(job.config)
-    reward = evaluator(ctx, hp.evaluator)
-    events = run_rft(Path(job.model_path), dataset_file(ctx), hp, reward=reward, stop=ctx.heartbeat.stop,
-                     resume=resume_from(ctx), base_model_name=job.base_model, work_dir=ctx.work,
-                     torch_threads=ctx.settings.torch_threads)
-    return record(ctx, events, kind="full" if hp.full_parameter else "lora_adapter")
+    with ExitStack() as stack:
+        reward = evaluator(ctx, hp.evaluator, stack)
+        events = run_rft(Path(job.model_path), dataset_file(ctx), hp, reward=reward, stop=ctx.heartbeat.stop,
+                         resume=resume_from(ctx), base_model_name=job.base_model, work_dir=ctx.work,
+                         torch_threads=ctx.settings.torch_threads)
+        return record(ctx, events, kind="full" if hp.full_parameter else "lora_adapter")
 
 
-def evaluator(ctx: JobContext, ref: str) -> Reward:
-    """The reward of an evaluator reference: a built-in one, or the account's uploaded evaluator."""
+def evaluator(ctx: JobContext, ref: str, stack: ExitStack) -> Reward:
+    """The reward of an evaluator reference: a built-in one, or the account's uploaded evaluator (its reward_fn)
+    in a sandbox (services/evaluators/sandbox.py) closed with the stack. A user's error in it is a row's error
+    (scored 0, logged); one that stops it loading fails the job with the evaluator's message."""
     if ref.startswith(BUILTIN_PREFIX):
         if ref not in BUILTINS:
             raise ValueError(f"no built-in evaluator {ref!r}; known: {', '.join(BUILTINS)}")
         return builtin(ref)
-    raise ValueError(f"evaluator {ref!r}: uploaded evaluators are not available on this worker yet; use one of "
-                     f"{', '.join(BUILTINS)}")
+    row = load_evaluator(ctx.db, ctx.blobs, ctx.job.account_id, ref, ctx.work / "evaluator")
+    sandbox = stack.enter_context(Sandbox(ctx.work / "evaluator", limits=ctx.settings.evaluator_limits()))
+    if sandbox.kind != "reward_fn":
+        raise ValueError(f"evaluator {ref!r} defines an Environment (multi-turn episodes); an RFT job scores "
+                         "single completions with a reward_fn(completion, row)")
+    ctx.ledger.log(ctx.job.id, f"reward: evaluator {row.name}@{row.version} ({row.id}) in the sandbox")
+
+    def reward(completions, rows):
+        return sandbox.score(list(zip(completions, rows)))
+    return reward

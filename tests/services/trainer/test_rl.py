@@ -177,3 +177,16 @@ def test_loop_replays_the_rollouts_routes_on_a_moe_model(family_dirs, arithmetic
     assert len(metrics) == 1 and metrics[0]["kl/k3_rollout_trainer"] < 1e-3
     with pytest.raises(ValueError, match="router_replay is for MoE models"):
         _run(family_dirs["qwen3"], arithmetic, tmp_path / "dense", hp)
+
+
+def test_lora_run_hot_loads_each_adapter_version(tiny_model_dir, arithmetic, tmp_path):
+    hp = _hp(steps=3, full_parameter=False, lora_rank=4, mode="async", max_staleness=1, partial_rollouts=False,
+             checkpoint_every=3)
+    events = _run(tiny_model_dir, arithmetic, tmp_path, hp)
+    metrics = [e.metrics for e in events if isinstance(e, Metrics)]
+    assert len(metrics) == 3 and all(m["staleness/max"] <= 1 for m in metrics)
+    (ckpt,) = [e for e in events if isinstance(e, Checkpoint)]
+    # without partial rollouts a sample is never spread over two versions
+    assert all(len(s["versions"]) == 1 for s in ckpt.samples)
+    # versions 1 and 2 were handed over as adapters; the rollout removed the one it replaced
+    assert sorted(p.name for p in (tmp_path / "rollout").iterdir()) in (["v2", "v3"], ["v3"])
