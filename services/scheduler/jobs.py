@@ -9,11 +9,12 @@ from sqlalchemy import select
 
 from services.common import registry
 from services.common.db import Database
-from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable, not_found
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable, Violation, not_found
 from services.common.methods import HYPERPARAMS
 from services.common.methods.resolved import Resolved, model_violations
 from services.common.schema import Dataset, Job, JobLog, JobMetric, Model, new_id, utcnow
 from services.common.ledger import TERMINAL, Ledger
+from services.evaluators.store import find as find_evaluator
 from services.scheduler.planner import Planner
 from trainyard.methods import METHODS, Method
 
@@ -74,9 +75,10 @@ class JobCore:
         wrong = {v.field for v in problems}  # a value already reported is checked against the model no further
         problems += [v for v in model_violations(settings, model.path, model.max_position_embeddings,
                                                  prefix=method.prefix) if v.field not in wrong]
-        with self.db.session() as s:
-            problems += [v for v in settings.account_violations(s, account_id, prefix=method.prefix)
-                         if v.field not in wrong]
+        for name, ref in settings.evaluator_refs().items():
+            field = method.prefix + name
+            if field not in wrong:
+                problems += evaluator_violations(self.db, account_id, ref, field)
         if problems:
             raise InvalidArgument(violations=problems)
         return CheckedJob(method, model, ds, settings)
@@ -185,3 +187,19 @@ class JobCore:
                 if self.stopping.is_set():
                     raise Unavailable("the scheduler is shutting down; watch again to continue")
                 return
+
+
+def evaluator_violations(db, account_id: str, ref: str, field: str) -> list[Violation]:
+    """Why the account cannot score a job with the evaluator ref (empty when it can): it must hold it, as a
+    reward_fn (an Environment scores episodes, not single completions)."""
+    try:
+        with db.session() as s:
+            row = find_evaluator(s, account_id, ref)
+    except NotFound as exc:
+        return [Violation(field=field, reason=f"{exc.message}: upload it first")]
+    except InvalidArgument as exc:
+        return [Violation(field=field, reason=v.reason) for v in exc.violations]
+    if row.kind != "reward_fn":
+        return [Violation(field=field, reason=f"evaluator {ref!r} is an Environment; this job needs a "
+                                              "reward_fn(completion, row)")]
+    return []

@@ -39,10 +39,10 @@ class Resolved:
             raise InvalidArgument(violations=violations)
         return settings
 
-    def account_violations(self, session, account_id: str, *, prefix: str) -> list[Violation]:
-        """What the settings name that the account does not hold (RFT: its evaluator); none by default. session: a
-        database session of the scheduler's."""
-        return []
+    def evaluator_refs(self) -> dict[str, str]:
+        """Uploaded evaluators the settings name, by setting name (RFT: its reward); the scheduler checks that the
+        account holds each one as a reward_fn. None by default."""
+        return {}
 
     def to_json(self) -> dict[str, Any]:
         return as_dict(self)

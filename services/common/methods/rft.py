@@ -1,7 +1,7 @@
 """Managed RFT's settings on the server: the declaration (trainyard/methods/rft.py) resolved (resolved.py), plus the
-checks that need more than one setting: an evaluator is required, a built-in one must exist
-(services/trainer/rl/rewards.py names them; torch-free) and an uploaded one must be the account's reward_fn
-(account_violations, with the scheduler's database session).
+checks that need more than one setting: an evaluator is required and a built-in one must exist (BUILTINS; their
+code is services/trainer/rl/rewards.py); the scheduler checks that an uploaded one (evaluator_refs) is the
+account's reward_fn.
 
 The scheduler validates a request with ``RftHyperparams.from_request`` (violations name the request field, e.g.
 "spec.rft.group_size") and stores ``to_json()``; the worker rebuilds it with ``from_json`` and the RL loop
@@ -12,11 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from services.common.errors import InvalidArgument, NotFound, Violation
+from services.common.errors import Violation
 from services.common.methods.resolved import Resolved
-from services.trainer.rl.rewards import BUILTIN_PREFIX, BUILTINS
 from trainyard.methods import METHODS
 from trainyard.methods.rft import RftSettings
+
+BUILTIN_PREFIX = "builtin:"
+# The built-in rewards' names (their code: services/trainer/rl/rewards.py).
+BUILTINS = tuple(BUILTIN_PREFIX + name for name in ("first_number", "exact_match", "digit_share"))
 
 
 @dataclass(frozen=True)
@@ -35,24 +38,11 @@ class RftHyperparams(Resolved, RftSettings):
                                                             f"{', '.join(BUILTINS)}"))
         return settings, violations
 
-    def account_violations(self, session, account_id: str, *, prefix: str) -> list[Violation]:
-        """An uploaded evaluator must be the account's, and a reward_fn (an Environment scores episodes, not
-        single completions)."""
+    def evaluator_refs(self) -> dict[str, str]:
+        """The uploaded evaluator the job scores with, by setting name (none for a built-in one)."""
         if not self.evaluator or self.evaluator.startswith(BUILTIN_PREFIX):
-            return []
-        from services.evaluators.store import find
-
-        field = prefix + "evaluator"
-        try:
-            row = find(session, account_id, self.evaluator)
-        except NotFound as exc:
-            return [Violation(field=field, reason=f"{exc.message}: upload it first")]
-        except InvalidArgument as exc:
-            return [Violation(field=field, reason=v.reason) for v in exc.violations]
-        if row.kind != "reward_fn":
-            return [Violation(field=field, reason=f"evaluator {self.evaluator!r} is an Environment; an RFT job needs "
-                                                  "a reward_fn(completion, row)")]
-        return []
+            return {}
+        return {"evaluator": self.evaluator}
 
     @property
     def dynamic(self) -> bool:

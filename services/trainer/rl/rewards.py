@@ -4,16 +4,17 @@ A Score's value is the reward, or None with an error (the evaluator raised, retu
 the loop logs each error to the job's log (row index and message) and counts the sample as reward 0, so one bad row
 never ends a job. Uploaded evaluators run in a sandboxed subprocess (services/evaluators/); the built-in ones here are
 plain Python, for tests, benchmarks and the arithmetic examples. Both give the sandbox's Score. Torch-free: the scheduler checks evaluator names
-against BUILTINS.
+against services/common/methods/rft.py's BUILTINS, the names of these.
 """
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
 
+from services.common.methods.rft import BUILTIN_PREFIX
+from services.common.methods.rft import BUILTINS as BUILTIN_NAMES
 from services.evaluators.sandbox import Score
 
-BUILTIN_PREFIX = "builtin:"
 NUMBER = re.compile(r"-?\d+")
 
 
@@ -61,6 +62,7 @@ BUILTINS: dict[str, Callable[[str, dict], float]] = {
     BUILTIN_PREFIX + "exact_match": exact_match,
     BUILTIN_PREFIX + "digit_share": digit_share,
 }
+assert tuple(BUILTINS) == BUILTIN_NAMES
 
 
 def builtin(ref: str) -> Reward:
