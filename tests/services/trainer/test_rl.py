@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -190,3 +191,56 @@ def test_lora_run_hot_loads_each_adapter_version(tiny_model_dir, arithmetic, tmp
     assert all(len(s["versions"]) == 1 for s in ckpt.samples)
     # versions 1 and 2 were handed over as adapters; the rollout removed the one it replaced
     assert sorted(p.name for p in (tmp_path / "rollout").iterdir()) in (["v2", "v3"], ["v3"])
+
+
+def _sequence_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    ids = torch.tensor(prompt + tokens)
+    with torch.no_grad():
+        logits = model(ids[None])[0].float()
+    return torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1).gather(1, ids[len(prompt):, None])[:, 0]
+
+
+@pytest.mark.parametrize("partial", [True, False])
+def test_a_weight_update_mid_batch_tags_every_token_with_its_version(tiny_model_dir, tmp_path_factory, partial):
+    """Long samples in flight when version 1 lands: with partial rollouts each continues on version 1, and every
+    token's recorded version is the one whose weights produced it (its sampled logprob is that model's, to float
+    rounding); without, the tokens so far are discarded and the sample is redone on version 1 alone."""
+    from safetensors.torch import save_file
+
+    from models import load_pretrained
+    from models.tiny import build_tiny_model
+    from services.trainer.rl.rollout import RolloutProcess, SampleRequest
+
+    other_dir = build_tiny_model(tmp_path_factory.mktemp("other"), seed=1)
+    v0, v1 = load_pretrained(tiny_model_dir).eval(), load_pretrained(other_dir).eval()
+    work = tmp_path_factory.mktemp("rollout")
+    save_file({k: v.contiguous() for k, v in v1.named_parameters()}, str(work / "v1.safetensors"))
+    rollout = RolloutProcess(tiny_model_dir, lora=False, work_dir=work, partial=partial, max_tokens=400,
+                             temperature=1.0, torch_threads=1)
+    try:
+        prompt = [5, 17, 42]
+        rollout.submit(0, [[SampleRequest(prompt, seed=99)]])
+        rollout.result(0)  # the rollout has loaded the model and sampled
+        rollout.submit(1, [[SampleRequest(prompt, seed=s) for s in range(3)]])
+        time.sleep(0.5)  # decoding under way: 400 tokens take longer than that
+        rollout.update(1, work / "v1.safetensors")
+        (group,), stats = rollout.result(1)
+    finally:
+        rollout.close()
+    models = {0: v0, 1: v1}
+    for s in group:
+        if partial:
+            assert s.versions in ([0, 1], [1], [0])
+        else:
+            assert s.versions == [1] and all(seg.version == 1 for seg in s.segments)
+        done: list[int] = []
+        for seg in s.segments:
+            if seg.tokens:
+                expected = _sequence_logprobs(models[seg.version], prompt + done, seg.tokens)
+                torch.testing.assert_close(torch.tensor(seg.logprobs), expected, rtol=0, atol=1e-4)
+            done += seg.tokens
+    if partial:
+        assert any(s.versions == [0, 1] for s in group), [s.versions for s in group]
+        assert stats.discarded_tokens == 0
+    else:
+        assert stats.discarded_tokens > 0
