@@ -276,6 +276,12 @@ class Client:
         """Create a LoRA SFT job (settings: trainyard/methods/sft.py, e.g. learning_rate, max_steps, lora_rank)."""
         return self.create_job("sft", base_model, dataset_id, display_name, **settings)
 
+    def create_rft_job(self, base_model: str, dataset_id: str, evaluator: str, display_name: str = "",
+                       **settings) -> pb.Job:
+        """Create an RFT job scored by an evaluator ("name", "name@N" or "builtin:<name>"; settings:
+        trainyard/methods/rft.py, e.g. steps, group_size, loss, mode, max_staleness)."""
+        return self.create_job("rft", base_model, dataset_id, display_name, evaluator=evaluator, **settings)
+
     @translate
     def plan_job(self, method: str, base_model: str, dataset_id: str, **settings) -> pb.JobPlan:
         """What create_job would run, without creating anything: the same checks (the same errors), the settings

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from tests.integration.data import jsonl
+from trainyard import TrainyardError
 from trainyard.v1 import scheduler_pb2 as pb
 
 pytestmark = pytest.mark.integration
@@ -106,6 +107,15 @@ def test_rft_worker_killed_mid_job_resumes_without_lost_or_duplicated_steps(stac
     assert [m["step"] for m in _rewards(cli, job_id)] == list(range(1, 31))  # each step once
 
 
+ENVIRONMENT = b'''
+class Environment:
+    def reset(self, row):
+        return "guess"
+
+    def step(self, action):
+        return "done", 1.0, True
+'''
+
 DIGITS = b'''
 def reward_fn(completion, row):
     if row["answer"] % 7 == 0:
@@ -152,3 +162,10 @@ def test_rft_job_with_an_uploaded_evaluator_in_the_sandbox(stack, api_key, clien
     assert any(m.startswith("reward: evaluator digits@") for m in logs), logs
     errors = [m for m in logs if "reward error" in m]
     assert sum(m["reward/errors"] for m in steps) > 0 and "no reward for multiples of seven" in errors[0], logs
+
+    # An Environment scores episodes, not completions: refused at creation (the SDK's keywords this time).
+    _upload(stack, api_key, "guess", ENVIRONMENT)
+    with pytest.raises(TrainyardError) as exc:
+        client.create_rft_job("tiny-qwen3", dataset, "guess", steps=2)
+    assert exc.value.code == "INVALID_ARGUMENT" and "spec.rft.evaluator" in str(exc.value)
+    assert "is an Environment" in str(exc.value)
