@@ -169,3 +169,19 @@ def test_rft_job_with_an_uploaded_evaluator_in_the_sandbox(stack, api_key, clien
         client.create_rft_job("tiny-qwen3", dataset, "guess", steps=2)
     assert exc.value.code == "INVALID_ARGUMENT" and "spec.rft.evaluator" in str(exc.value)
     assert "is an Environment" in str(exc.value)
+
+
+def test_rft_job_cancelled_within_seconds(client, dataset):
+    job = client.create_rft_job("tiny-qwen3", dataset, "builtin:digit_share", steps=100000, full_parameter=True,
+                                prompts_per_step=4, group_size=4, max_tokens=4, mode="async")
+    deadline = time.monotonic() + 120
+    while client.get_job(job.id).step < 2:
+        assert time.monotonic() < deadline, "no progress"
+        time.sleep(0.2)
+    t0 = time.monotonic()
+    client.cancel_job(job.id)
+    while (done := client.get_job(job.id)).status not in (pb.JOB_STATUS_CANCELLED, pb.JOB_STATUS_FAILED):
+        assert time.monotonic() - t0 < 30, "not cancelled"
+        time.sleep(0.2)
+    assert done.status == pb.JOB_STATUS_CANCELLED, done.error
+    assert time.monotonic() - t0 < 10
