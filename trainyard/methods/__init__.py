@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainyard.methods.dpo import DpoSettings
 from trainyard.methods.lora import LORA_DEFAULTS, LoraSettings
 from trainyard.methods.sft import SftSettings
 from trainyard.methods.spec import Field, Problem, declared, resolve
@@ -37,6 +38,8 @@ class Method:
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("sft", "Supervised fine-tuning (LoRA)", pb.JOB_METHOD_SFT, "sft", SftSettings,
            ("sft_chat", "sft_prompt_completion"), "sft"),
+    Method("dpo", "Direct preference optimization (LoRA or full-parameter)", pb.JOB_METHOD_DPO, "dpo", DpoSettings,
+           ("dpo",), "dpo"),
 )}
 BY_PROTO = {m.proto: m for m in METHODS.values()}
 
@@ -48,5 +51,5 @@ def method(name: str) -> Method:
     return METHODS[name]
 
 
-__all__ = ["BY_PROTO", "LORA_DEFAULTS", "METHODS", "LoraSettings", "Method", "Problem", "SftSettings", "method",
+__all__ = ["BY_PROTO", "DpoSettings", "LORA_DEFAULTS", "METHODS", "LoraSettings", "Method", "Problem", "SftSettings", "method",
            "resolve"]

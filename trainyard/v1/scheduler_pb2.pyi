@@ -24,6 +24,7 @@ class JobMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     JOB_METHOD_UNSPECIFIED: _ClassVar[JobMethod]
     JOB_METHOD_SFT: _ClassVar[JobMethod]
+    JOB_METHOD_DPO: _ClassVar[JobMethod]
 
 class JobStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -61,6 +62,7 @@ DATASET_FORMAT_DPO: DatasetFormat
 DATASET_FORMAT_RFT: DatasetFormat
 JOB_METHOD_UNSPECIFIED: JobMethod
 JOB_METHOD_SFT: JobMethod
+JOB_METHOD_DPO: JobMethod
 JOB_STATUS_UNSPECIFIED: JobStatus
 JOB_STATUS_QUEUED: JobStatus
 JOB_STATUS_RUNNING: JobStatus
@@ -340,19 +342,61 @@ class SftConfig(_message.Message):
     max_grad_norm: float
     def __init__(self, lora: _Optional[_Union[LoraConfig, _Mapping]] = ..., learning_rate: _Optional[float] = ..., epochs: _Optional[int] = ..., max_steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., gradient_accumulation_steps: _Optional[int] = ..., warmup_steps: _Optional[int] = ..., lr_scheduler: _Optional[_Union[LrScheduler, str]] = ..., weight_decay: _Optional[float] = ..., max_seq_len: _Optional[int] = ..., eval_fraction: _Optional[float] = ..., eval_every: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., seed: _Optional[int] = ..., max_grad_norm: _Optional[float] = ...) -> None: ...
 
+class DpoConfig(_message.Message):
+    __slots__ = ("lora", "learning_rate", "epochs", "max_steps", "batch_size", "gradient_accumulation_steps", "warmup_steps", "lr_scheduler", "weight_decay", "max_seq_len", "eval_fraction", "eval_every", "checkpoint_every", "seed", "max_grad_norm", "full_parameter", "beta", "label_smoothing")
+    LORA_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_ACCUMULATION_STEPS_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LR_SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    EVAL_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    EVAL_EVERY_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    FULL_PARAMETER_FIELD_NUMBER: _ClassVar[int]
+    BETA_FIELD_NUMBER: _ClassVar[int]
+    LABEL_SMOOTHING_FIELD_NUMBER: _ClassVar[int]
+    lora: LoraConfig
+    learning_rate: float
+    epochs: int
+    max_steps: int
+    batch_size: int
+    gradient_accumulation_steps: int
+    warmup_steps: int
+    lr_scheduler: LrScheduler
+    weight_decay: float
+    max_seq_len: int
+    eval_fraction: float
+    eval_every: int
+    checkpoint_every: int
+    seed: int
+    max_grad_norm: float
+    full_parameter: bool
+    beta: float
+    label_smoothing: float
+    def __init__(self, lora: _Optional[_Union[LoraConfig, _Mapping]] = ..., learning_rate: _Optional[float] = ..., epochs: _Optional[int] = ..., max_steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., gradient_accumulation_steps: _Optional[int] = ..., warmup_steps: _Optional[int] = ..., lr_scheduler: _Optional[_Union[LrScheduler, str]] = ..., weight_decay: _Optional[float] = ..., max_seq_len: _Optional[int] = ..., eval_fraction: _Optional[float] = ..., eval_every: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., seed: _Optional[int] = ..., max_grad_norm: _Optional[float] = ..., full_parameter: _Optional[bool] = ..., beta: _Optional[float] = ..., label_smoothing: _Optional[float] = ...) -> None: ...
+
 class JobSpec(_message.Message):
-    __slots__ = ("method", "base_model", "dataset_id", "display_name", "sft")
+    __slots__ = ("method", "base_model", "dataset_id", "display_name", "sft", "dpo")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     DATASET_ID_FIELD_NUMBER: _ClassVar[int]
     DISPLAY_NAME_FIELD_NUMBER: _ClassVar[int]
     SFT_FIELD_NUMBER: _ClassVar[int]
+    DPO_FIELD_NUMBER: _ClassVar[int]
     method: JobMethod
     base_model: str
     dataset_id: str
     display_name: str
     sft: SftConfig
-    def __init__(self, method: _Optional[_Union[JobMethod, str]] = ..., base_model: _Optional[str] = ..., dataset_id: _Optional[str] = ..., display_name: _Optional[str] = ..., sft: _Optional[_Union[SftConfig, _Mapping]] = ...) -> None: ...
+    dpo: DpoConfig
+    def __init__(self, method: _Optional[_Union[JobMethod, str]] = ..., base_model: _Optional[str] = ..., dataset_id: _Optional[str] = ..., display_name: _Optional[str] = ..., sft: _Optional[_Union[SftConfig, _Mapping]] = ..., dpo: _Optional[_Union[DpoConfig, _Mapping]] = ...) -> None: ...
 
 class Job(_message.Message):
     __slots__ = ("id", "spec", "status", "created_at", "started_at", "finished_at", "error", "step", "total_steps", "attempts", "cancel_requested", "output_checkpoint_id", "latest_metrics")

@@ -1,0 +1,184 @@
+"""Managed DPO (services/trainer/dpo.py) on the tiny model: the loss and its gradient against a naive float32
+reference, the reference logprobs computed once and kept across a resume, learning a preference (LoRA and
+full-parameter), and resuming bit for bit."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from trainer_helpers import PAIRS, preference_row, write_jsonl
+
+from models.lora import LoraConfig
+from models.tokenizer import load_tokenizer
+from services.common.methods.dpo import DpoHyperparams
+from services.trainer import dpo
+from services.trainer.data import collate_pairs, tokenize_pairs
+from services.trainer.engine import AdamW, TrainingEngine
+from services.trainer.engine.checkpoint import STATE_DIR
+from services.trainer.sft import SftCheckpoint
+
+SMALL = dict(lora_rank=4, lora_alpha=8.0, max_seq_len=64, beta=0.5)
+FULL_WEIGHTS = "model.safetensors"
+
+
+@pytest.fixture
+def pairs_dataset(tmp_path):
+    """Ten preference rows: the right sum (chosen) over a fixed refusal (rejected)."""
+    return write_jsonl(tmp_path / "pairs.jsonl", [preference_row(a, b) for a, b in PAIRS])
+
+
+def dpo_run(make_run, **kwargs):
+    return make_run(runner=dpo.run_dpo, **kwargs)
+
+
+def naive_logprob(model, example) -> torch.Tensor:
+    """The response's summed logprob the plain way: full float32 logits of the one sequence, log_softmax, gather,
+    masked sum."""
+    ids = torch.tensor([example.input_ids])
+    logprobs = F.log_softmax(model(ids).float()[0, :-1], dim=-1).gather(1, ids[0, 1:, None])[:, 0]
+    return (logprobs * torch.tensor(example.loss_mask[1:], dtype=torch.float32)).sum()
+
+
+@pytest.mark.parametrize("full_parameter", [False, True], ids=["lora", "full"])
+def test_loss_and_gradient_match_a_naive_float32_reference(tiny_model_dir, full_parameter):
+    """Tolerance: the loss within 1e-5 (relative), every gradient element within rtol 1e-4 + atol 1e-4 x the
+    largest element of its tensor: float32 rounding of a packed forward through the chunked logprob head against one
+    unpacked full-logits forward per sequence (measured: at most ~2.4e-6 absolute, on an embedding row)."""
+    tokenizer = load_tokenizer(tiny_model_dir)
+    rows = [preference_row(2, 3), {"prompt": [{"role": "user", "content": "Say hello."}],
+                                   "chosen": [{"role": "assistant", "content": "Hello there!"}],
+                                   "rejected": [{"role": "assistant", "content": "No."}]},
+            {"prompt": "Once upon a time", "chosen": " there was a cat.", "rejected": " it rained."}]
+    pairs, skipped = tokenize_pairs(tokenizer, rows, 64)
+    assert (len(pairs), skipped) == (3, 0)
+    lora = None if full_parameter else LoraConfig(rank=4, alpha=8.0, target_modules=DpoHyperparams().target_modules)
+    engine = TrainingEngine.load(tiny_model_dir, lora=lora, seed=0, optimizer=AdamW(learning_rate=1e-3))
+    torch.manual_seed(1)
+    with torch.no_grad():  # move off the starting point, so the policy differs from any trivial value
+        for p in engine.params:
+            p.add_(0.02 * torch.randn_like(p))
+    beta, eps = 0.5, 0.1
+    with torch.no_grad():
+        naive_P2 = torch.stack([torch.stack([naive_logprob(engine.model, p.chosen), naive_logprob(engine.model,
+                                                                                                   p.rejected)])
+                                for p in pairs])
+    reference_P2 = naive_P2 + torch.tensor([[0.3, -0.2], [-0.5, 0.1], [0.2, 0.4]])
+
+    mb = collate_pairs(pairs)
+    policy_S = engine.sequence_logprobs(mb.input_ids_BT, mb.targets_BT, packing=mb.packing)
+    loss_P, chosen_P, rejected_P = dpo.dpo_losses(policy_S, reference_P2, beta=beta, label_smoothing=eps)
+    loss_P.mean().backward()
+    got = [p.grad.clone() for p in engine.params]
+    for p in engine.params:
+        p.grad = None
+
+    naive_loss = torch.zeros(())
+    for pair, (ref_c, ref_r) in zip(pairs, reference_P2):
+        z = beta * ((naive_logprob(engine.model, pair.chosen) - ref_c) - (naive_logprob(engine.model, pair.rejected)
+                                                                          - ref_r))
+        naive_loss = naive_loss - (1 - eps) * torch.log(torch.sigmoid(z)) - eps * torch.log(torch.sigmoid(-z))
+    (naive_loss / len(pairs)).backward()
+
+    assert loss_P.mean().item() == pytest.approx(naive_loss.item() / len(pairs), rel=1e-5)
+    torch.testing.assert_close(chosen_P - rejected_P, beta * ((naive_P2[:, 0] - reference_P2[:, 0])
+                                                              - (naive_P2[:, 1] - reference_P2[:, 1])),
+                               rtol=1e-5, atol=1e-5)
+    assert any(g.abs().max() > 0 for g in got)
+    for p, g in zip(engine.params, got):
+        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-4 * p.grad.abs().max().item())
+
+
+def test_only_response_tokens_are_targets(tiny_model_dir):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    (pair,), _ = tokenize_pairs(tokenizer, [{"prompt": "Once upon a time", "chosen": " a cat.", "rejected": " a"}],
+                                64)
+    prompt = tokenizer("Once upon a time")["input_ids"]
+    for example, response in ((pair.chosen, " a cat."), (pair.rejected, " a")):
+        assert example.input_ids[:len(prompt)] == prompt and not any(example.loss_mask[:len(prompt)])
+        targets = [t for t, m in zip(example.input_ids, example.loss_mask) if m]
+        assert targets == tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
+@pytest.mark.parametrize("full_parameter, lr", [(False, 2e-3), (True, 1e-4)], ids=["lora", "full"])
+def test_a_preference_is_learned(tiny_model_dir, pairs_dataset, tmp_path, make_run, full_parameter, lr):
+    hp = DpoHyperparams(**SMALL, full_parameter=full_parameter, learning_rate=lr, max_steps=8, batch_size=4,
+                        eval_fraction=0.2, checkpoint_every=4, lr_scheduler="constant")
+    hooks = dpo_run(make_run)
+    outcome = hooks.run(tiny_model_dir, pairs_dataset, hp, base_model_name="tiny-base", work_dir=tmp_path / "work")
+    assert (outcome.step, outcome.stopped) == (8, False)
+    assert hooks.info["train pairs"] == 8 and hooks.info["eval pairs"] == 2
+    assert hooks.info["mode"] == ("full-parameter" if full_parameter else "LoRA")
+    first, last = hooks.metrics[1], hooks.metrics[8]
+    print(f"{'full' if full_parameter else 'lora'}: train loss {first['train/loss']:.4f} -> {last['train/loss']:.4f}, "
+          f"eval margin {hooks.metrics[4]['eval/reward_margin']:+.3f} -> {last['eval/reward_margin']:+.3f}, "
+          f"eval accuracy {last['eval/reward_accuracy']:.2f}")
+    assert {"train/loss", "train/reward_margin", "train/reward_accuracy", "train/chosen_reward",
+            "train/rejected_reward", "train/lr", "train/grad_norm", "train/pairs", "train/epoch"} <= first.keys()
+    assert sorted(k for k in hooks.metrics[4] if k.startswith("eval/")) == [
+        "eval/chosen_reward", "eval/loss", "eval/rejected_reward", "eval/reward_accuracy", "eval/reward_margin"]
+    if not full_parameter:  # a zero-initialized adapter is the reference: margin 0, loss log 2 at step 1
+        assert first["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert last["train/loss"] < 0.5 * math.log(2)
+    assert last["train/reward_margin"] > 0 and last["train/reward_accuracy"] == 1.0
+    # before training the policy is the reference: every held-out margin 0, accuracy 0 (a tie is not a win)
+    assert last["eval/reward_margin"] > 0 and hooks.metrics[4]["eval/reward_margin"] > 0
+    assert last["eval/reward_accuracy"] == 1.0
+    files = sorted(p.name for p in hooks.checkpoints[-1][0].weights_dir.iterdir())
+    assert (FULL_WEIGHTS in files) == full_parameter and ("adapter_model.safetensors" in files) != full_parameter
+
+
+@pytest.mark.parametrize("full_parameter", [False, True], ids=["lora", "full"])
+def test_resume_is_bitwise_identical_and_reuses_the_reference(tiny_model_dir, pairs_dataset, make_run, tmp_path,
+                                                              deterministic, monkeypatch, full_parameter):
+    passes = []
+    real = dpo.reference_logprobs
+
+    def counting(engine, pairs, batch_size):
+        passes.append(len(pairs))
+        return real(engine, pairs, batch_size)
+
+    monkeypatch.setattr(dpo, "reference_logprobs", counting)
+    hp = DpoHyperparams(**SMALL, full_parameter=full_parameter, lora_dropout=0.1, learning_rate=1e-3, max_steps=4,
+                        batch_size=2, gradient_accumulation_steps=2, eval_fraction=0.2, warmup_steps=1,
+                        checkpoint_every=2)
+    straight = dpo_run(make_run)
+    straight.run(tiny_model_dir, pairs_dataset, hp, work_dir=tmp_path / "a")
+    assert passes == [8, 2]  # one pass over the train pairs and one over the held-out ones
+    assert [(c.step, final) for c, final, _ in straight.checkpoints] == [(2, False), (4, True)]
+
+    interrupted = dpo_run(make_run, stop_after_step=2)
+    interrupted.run(tiny_model_dir, pairs_dataset, hp, work_dir=tmp_path / "b")
+    assert passes == [8, 2] * 2
+    ckpt = interrupted.checkpoints[0][0]
+    cached = torch.load(ckpt.state_dir / dpo.REFERENCE_FILE)
+    straight_cached = torch.load(straight.checkpoints[0][0].state_dir / dpo.REFERENCE_FILE)
+    assert cached.keys() == {"train", "eval"} and all(torch.equal(cached[k], straight_cached[k]) for k in cached)
+
+    resumed = dpo_run(make_run)
+    outcome = resumed.run(tiny_model_dir, pairs_dataset, hp, resume=ckpt, work_dir=tmp_path / "c")
+    assert passes == [8, 2] * 2  # nothing recomputed: the checkpoint's reference logprobs were read
+    assert (outcome.step, outcome.stopped) == (4, False)
+    assert sorted(resumed.metrics) == [3, 4]
+    for step in (3, 4):
+        assert resumed.metrics[step] == straight.metrics[step]
+    name = FULL_WEIGHTS if full_parameter else "adapter_model.safetensors"
+    expected, got = straight.final_weights(name), resumed.final_weights(name)
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_a_checkpoint_must_fit_the_run(tiny_model_dir, pairs_dataset, make_run, tmp_path):
+    hp = DpoHyperparams(**SMALL, max_steps=1, batch_size=4, eval_fraction=0.2)
+    first = dpo_run(make_run)
+    first.run(tiny_model_dir, pairs_dataset, hp, work_dir=tmp_path / "a")
+    ckpt = first.checkpoints[-1][0]
+    with pytest.raises(ValueError, match="is a LoRA one; this run is full-parameter"):
+        dpo_run(make_run).run(tiny_model_dir, pairs_dataset, DpoHyperparams(**SMALL, max_steps=2, full_parameter=True,
+                                                                           eval_fraction=0.2),
+                              resume=ckpt, work_dir=tmp_path / "b")
+    (ckpt.state_dir / dpo.REFERENCE_FILE).unlink()
+    with pytest.raises(ValueError, match="no readable DPO reference logprobs"):
+        dpo_run(make_run).run(tiny_model_dir, pairs_dataset, hp, resume=SftCheckpoint(1, ckpt.root),
+                              work_dir=tmp_path / "c")
+    assert not (ckpt.root / STATE_DIR / dpo.REFERENCE_FILE).exists()
