@@ -11,7 +11,9 @@ from trainer_helpers import PAIRS, preference_row, write_jsonl
 
 from models.lora import LoraConfig
 from models.tokenizer import load_tokenizer
+from services.common.blobstore import BlobStore
 from services.common.methods.dpo import DpoHyperparams
+from services.scheduler.planner import Planner
 from services.trainer import dpo
 from services.trainer.data import collate_pairs, tokenize_pairs
 from services.trainer.engine import AdamW, TrainingEngine
@@ -182,3 +184,33 @@ def test_a_checkpoint_must_fit_the_run(tiny_model_dir, pairs_dataset, make_run, 
         dpo_run(make_run).run(tiny_model_dir, pairs_dataset, hp, resume=SftCheckpoint(1, ckpt.root),
                               work_dir=tmp_path / "c")
     assert not (ckpt.root / STATE_DIR / dpo.REFERENCE_FILE).exists()
+
+
+def test_the_plan_is_what_the_run_does(tiny_model_dir, pairs_dataset, tmp_path, make_run):
+    """PlanJob's numbers for a DPO job (the scheduler's planner process) against the run: pairs split, steps,
+    checkpoints, eval passes and the trainable count, LoRA and full-parameter."""
+    blobs = BlobStore(tmp_path / "blobs")
+    planner = Planner(blobs)
+    sha256, _ = blobs.put_file(pairs_dataset)
+    try:
+        for full_parameter in (False, True):
+            hp = DpoHyperparams(**SMALL, full_parameter=full_parameter, epochs=2, batch_size=3, eval_fraction=0.2,
+                                checkpoint_every=2)
+            planned = planner.plan("dpo", str(tiny_model_dir), sha256, hp.to_json())
+            hooks = dpo_run(make_run)
+            hooks.run(tiny_model_dir, pairs_dataset, hp, work_dir=tmp_path / f"work-{full_parameter}")
+            evals = sum("eval/loss" in m for m in hooks.metrics.values())
+            assert (planned["dataset_rows"], planned["train_rows"], planned["eval_rows"], planned["skipped_rows"]) == \
+                (10, hooks.info["train pairs"], hooks.info["eval pairs"], 0)
+            assert (planned["total_steps"], planned["steps_per_epoch"], planned["checkpoints"],
+                    planned["eval_passes"]) == (hooks.total_steps, 3, len(hooks.checkpoints), evals) == (6, 3, 3, 3)
+            assert planned["trainable_parameters"] == hooks.info["trainable params"]
+            memory = planned["memory"]
+            assert memory["gradient_bytes"] == 4 * planned["trainable_parameters"]
+            if full_parameter:
+                assert planned["trainable_parameters"] == planned["base_parameters"]
+                assert (memory["weights_dtype"], memory["trainable_bytes"]) == ("float32", 0)
+            else:
+                assert 0 < planned["trainable_parameters"] < planned["base_parameters"]
+    finally:
+        planner.close()
