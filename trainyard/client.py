@@ -222,6 +222,11 @@ class Client:
         """Create a LoRA SFT job (settings: trainyard/methods/sft.py, e.g. learning_rate, max_steps, lora_rank)."""
         return self.create_job("sft", base_model, dataset_id, display_name, **settings)
 
+    def create_dpo_job(self, base_model: str, dataset_id: str, display_name: str = "", **settings) -> pb.Job:
+        """Create a DPO job on a preference dataset (settings: trainyard/methods/dpo.py, e.g. beta, full_parameter,
+        learning_rate, max_steps, lora_rank)."""
+        return self.create_job("dpo", base_model, dataset_id, display_name, **settings)
+
     @translate
     def plan_job(self, method: str, base_model: str, dataset_id: str, **settings) -> pb.JobPlan:
         """What create_job would run, without creating anything: the same checks (the same errors), the settings
