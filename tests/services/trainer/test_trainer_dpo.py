@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from trainer_helpers import PAIRS, preference_row, write_jsonl
 
+from models.chat import tokenize_sft_example
 from models.lora import LoraConfig
 from models.tokenizer import load_tokenizer
 from services.common.blobstore import BlobStore
@@ -100,6 +101,15 @@ def test_only_response_tokens_are_targets(tiny_model_dir):
         assert example.input_ids[:len(prompt)] == prompt and not any(example.loss_mask[:len(prompt)])
         targets = [t for t, m in zip(example.input_ids, example.loss_mask) if m]
         assert targets == tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    # A conversation: an assistant turn inside the prompt is context; only the response's turn is a target.
+    prompt = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, how can I help?"},
+              {"role": "user", "content": "What is 2 plus 3?"}]
+    (pair,), _ = tokenize_pairs(tokenizer, [{"prompt": prompt, "chosen": "It is 5.", "rejected": "No idea."}], 256)
+    sft = tokenize_sft_example(tokenizer, {"messages": prompt + [{"role": "assistant", "content": "It is 5."}]}, 256)
+    assert pair.chosen.input_ids == sft.input_ids
+    last_turn = max(i for i, m in enumerate(sft.loss_mask) if m and not sft.loss_mask[i - 1])  # its first target
+    assert pair.chosen.loss_mask == [0] * last_turn + sft.loss_mask[last_turn:]
+    assert 0 < sum(pair.chosen.loss_mask) < sum(sft.loss_mask)
 
 
 @pytest.mark.parametrize("full_parameter, lr", [(False, 2e-3), (True, 1e-4)], ids=["lora", "full"])
