@@ -31,7 +31,8 @@ def _events(ctx: JobContext, data_path: Path, resume: SftCheckpoint | None) -> I
     dims = settings.managed_dims()
     spec = GroupSpec(model_dir=job.model_path, dataset_path=str(data_path), hyperparams=hp.to_json(),
                      base_model_name=job.base_model, work_dir=str(ctx.work), group_dir=str(ctx.work / "group"),
-                     parallel={"field_prefix": dims.field_prefix, **{k: getattr(dims, k) for k in KNOBS}}, resume_step=resume.step if resume else 0,
-                     resume_root=str(resume.root) if resume else "", torch_threads=settings.torch_threads)
+                     parallel={"field_prefix": dims.field_prefix, **{k: getattr(dims, k) for k in KNOBS}},
+                     resume_step=resume.step if resume else 0, resume_root=str(resume.root) if resume else "",
+                     torch_threads=settings.torch_threads)
     ctx.ledger.log(job.id, f"training on {settings.managed_nproc} ranks ({dims.describe()})")
     return group_events(spec, settings.managed_nproc, stop=ctx.heartbeat.stop, poll_s=settings.managed_poll_s)
