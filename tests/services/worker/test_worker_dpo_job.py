@@ -36,7 +36,7 @@ def dpo_stack(tmp_path_factory, redis_url, tiny_model_dir):
     base = PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
     stack = Stack(tmp_path_factory.mktemp("dpo-stack"), database_url=f"{base}/{name}", broker_url=redis_url,
                   extra_env={"TRAINYARD_HEARTBEAT_S": "0.5", "TRAINYARD_WORKER_LOST_AFTER_S": "6",
-                             "TRAINYARD_REAPER_INTERVAL_S": "1", "TRAINYARD_SHUTDOWN_GRACE_S": "10",
+                             "TRAINYARD_REAPER_INTERVAL_S": "1", "TRAINYARD_SHUTDOWN_GRACE_S": "3",
                              "TRAINYARD_TORCH_THREADS": "1", "TRAINYARD_BUILTIN_TINY_MODELS": "false",
                              "TRAINYARD_SHARED_MODELS": json.dumps({MODEL: str(tiny_model_dir)})})
     try:
@@ -144,7 +144,9 @@ def test_bad_requests_name_the_field(client, pairs_id):
 
 def test_worker_killed_mid_job_resumes_from_its_checkpoint(dpo_stack, client, pairs_id):
     job = client.create_dpo_job(MODEL, pairs_id, max_steps=150, checkpoint_every=10, **FAST)
-    _wait(lambda: any(c.step >= 10 for c in client.list_checkpoints(job.id)), 180, "a checkpoint")
+    # past a checkpoint by a few steps, so the killed attempt has recorded metrics the retry must replace
+    _wait(lambda: client.get_job(job.id).step >= 14 and any(c.step >= 10 for c in client.list_checkpoints(job.id)),
+          180, "a checkpoint and a few steps more")
     dpo_stack.kill("worker")  # SIGKILL: no chance to clean up or report
     killed_at = client.get_job(job.id)
     assert killed_at.status == pb.JOB_STATUS_RUNNING, "the job ended before the kill; make it longer"
@@ -157,7 +159,8 @@ def test_worker_killed_mid_job_resumes_from_its_checkpoint(dpo_stack, client, pa
     resumed = [m for m in logs if m.startswith("resuming from the checkpoint at step")]
     assert resumed, logs
     resumed_step = int(resumed[0].split("step ")[1].split()[0])
-    assert 10 <= resumed_step < 150 and resumed_step % 10 == 0
+    print(f"killed at step {killed_at.step}, resumed from the checkpoint at step {resumed_step}")
+    assert 10 <= resumed_step < killed_at.step and resumed_step % 10 == 0
     assert f"resumed at step {resumed_step} of 150 (reference logprobs from the checkpoint)" in logs, logs
     assert sum(m.startswith("reference logprobs of 20 pairs computed") for m in logs) == 1, logs  # attempt 1 only
     metrics = _step_metrics(client, job.id)  # each step once: the lost attempt's later points were discarded
