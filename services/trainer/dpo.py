@@ -16,7 +16,8 @@ The reference logprobs (ref_c, ref_r of every train and held-out pair) come from
 without gradients and in eval mode (so no random numbers are drawn): for a LoRA job the base model with the adapter
 switched off, for a full-parameter job the weights before the first step. They are kept in every checkpoint's state
 (state/dpo_reference.pt) and a resumed run reads them from there instead of computing them again (a full-parameter
-run could not: its starting weights are gone).
+run could not: its starting weights are gone). The pass checks the stop flag before each of its micro-batches; a
+stop there ends the run with Finished(step 0, stopped=True) and no checkpoint.
 
 Order of one optimizer step s and what a checkpoint holds are SFT's (the run is sft._SftRun's loop with DPO's step,
 evaluation and state): lr(s) -> per micro-batch: stop.is_set()? -> forward -> backward -> grad norm (+ clip) ->
@@ -45,7 +46,7 @@ from services.trainer.data import (MicroBatch, PreferenceData, PreferencePair, S
 from services.trainer.engine import TrainingEngine
 from services.trainer.engine.checkpoint import STATE_DIR, CheckpointMismatch, read_checkpoint
 from services.trainer.schedule import learning_rate
-from services.trainer.sft import Log, SftCheckpoint, SftEvent, Started, StopFlag, _SftRun
+from services.trainer.sft import Finished, Log, SftCheckpoint, SftEvent, Started, StopFlag, _SftRun
 
 REFERENCE_FILE = "dpo_reference.pt"  # in a checkpoint's state/: {"train": [n, 2], "eval": [m, 2]} float32
 
@@ -77,9 +78,11 @@ def dpo_losses(policy_S: torch.Tensor, reference_P2: torch.Tensor, *, beta: floa
 
 
 @torch.no_grad()
-def reference_logprobs(engine: TrainingEngine, pairs: list[PreferencePair], batch_size: int) -> torch.Tensor:
+def reference_logprobs(engine: TrainingEngine, pairs: list[PreferencePair], batch_size: int, *,
+                       stop: StopFlag | None = None) -> torch.Tensor | None:
     """[n, 2] float32 on the CPU: each pair's chosen and rejected logprob under the reference model -- the engine's
-    model as it is, with a LoRA adapter switched off -- in eval mode (no dropout, no random numbers drawn)."""
+    model as it is, with a LoRA adapter switched off -- in eval mode (no dropout, no random numbers drawn). None when
+    stop was set before one of its micro-batches."""
     out = torch.zeros(len(pairs), 2)
     if not pairs:
         return out
@@ -90,6 +93,8 @@ def reference_logprobs(engine: TrainingEngine, pairs: list[PreferencePair], batc
     try:
         at = 0
         for mb in batches(pairs, batch_size, collate_pairs):
+            if stop is not None and stop.is_set():
+                return None
             logprobs_S = engine.sequence_logprobs(mb.input_ids_BT, mb.targets_BT, packing=mb.packing)
             n = logprobs_S.shape[0] // 2
             out[at:at + n] = logprobs_S.view(n, 2).float().cpu()
@@ -119,7 +124,9 @@ def run_dpo(model_dir: Path, dataset_path: Path, hp: DpoHyperparams, *, stop: St
     else:
         torch.manual_seed(hp.seed)
         start = time.perf_counter()
-        run.compute_reference()
+        if not run.compute_reference():
+            yield Finished(step=0, stopped=True, metrics={})
+            return
         yield Log(f"reference logprobs of {len(data.train) + len(data.eval)} pairs computed in "
                   f"{time.perf_counter() - start:.1f}s ({'initial weights' if hp.full_parameter else 'adapter off'})")
     yield Started(run.total_steps, {"train pairs": len(data.train), "eval pairs": len(data.eval),
@@ -147,9 +154,15 @@ class _DpoRun(_SftRun):
                                    collate=self._train_batch)
         self.total_steps = hp.max_steps or self.sampler.steps_per_epoch * hp.epochs
 
-    def compute_reference(self) -> None:
-        self.reference = {split: reference_logprobs(self.engine, pairs, self.hp.batch_size)
-                          for split, pairs in (("train", self.data.train), ("eval", self.data.eval))}
+    def compute_reference(self) -> bool:
+        """The reference logprobs of every pair; False when the stop flag ended the pass (nothing kept)."""
+        reference = {}
+        for split, pairs in (("train", self.data.train), ("eval", self.data.eval)):
+            reference[split] = reference_logprobs(self.engine, pairs, self.hp.batch_size, stop=self.stop)
+            if reference[split] is None:
+                return False
+        self.reference = reference
+        return True
 
     def _train_batch(self, indices: list[int]) -> PairBatch:
         return PairBatch(collate_pairs([self.data.train[i] for i in indices]), self.reference["train"][indices])

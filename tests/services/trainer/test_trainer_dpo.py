@@ -146,9 +146,9 @@ def test_resume_is_bitwise_identical_and_reuses_the_reference(tiny_model_dir, pa
     passes = []
     real = dpo.reference_logprobs
 
-    def counting(engine, pairs, batch_size):
+    def counting(engine, pairs, batch_size, **kwargs):
         passes.append(len(pairs))
-        return real(engine, pairs, batch_size)
+        return real(engine, pairs, batch_size, **kwargs)
 
     monkeypatch.setattr(dpo, "reference_logprobs", counting)
     hp = DpoHyperparams(**SMALL, full_parameter=full_parameter, lora_dropout=0.1, learning_rate=1e-3, max_steps=4,
@@ -224,3 +224,18 @@ def test_the_plan_is_what_the_run_does(tiny_model_dir, pairs_dataset, tmp_path, 
                 assert 0 < planned["trainable_parameters"] < planned["base_parameters"]
     finally:
         planner.close()
+
+
+@pytest.mark.parametrize("stop_at_call, completed_steps", [(1, 0), (3, 0), (4, 0), (5, 1)])
+def test_stop_is_checked_in_the_reference_pass_and_before_every_micro_batch(tiny_model_dir, pairs_dataset, make_run,
+                                                                            tmp_path, stop_at_call, completed_steps):
+    """8 train pairs and 2 held out, 4 pairs per micro-batch and per step: checks 1-2 are before the train pairs'
+    reference micro-batches, 3 before the held-out pairs', 4 before step 1's micro-batch, 5 before step 2's."""
+    hp = DpoHyperparams(**SMALL, max_steps=2, batch_size=4, eval_fraction=0.2, checkpoint_every=1)
+    hooks = dpo_run(make_run, stop_at_call=stop_at_call)
+    outcome = hooks.run(tiny_model_dir, pairs_dataset, hp, work_dir=tmp_path / "work")
+    assert (outcome.step, outcome.stopped) == (completed_steps, True)
+    assert hooks.stop_calls == stop_at_call
+    assert sorted(hooks.metrics) == list(range(1, completed_steps + 1))
+    assert [c.step for c, _, _ in hooks.checkpoints] == list(range(1, completed_steps + 1))
+    assert (hooks.total_steps is not None) == (stop_at_call >= 4)  # Started only once the reference is in
