@@ -239,3 +239,23 @@ def test_stop_is_checked_in_the_reference_pass_and_before_every_micro_batch(tiny
     assert sorted(hooks.metrics) == list(range(1, completed_steps + 1))
     assert [c.step for c, _, _ in hooks.checkpoints] == list(range(1, completed_steps + 1))
     assert (hooks.total_steps is not None) == (stop_at_call >= 4)  # Started only once the reference is in
+
+
+def test_grad_accumulation_equals_one_big_batch(tiny_model_dir, pairs_dataset, make_run, tmp_path):
+    """A step's loss is the mean over its pairs however its micro-batches split them. Tolerance: float32 rounding of
+    sequence logprobs summed in other packings (about 1e-5 of a margin, whose size is beta x a logprob change); a
+    small lr, as in SFT's test, keeps Adam from magnifying gradient rounding into the weights."""
+    metrics, adapters = [], []
+    for batch_size, accum in ((4, 1), (2, 2), (1, 4)):
+        hp = DpoHyperparams(**SMALL, learning_rate=3e-5, max_steps=2, batch_size=batch_size,
+                            gradient_accumulation_steps=accum, eval_fraction=0.2, checkpoint_every=100)
+        hooks = dpo_run(make_run)
+        hooks.run(tiny_model_dir, pairs_dataset, hp, work_dir=tmp_path / f"work-{batch_size}")
+        metrics.append(hooks.metrics)
+        adapters.append(hooks.final_adapter())
+    for other in (1, 2):
+        for step in (1, 2):
+            for key in ("train/loss", "train/reward_margin", "train/grad_norm", "train/pairs"):
+                assert metrics[other][step][key] == pytest.approx(metrics[0][step][key], rel=1e-5, abs=1e-5), key
+        for key in adapters[0]:
+            torch.testing.assert_close(adapters[other][key], adapters[0][key], rtol=0, atol=1e-6)
