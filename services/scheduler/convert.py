@@ -73,6 +73,8 @@ def job_spec(method: str, base_model: str, dataset_id: str, display_name: str, c
 
 def job(j: schema.Job) -> pb.Job:
     spec = job_spec(j.method, j.base_model, j.dataset_id, j.display_name, j.config)
+    spec.resources.trainer_devices, spec.resources.rollout_devices = j.trainer_devices, j.rollout_devices
+    spec.priority = j.priority
     return pb.Job(
         id=j.id, spec=spec, status=JOB_STATUS[j.status], created_at=ts(j.created_at), started_at=ts(j.started_at),
         finished_at=ts(j.finished_at), error=j.error, step=j.step, total_steps=j.total_steps, attempts=j.attempts,

@@ -24,6 +24,10 @@ class Method:
     settings: type  # the declared settings dataclass
     dataset_formats: tuple[str, ...]
     recipe: str
+    # The devices a job of this method holds on one worker unless its spec.resources says otherwise
+    # (docs/resources.md): trainer devices train, rollout devices sample (RFT: 1 + 1).
+    trainer_devices: int = 1
+    rollout_devices: int = 0
 
     @property
     def prefix(self) -> str:
@@ -33,6 +37,9 @@ class Method:
     def fields(self) -> tuple[Field, ...]:
         return declared(self.settings)
 
+
+# A job's queue priority (JobSpec.priority): higher starts first; 0 unless set.
+PRIORITY_MIN, PRIORITY_MAX = -10, 10
 
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("sft", "Supervised fine-tuning (LoRA)", pb.JOB_METHOD_SFT, "sft", SftSettings,
@@ -48,5 +55,5 @@ def method(name: str) -> Method:
     return METHODS[name]
 
 
-__all__ = ["BY_PROTO", "LORA_DEFAULTS", "METHODS", "LoraSettings", "Method", "Problem", "SftSettings", "method",
-           "resolve"]
+__all__ = ["BY_PROTO", "LORA_DEFAULTS", "METHODS", "PRIORITY_MAX", "PRIORITY_MIN", "LoraSettings", "Method", "Problem",
+           "SftSettings", "method", "resolve"]

@@ -341,18 +341,30 @@ class SftConfig(_message.Message):
     def __init__(self, lora: _Optional[_Union[LoraConfig, _Mapping]] = ..., learning_rate: _Optional[float] = ..., epochs: _Optional[int] = ..., max_steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., gradient_accumulation_steps: _Optional[int] = ..., warmup_steps: _Optional[int] = ..., lr_scheduler: _Optional[_Union[LrScheduler, str]] = ..., weight_decay: _Optional[float] = ..., max_seq_len: _Optional[int] = ..., eval_fraction: _Optional[float] = ..., eval_every: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., seed: _Optional[int] = ..., max_grad_norm: _Optional[float] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("method", "base_model", "dataset_id", "display_name", "sft")
+    __slots__ = ("method", "base_model", "dataset_id", "display_name", "sft", "resources", "priority")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     DATASET_ID_FIELD_NUMBER: _ClassVar[int]
     DISPLAY_NAME_FIELD_NUMBER: _ClassVar[int]
     SFT_FIELD_NUMBER: _ClassVar[int]
+    RESOURCES_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     method: JobMethod
     base_model: str
     dataset_id: str
     display_name: str
     sft: SftConfig
-    def __init__(self, method: _Optional[_Union[JobMethod, str]] = ..., base_model: _Optional[str] = ..., dataset_id: _Optional[str] = ..., display_name: _Optional[str] = ..., sft: _Optional[_Union[SftConfig, _Mapping]] = ...) -> None: ...
+    resources: ResourceRequest
+    priority: int
+    def __init__(self, method: _Optional[_Union[JobMethod, str]] = ..., base_model: _Optional[str] = ..., dataset_id: _Optional[str] = ..., display_name: _Optional[str] = ..., sft: _Optional[_Union[SftConfig, _Mapping]] = ..., resources: _Optional[_Union[ResourceRequest, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class ResourceRequest(_message.Message):
+    __slots__ = ("trainer_devices", "rollout_devices")
+    TRAINER_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    trainer_devices: int
+    rollout_devices: int
+    def __init__(self, trainer_devices: _Optional[int] = ..., rollout_devices: _Optional[int] = ...) -> None: ...
 
 class Job(_message.Message):
     __slots__ = ("id", "spec", "status", "created_at", "started_at", "finished_at", "error", "step", "total_steps", "attempts", "cancel_requested", "output_checkpoint_id", "latest_metrics")
@@ -692,3 +704,69 @@ class DeleteDeploymentRequest(_message.Message):
     ID_FIELD_NUMBER: _ClassVar[int]
     id: str
     def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class Device(_message.Message):
+    __slots__ = ("id", "host", "kind", "index", "name", "memory_bytes", "free", "job_id", "role", "held_by_other_account", "live", "heartbeat_at")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FREE_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    HELD_BY_OTHER_ACCOUNT_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_AT_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    host: str
+    kind: str
+    index: int
+    name: str
+    memory_bytes: int
+    free: bool
+    job_id: str
+    role: str
+    held_by_other_account: bool
+    live: bool
+    heartbeat_at: _timestamp_pb2.Timestamp
+    def __init__(self, id: _Optional[str] = ..., host: _Optional[str] = ..., kind: _Optional[str] = ..., index: _Optional[int] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., free: _Optional[bool] = ..., job_id: _Optional[str] = ..., role: _Optional[str] = ..., held_by_other_account: _Optional[bool] = ..., live: _Optional[bool] = ..., heartbeat_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class DeviceQuota(_message.Message):
+    __slots__ = ("max_devices", "devices_in_use", "max_queued_jobs", "queued_jobs")
+    MAX_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUED_JOBS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_JOBS_FIELD_NUMBER: _ClassVar[int]
+    max_devices: int
+    devices_in_use: int
+    max_queued_jobs: int
+    queued_jobs: int
+    def __init__(self, max_devices: _Optional[int] = ..., devices_in_use: _Optional[int] = ..., max_queued_jobs: _Optional[int] = ..., queued_jobs: _Optional[int] = ...) -> None: ...
+
+class DeviceQueueEntry(_message.Message):
+    __slots__ = ("job_id", "priority", "devices", "wait_reason")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    WAIT_REASON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    priority: int
+    devices: int
+    wait_reason: str
+    def __init__(self, job_id: _Optional[str] = ..., priority: _Optional[int] = ..., devices: _Optional[int] = ..., wait_reason: _Optional[str] = ...) -> None: ...
+
+class ListDevicesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListDevicesResponse(_message.Message):
+    __slots__ = ("devices", "quota", "queue")
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    devices: _containers.RepeatedCompositeFieldContainer[Device]
+    quota: DeviceQuota
+    queue: _containers.RepeatedCompositeFieldContainer[DeviceQueueEntry]
+    def __init__(self, devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., quota: _Optional[_Union[DeviceQuota, _Mapping]] = ..., queue: _Optional[_Iterable[_Union[DeviceQueueEntry, _Mapping]]] = ...) -> None: ...
