@@ -216,10 +216,10 @@ def last_starts(s, account_ids: set[str]) -> dict[str, datetime]:
     rows = s.execute(select(Job.account_id, func.max(Job.started_at)).where(Job.account_id.in_(account_ids),
                                                                              Job.started_at.is_not(None))
                      .group_by(Job.account_id)).all()
-    return {a: _aware(t) for a, t in rows if t is not None}
+    return {a: aware(t) for a, t in rows if t is not None}
 
 
-def _aware(t: datetime) -> datetime:
+def aware(t: datetime) -> datetime:
     return t if t.tzinfo is not None else t.replace(tzinfo=timezone.utc)  # SQLite returns naive UTC
 
 

@@ -8,7 +8,7 @@ from datetime import timedelta
 from sqlalchemy import select
 
 from services.common.db import Database
-from services.common.resources import Inventory, account_limits, devices_held
+from services.common.resources import Inventory, account_limits, aware, devices_held
 from services.common.schema import Device, Job, utcnow
 
 
@@ -38,7 +38,7 @@ class DeviceCore:
 
     def list(self, account_id: str) -> AccountResources:
         cutoff = utcnow() - timedelta(seconds=self.live_within_s)
-        devices = [DeviceView(d, d.heartbeat_at >= cutoff, d.account_id == account_id)
+        devices = [DeviceView(d, aware(d.heartbeat_at) >= cutoff, d.account_id == account_id)
                    for d in Inventory(self.db).devices()]
         with self.db.session() as s:
             limits = account_limits(s, account_id, self.max_devices_per_account, self.max_queued_jobs_per_account)

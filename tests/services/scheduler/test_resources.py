@@ -69,7 +69,8 @@ def world(tmp_path, tiny_model_dir):
     name = f"trainyard_res_{secrets.token_hex(4)}"
     _admin(f'CREATE DATABASE "{name}"')
     base = PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
-    w = World(f"{base}/{name}", tmp_path / "blobs", tiny_model_dir)
+    w = World(f"{base}/{name}", tmp_path / "data" / "blobs", tiny_model_dir)
+    w.url, w.data_dir = f"{base}/{name}", tmp_path / "data"
     yield w
     w.db.dispose()
     _admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
@@ -244,5 +245,70 @@ def test_a_job_scoped_key_reaches_only_its_own_job_and_stops_at_the_end(world, t
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         # The account's own key is not scoped: it still reaches every job of the account.
         assert jobs.GetJob(pb.GetJobRequest(id=sibling.id), metadata=platform.metadata("alice")).id == sibling.id
+    finally:
+        platform.close()
+
+
+def test_a_worker_runs_the_queue_in_order_on_its_devices_with_a_key_per_attempt(world):
+    from services.common.schema import ApiKey
+    from services.worker.job import run_queue
+    from services.worker.settings import WorkerSettings
+
+    settings = WorkerSettings(data_dir=world.data_dir, database_url=world.url, heartbeat_s=0.2, torch_threads=1,
+                              worker_host="m-worker", cpu_slots=1)
+    assert settings.blob_dir == world.blobs.root
+    low = world.job("alice", priority=-1)
+    high = world.job("bob", priority=2)
+    run_queue(low, settings)  # the message of the low-priority job: the worker starts the queue's head first
+    first, second = world.row(high), world.row(low)
+    assert first.status == second.status == "succeeded"
+    assert first.started_at < second.started_at
+    assert any(m.startswith("started on worker") and "with cpu0 (trainer)" in m for m in world.logs(low))
+    assert world.held() == {}
+    with world.db.session() as s:
+        keys = s.scalars(select(ApiKey).where(ApiKey.job_id.in_([low, high]))).all()
+    assert len(keys) == 2 and all(k.revoked_at is not None for k in keys)
+    assert [d.id for d in Inventory(world.db).devices()] == ["m-worker/cpu0"]
+
+
+def test_sdk_and_cli_list_devices_quota_and_queue(tmp_path, tiny_model_dir, monkeypatch):
+    from click.testing import CliRunner
+
+    from tests.services.common.inprocess import Platform
+    from trainyard import Client
+    from trainyard.cli.main import cli
+
+    platform = Platform(tmp_path / "platform", tiny_model_dir)
+    try:
+        db, alice = platform.db, platform.accounts["alice"]
+        ds, _ = DatasetStore(db, BlobStore(tmp_path / "platform" / "blobs"), 1 << 20).upload(
+            alice, UploadHeader("d", None, ""), iter([ROW] * 4))
+        Inventory(db).register("m1", slots(2))
+        monkeypatch.setenv("TRAINYARD_DATA_DIR", str(tmp_path / "platform"))
+        monkeypatch.setenv("TRAINYARD_DATABASE_URL", f"sqlite:///{tmp_path / 'platform' / 'trainyard.db'}")
+        runner = CliRunner()
+        out = runner.invoke(cli, ["admin", "set-quota", "alice", "--max-devices", "1", "--max-queued-jobs", "5"])
+        assert out.exit_code == 0 and "max_devices 1, max_queued_jobs 5" in out.output, out.output
+        with Client(url=platform.url("scheduler"), api_key=platform.keys["alice"]) as c:
+            job = c.create_job("sft", "tiny", ds.id, priority=3, max_steps=1)
+            assert (job.spec.priority, job.spec.resources.trainer_devices, job.spec.resources.rollout_devices) == \
+                (3, 1, 0)
+            with pytest.raises(Exception) as err:
+                c.create_job("sft", "tiny", ds.id, rollout_devices=2)
+            assert "spec.resources.rollout_devices" in str(err.value)
+            r = c.list_devices()
+            assert [(d.id, d.free, d.live) for d in r.devices] == [("m1/cpu0", True, True), ("m1/cpu1", True, True)]
+            assert (r.quota.max_devices, r.quota.max_queued_jobs, r.quota.queued_jobs) == (1, 5, 1)
+            assert [(e.job_id, e.priority, e.devices) for e in r.queue] == [(job.id, 3, 1)]
+            Ledger(db).claim_next("w1", "m1")
+            held = [d for d in c.list_devices().devices if not d.free]
+            assert [(d.id, d.job_id, d.role) for d in held] == [("m1/cpu0", job.id, "trainer")]
+        shown = runner.invoke(cli, ["--url", platform.url("scheduler"), "--api-key", platform.keys["alice"],
+                                    "resources"])
+        assert shown.exit_code == 0, shown.output
+        assert "m1/cpu0" in shown.output and job.id in shown.output and "quota 1" in shown.output
+        other = runner.invoke(cli, ["--url", platform.url("scheduler"), "--api-key", platform.keys["bob"],
+                                    "resources", "--json"])
+        assert job.id not in other.output and '"held_by_other_account": true' in other.output
     finally:
         platform.close()
