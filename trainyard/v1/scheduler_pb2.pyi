@@ -24,6 +24,7 @@ class JobMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     JOB_METHOD_UNSPECIFIED: _ClassVar[JobMethod]
     JOB_METHOD_SFT: _ClassVar[JobMethod]
+    JOB_METHOD_EVAL: _ClassVar[JobMethod]
 
 class JobStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -61,6 +62,7 @@ DATASET_FORMAT_DPO: DatasetFormat
 DATASET_FORMAT_RFT: DatasetFormat
 JOB_METHOD_UNSPECIFIED: JobMethod
 JOB_METHOD_SFT: JobMethod
+JOB_METHOD_EVAL: JobMethod
 JOB_STATUS_UNSPECIFIED: JobStatus
 JOB_STATUS_QUEUED: JobStatus
 JOB_STATUS_RUNNING: JobStatus
@@ -340,13 +342,34 @@ class SftConfig(_message.Message):
     max_grad_norm: float
     def __init__(self, lora: _Optional[_Union[LoraConfig, _Mapping]] = ..., learning_rate: _Optional[float] = ..., epochs: _Optional[int] = ..., max_steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., gradient_accumulation_steps: _Optional[int] = ..., warmup_steps: _Optional[int] = ..., lr_scheduler: _Optional[_Union[LrScheduler, str]] = ..., weight_decay: _Optional[float] = ..., max_seq_len: _Optional[int] = ..., eval_fraction: _Optional[float] = ..., eval_every: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., seed: _Optional[int] = ..., max_grad_norm: _Optional[float] = ...) -> None: ...
 
+class EvalConfig(_message.Message):
+    __slots__ = ("evaluator", "checkpoint_id", "samples_per_row", "temperature", "max_tokens", "pass_threshold", "max_rows", "seed")
+    EVALUATOR_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_ROW_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PASS_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    evaluator: str
+    checkpoint_id: str
+    samples_per_row: int
+    temperature: float
+    max_tokens: int
+    pass_threshold: float
+    max_rows: int
+    seed: int
+    def __init__(self, evaluator: _Optional[str] = ..., checkpoint_id: _Optional[str] = ..., samples_per_row: _Optional[int] = ..., temperature: _Optional[float] = ..., max_tokens: _Optional[int] = ..., pass_threshold: _Optional[float] = ..., max_rows: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
 class JobSpec(_message.Message):
-    __slots__ = ("method", "base_model", "dataset_id", "display_name", "sft", "resources", "priority")
+    __slots__ = ("method", "base_model", "dataset_id", "display_name", "sft", "eval", "resources", "priority")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     DATASET_ID_FIELD_NUMBER: _ClassVar[int]
     DISPLAY_NAME_FIELD_NUMBER: _ClassVar[int]
     SFT_FIELD_NUMBER: _ClassVar[int]
+    EVAL_FIELD_NUMBER: _ClassVar[int]
     RESOURCES_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     method: JobMethod
@@ -354,9 +377,10 @@ class JobSpec(_message.Message):
     dataset_id: str
     display_name: str
     sft: SftConfig
+    eval: EvalConfig
     resources: ResourceRequest
     priority: int
-    def __init__(self, method: _Optional[_Union[JobMethod, str]] = ..., base_model: _Optional[str] = ..., dataset_id: _Optional[str] = ..., display_name: _Optional[str] = ..., sft: _Optional[_Union[SftConfig, _Mapping]] = ..., resources: _Optional[_Union[ResourceRequest, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
+    def __init__(self, method: _Optional[_Union[JobMethod, str]] = ..., base_model: _Optional[str] = ..., dataset_id: _Optional[str] = ..., display_name: _Optional[str] = ..., sft: _Optional[_Union[SftConfig, _Mapping]] = ..., eval: _Optional[_Union[EvalConfig, _Mapping]] = ..., resources: _Optional[_Union[ResourceRequest, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class ResourceRequest(_message.Message):
     __slots__ = ("trainer_devices", "rollout_devices")
