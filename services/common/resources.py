@@ -126,10 +126,13 @@ def resolve_request(method: str, trainer_devices: int | None, rollout_devices: i
     t = m.trainer_devices if trainer_devices is None else trainer_devices
     r = m.rollout_devices if rollout_devices is None else rollout_devices
     problems = []
-    if not 1 <= t <= 64:
-        problems.append(Violation("spec.resources.trainer_devices", f"must be between 1 and 64, got {t}"))
+    if not 0 <= t <= 64:
+        problems.append(Violation("spec.resources.trainer_devices", f"must be between 0 and 64, got {t}"))
     if not 0 <= r <= 64:
         problems.append(Violation("spec.resources.rollout_devices", f"must be between 0 and 64, got {r}"))
+    if not problems and t + r == 0:
+        problems.append(Violation("spec.resources.trainer_devices", "a job needs at least one device: trainer or "
+                                                                    "rollout"))
     if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
         problems.append(Violation("spec.priority", f"must be between {PRIORITY_MIN} and {PRIORITY_MAX}, "
                                                    f"got {priority}"))

@@ -84,6 +84,8 @@ class JobCore:
             raise InvalidArgument(f"dataset '{ds.id}' is in {ds.format} format; {method.name} needs "
                                   f"{' or '.join(method.dataset_formats)} rows", field="spec.dataset_id")
         settings, problems = HYPERPARAMS[method.name].check_request(req.config, prefix=method.prefix)
+        with self.db.session() as s:
+            problems += settings.job_violations(s, account_id, model.name)
         wrong = {v.field for v in problems}  # a value already reported is checked against the model no further
         problems += [v for v in model_violations(settings, model.path, model.max_position_embeddings,
                                                  prefix=method.prefix) if v.field not in wrong]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainyard.methods.evaluate import EvalSettings
 from trainyard.methods.lora import LORA_DEFAULTS, LoraSettings
 from trainyard.methods.sft import SftSettings
 from trainyard.methods.spec import Field, Problem, declared, resolve
@@ -44,6 +45,9 @@ PRIORITY_MIN, PRIORITY_MAX = -10, 10
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("sft", "Supervised fine-tuning (LoRA)", pb.JOB_METHOD_SFT, "sft", SftSettings,
            ("sft_chat", "sft_prompt_completion"), "sft"),
+    # Samples in the worker process (the rollout engine): one rollout device, no training.
+    Method("eval", "Evaluation of a checkpoint with an evaluator", pb.JOB_METHOD_EVAL, "eval", EvalSettings,
+           ("rft",), "evaluate", trainer_devices=0, rollout_devices=1),
 )}
 BY_PROTO = {m.proto: m for m in METHODS.values()}
 
@@ -55,5 +59,5 @@ def method(name: str) -> Method:
     return METHODS[name]
 
 
-__all__ = ["BY_PROTO", "LORA_DEFAULTS", "METHODS", "PRIORITY_MAX", "PRIORITY_MIN", "LoraSettings", "Method", "Problem",
+__all__ = ["BY_PROTO", "EvalSettings", "LORA_DEFAULTS", "METHODS", "PRIORITY_MAX", "PRIORITY_MIN", "LoraSettings", "Method", "Problem",
            "SftSettings", "method", "resolve"]

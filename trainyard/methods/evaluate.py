@@ -34,4 +34,5 @@ class EvalSettings:
     max_rows: int | None = setting(
         None, label="Max rows", ge=1, le=1_000_000, unit="rows", help="Rows evaluated at most (the first ones); "
                                                                       "unset: every row")
-    seed: int = setting(0, label="Seed", advanced=True, help="Seed of the sampling")
+    sampling_seed: int = setting(0, label="Sampling seed", proto="seed", advanced=True,
+                                 help="Seed of the sampling: the same seed samples the same completions")

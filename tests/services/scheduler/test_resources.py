@@ -164,8 +164,10 @@ def test_requests_are_checked_and_the_queued_jobs_quota_refuses_more(world):
     assert [v.field for v in err.value.violations] == ["spec.resources.rollout_devices"]
     assert "the largest worker (m1) has 2" in str(err.value)
     with pytest.raises(InvalidArgument) as err:
-        world.job("alice", trainer_devices=0, priority=11)
+        world.job("alice", trainer_devices=-1, priority=11)
     assert {v.field for v in err.value.violations} == {"spec.resources.trainer_devices", "spec.priority"}
+    with pytest.raises(InvalidArgument, match="at least one device"):
+        world.job("alice", trainer_devices=0)
     assert world.row(world.job("alice", trainer_devices=2, priority=-10)).trainer_devices == 2
     set_quota(world.db, "alice", max_devices=None, max_queued_jobs=2)
     with pytest.raises(ResourceExhausted, match=r"quota max_queued_jobs_per_account \(2\) reached"):
