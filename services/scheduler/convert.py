@@ -99,7 +99,7 @@ def job_log(entry: schema.JobLog) -> pb.JobLog:
 
 def checkpoint(c: schema.Checkpoint) -> pb.Checkpoint:
     return pb.Checkpoint(
-        id=c.id, job_id=c.job_id or "", step=c.step, kind=CHECKPOINT_KIND[c.kind], base_model=c.base_model,
+        id=c.id, job_id=c.job_id or "", step=c.step, kind=CHECKPOINT_KIND.get(c.kind, pb.CHECKPOINT_KIND_UNSPECIFIED), base_model=c.base_model,
         files=[pb.CheckpointFile(path=f["path"], sha256=f["sha256"], size_bytes=f["size_bytes"]) for f in c.files],
         final=c.final, metrics={k: float(v) for k, v in (c.metrics or {}).items()}, created_at=ts(c.created_at),
         session_id=c.session_id or "", name=c.name,
