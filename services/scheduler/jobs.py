@@ -100,6 +100,9 @@ class JobCore:
     def plan(self, account_id: str, req: NewJob) -> tuple[CheckedJob, dict]:
         """The checked request and its plan (services/scheduler/planner.py); nothing is stored."""
         checked = self.check(account_id, req)
+        if not checked.method.trains:
+            raise InvalidArgument(f"PlanJob plans training jobs; a {checked.method.name} job trains nothing",
+                                  field="spec.method")
         return checked, self.planner.plan(checked.method.name, checked.model.path, checked.dataset.sha256,
                                           checked.settings.to_json(), what=f"dataset {checked.dataset.id}")
 

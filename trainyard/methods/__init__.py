@@ -29,6 +29,7 @@ class Method:
     # (docs/resources.md): trainer devices train, rollout devices sample (RFT: 1 + 1).
     trainer_devices: int = 1
     rollout_devices: int = 0
+    trains: bool = True  # False: the job trains nothing (an evaluation), so PlanJob has nothing to plan
 
     @property
     def prefix(self) -> str:
@@ -47,7 +48,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            ("sft_chat", "sft_prompt_completion"), "sft"),
     # Samples in the worker process (the rollout engine): one rollout device, no training.
     Method("eval", "Evaluation of a checkpoint with an evaluator", pb.JOB_METHOD_EVAL, "eval", EvalSettings,
-           ("rft",), "evaluate", trainer_devices=0, rollout_devices=1),
+           ("rft",), "evaluate", trainer_devices=0, rollout_devices=1, trains=False),
 )}
 BY_PROTO = {m.proto: m for m in METHODS.values()}
 
