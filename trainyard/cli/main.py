@@ -290,8 +290,9 @@ def jobs_create(ctx, base_model, dataset_id, display_name, method, show_plan, wa
     c = client(ctx)
     if show_plan:
         console.print(plan_table(c.plan_job(m.name, base_model, dataset_id, **given), given))
-    job = c.create_job(m.name, base_model, dataset_id, display_name, trainer_devices=trainer_devices,
-                       rollout_devices=rollout_devices, priority=priority, **given)
+    asked = {k: v for k, v in (("trainer_devices", trainer_devices), ("rollout_devices", rollout_devices),
+                               ("priority", priority or None)) if v is not None}  # left out: the server's defaults
+    job = c.create_job(m.name, base_model, dataset_id, display_name, **asked, **given)
     console.print(f"job [bold]{job.id}[/] queued")
     if watch:
         _watch(c, job.id)
