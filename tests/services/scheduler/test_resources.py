@@ -237,10 +237,22 @@ def test_a_job_scoped_key_reaches_only_its_own_job_and_stops_at_the_end(world, t
                 call()
             assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, err.value.details()
             assert f"scoped to job {job.id}" in err.value.details()
-        with pytest.raises(PermissionDenied):  # the same check, as the rollout and weight-sync services run it
-            auth.KeyAuthenticator(db).authorize(auth.KeyAuthenticator(db).authenticate(claim.credential),
-                                                "/trainyard.v1.WeightSyncService/GetLineage",
-                                                type("R", (), {"lineage": sibling.id})())
+        # Weights: its own lineages only; sampling: its own deployments only (not even the account's base model).
+        from trainyard.v1 import rollout_pb2, rollout_pb2_grpc, weightsync_pb2, weightsync_pb2_grpc
+
+        ws = weightsync_pb2_grpc.WeightSyncServiceStub(platform.channel("weightsync"))
+        assert list(ws.ListVersions(weightsync_pb2.ListVersionsRequest(lineage=f"{job.id}/policy"),
+                                    metadata=md).versions) == []
+        for call in (lambda: ws.ListVersions(weightsync_pb2.ListVersionsRequest(lineage=sibling.id), metadata=md),
+                     lambda: rollout_pb2_grpc.RolloutServiceStub(platform.channel("rollout")).Sample(
+                         rollout_pb2.SampleRequest(model="tiny", text="hi"), metadata=md)):
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, err.value.details()
+        with pytest.raises(PermissionDenied):
+            keys = auth.KeyAuthenticator(db)
+            keys.authorize(keys.authenticate(claim.credential), "/trainyard.v1.WeightSyncService/GetLineage",
+                           weightsync_pb2.GetLineageRequest(lineage=bobs.id))
         Ledger(db).finish(job.id, "w1", "succeeded")
         with pytest.raises(grpc.RpcError) as err:
             jobs.GetJob(pb.GetJobRequest(id=job.id), metadata=md)
