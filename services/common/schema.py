@@ -303,3 +303,21 @@ class WeightDelta(Base):
     sha256: Mapped[str] = mapped_column(String(64))
     size_bytes: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Evaluator(Base):
+    """One version of an uploaded evaluator (services/evaluators/): a reward function or a multi-turn environment.
+    Uploading a name the account already has adds version n+1; the bytes (evaluator.py, or a .zip / .tar.gz package)
+    are one blob in the object store, verified against sha256 whenever they are read."""
+
+    __tablename__ = "evaluators"
+    __table_args__ = (UniqueConstraint("account_id", "name", "version", name="uq_evaluators_account_name_version"),)
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    account_id: Mapped[str] = mapped_column(ForeignKey("accounts.id"), index=True)
+    name: Mapped[str] = mapped_column(String(128))
+    version: Mapped[int] = mapped_column(Integer)
+    kind: Mapped[str] = mapped_column(String(16))  # "reward_fn" | "environment"
+    filename: Mapped[str] = mapped_column(String(256), default="")
+    sha256: Mapped[str] = mapped_column(String(64))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -19,6 +19,8 @@ from services.scheduler.accounts import AccountCore
 from services.common.jobqueue import Dispatcher
 from services.scheduler.datasets import DatasetStore
 from services.scheduler.deployments import DeploymentCore
+from services.scheduler.evaluators import EvaluatorCore
+from services.evaluators.store import EvaluatorStore
 from services.scheduler.jobs import JobCore
 from services.common.ledger import Ledger
 from services.scheduler.planner import Planner
@@ -27,6 +29,7 @@ from services.scheduler.servicer import (
     CheckpointServicer,
     DatasetServicer,
     DeploymentServicer,
+    EvaluatorServicer,
     JobServicer,
     ModelServicer,
     ResourceServicer,
@@ -137,6 +140,8 @@ def build(settings: SchedulerSettings) -> Server:
     deployments = DeploymentCore(db, rollout.load, rollout.unload, settings.max_deployments_per_account)
     datasets = DatasetStore(db, blobs, settings.max_dataset_mb * 1024 * 1024, settings.max_datasets_per_account,
                             settings.max_dataset_mb_per_account)
+    evaluators = EvaluatorCore(EvaluatorStore(db, blobs, settings.evaluator_limits(), settings.max_evaluator_kb << 10),
+                               datasets, settings.max_evaluator_test_rows)
 
     def register(server) -> None:
         rpc.add_AccountServiceServicer_to_server(AccountServicer(accounts), server)
@@ -146,6 +151,7 @@ def build(settings: SchedulerSettings) -> Server:
         rpc.add_CheckpointServiceServicer_to_server(CheckpointServicer(accounts), server)
         rpc.add_DeploymentServiceServicer_to_server(DeploymentServicer(deployments), server)
         rpc.add_ResourceServiceServicer_to_server(ResourceServicer(devices), server)
+        rpc.add_EvaluatorServiceServicer_to_server(EvaluatorServicer(evaluators), server)
 
     def shutdown() -> None:
         planner.close()
@@ -154,7 +160,7 @@ def build(settings: SchedulerSettings) -> Server:
 
     names = [scheduler_pb2.DESCRIPTOR.services_by_name[n].full_name for n in
              ("AccountService", "ModelService", "DatasetService", "JobService", "CheckpointService",
-              "DeploymentService", "ResourceService")]
+              "DeploymentService", "ResourceService", "EvaluatorService")]
     spec = ServiceSpec(name="scheduler", register=register, service_names=names, on_shutdown=shutdown,
                        background=[reaper_loop(settings, ledger, dispatch)], stopping=stopping)
     server = service_server(spec, settings, settings.scheduler_port, db)

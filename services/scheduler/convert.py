@@ -110,3 +110,18 @@ def deployment(d: schema.Deployment, job_id: str = "") -> pb.Deployment:
     return pb.Deployment(id=d.id, name=d.name, checkpoint_id=d.checkpoint_id or "", base_model=d.base_model,
                          status=DEPLOYMENT_STATUS[d.status], error=d.error, created_at=ts(d.created_at),
                          job_id=job_id, lineage=d.lineage or "")
+
+
+def evaluator(e: schema.Evaluator) -> pb.Evaluator:
+    return pb.Evaluator(id=e.id, name=e.name, version=e.version, kind=e.kind, filename=e.filename,
+                        size_bytes=e.size_bytes, sha256=e.sha256, created_at=ts(e.created_at))
+
+
+def evaluator_test(report) -> pb.EvaluatorTestResponse:
+    """A services.evaluators.store.EvaluationReport as the API's answer."""
+    results = [pb.EvaluatorTestResult(row=r.row, completion=r.completion, ok=r.reward is not None,
+                                      reward=r.reward or 0.0, error=r.error, observation=r.observation)
+               for r in report.results]
+    return pb.EvaluatorTestResponse(evaluator=evaluator(report.evaluator), results=results,
+                                    summary=pb.EvaluatorTestSummary(elapsed_s=report.elapsed_s, **report.summary),
+                                    output_tail=report.stderr_tail)

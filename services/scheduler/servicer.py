@@ -12,6 +12,9 @@ from services.common.streams import split_header
 from services.scheduler.datasets import DatasetStore, UploadHeader
 from services.scheduler.deployments import DeploymentCore
 from services.scheduler.devices import DeviceCore
+
+
+from services.scheduler.evaluators import EvaluatorCore
 from services.scheduler.jobs import JobCore, NewJob
 from trainyard.methods import BY_PROTO, proto as method_proto
 from trainyard.v1 import common_pb2, scheduler_pb2 as pb, scheduler_pb2_grpc as rpc
@@ -240,3 +243,25 @@ class ResourceServicer(rpc.ResourceServiceServicer):
                                  max_queued_jobs=r.max_queued_jobs, queued_jobs=len(r.queued)),
             queue=[pb.DeviceQueueEntry(job_id=j.id, priority=j.priority, devices=j.trainer_devices + j.rollout_devices,
                                        wait_reason=j.wait_reason) for j in r.queued])
+
+
+class EvaluatorServicer(rpc.EvaluatorServiceServicer):
+    def __init__(self, core: EvaluatorCore):
+        self.core = core
+
+    def UploadEvaluator(self, request, context):
+        row = self.core.store.upload(current_caller().account_id, request.name, request.filename, request.content)
+        return convert.evaluator(row)
+
+    def ListEvaluators(self, request, context):
+        offset, size = page(request.page)
+        rows, nxt = self.core.store.list(current_caller().account_id, request.name, offset, size)
+        return pb.EvaluatorListResponse(evaluators=[convert.evaluator(e) for e in rows], next_page_token=token(nxt))
+
+    def GetEvaluator(self, request, context):
+        return convert.evaluator(self.core.store.get(current_caller().account_id, request.evaluator))
+
+    def TestEvaluator(self, request, context):
+        report = self.core.test(current_caller().account_id, request.evaluator, request.rows, request.completions,
+                                request.dataset_id, request.num_rows)
+        return convert.evaluator_test(report)

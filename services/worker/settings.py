@@ -15,9 +15,10 @@ from pydantic import Field, model_validator
 
 from services.common.errors import InvalidArgument
 from services.common.jobqueue import JobQueueSettings
+from services.evaluators.settings import EvaluatorSettings
 
 
-class WorkerSettings(JobQueueSettings):
+class WorkerSettings(JobQueueSettings, EvaluatorSettings):
     # Ranks (processes; one accelerator each where there are accelerators) a managed job trains on: 1 = in the worker
     # process, more = a torchrun group started for each attempt (docs/distributed.md, "Managed jobs on several ranks").
     managed_nproc: int = Field(default=1, ge=1)

@@ -794,3 +794,115 @@ class ListDevicesResponse(_message.Message):
     quota: DeviceQuota
     queue: _containers.RepeatedCompositeFieldContainer[DeviceQueueEntry]
     def __init__(self, devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., quota: _Optional[_Union[DeviceQuota, _Mapping]] = ..., queue: _Optional[_Iterable[_Union[DeviceQueueEntry, _Mapping]]] = ...) -> None: ...
+
+class Evaluator(_message.Message):
+    __slots__ = ("id", "name", "version", "kind", "filename", "size_bytes", "sha256", "created_at")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    FILENAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    version: int
+    kind: str
+    filename: str
+    size_bytes: int
+    sha256: str
+    created_at: _timestamp_pb2.Timestamp
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[int] = ..., kind: _Optional[str] = ..., filename: _Optional[str] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class EvaluatorUploadRequest(_message.Message):
+    __slots__ = ("name", "filename", "content")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FILENAME_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    filename: str
+    content: bytes
+    def __init__(self, name: _Optional[str] = ..., filename: _Optional[str] = ..., content: _Optional[bytes] = ...) -> None: ...
+
+class EvaluatorListRequest(_message.Message):
+    __slots__ = ("page", "name")
+    PAGE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    page: _common_pb2.PageRequest
+    name: str
+    def __init__(self, page: _Optional[_Union[_common_pb2.PageRequest, _Mapping]] = ..., name: _Optional[str] = ...) -> None: ...
+
+class EvaluatorListResponse(_message.Message):
+    __slots__ = ("evaluators", "next_page_token")
+    EVALUATORS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    evaluators: _containers.RepeatedCompositeFieldContainer[Evaluator]
+    next_page_token: str
+    def __init__(self, evaluators: _Optional[_Iterable[_Union[Evaluator, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class EvaluatorGetRequest(_message.Message):
+    __slots__ = ("evaluator",)
+    EVALUATOR_FIELD_NUMBER: _ClassVar[int]
+    evaluator: str
+    def __init__(self, evaluator: _Optional[str] = ...) -> None: ...
+
+class EvaluatorTestRequest(_message.Message):
+    __slots__ = ("evaluator", "rows", "completions", "dataset_id", "num_rows")
+    EVALUATOR_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    DATASET_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    evaluator: str
+    rows: _containers.RepeatedScalarFieldContainer[str]
+    completions: _containers.RepeatedScalarFieldContainer[str]
+    dataset_id: str
+    num_rows: int
+    def __init__(self, evaluator: _Optional[str] = ..., rows: _Optional[_Iterable[str]] = ..., completions: _Optional[_Iterable[str]] = ..., dataset_id: _Optional[str] = ..., num_rows: _Optional[int] = ...) -> None: ...
+
+class EvaluatorTestResult(_message.Message):
+    __slots__ = ("row", "completion", "ok", "reward", "error", "observation")
+    ROW_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    OBSERVATION_FIELD_NUMBER: _ClassVar[int]
+    row: int
+    completion: str
+    ok: bool
+    reward: float
+    error: str
+    observation: str
+    def __init__(self, row: _Optional[int] = ..., completion: _Optional[str] = ..., ok: _Optional[bool] = ..., reward: _Optional[float] = ..., error: _Optional[str] = ..., observation: _Optional[str] = ...) -> None: ...
+
+class EvaluatorTestSummary(_message.Message):
+    __slots__ = ("num_rows", "num_ok", "num_errors", "reward_mean", "reward_min", "reward_max", "elapsed_s")
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OK_FIELD_NUMBER: _ClassVar[int]
+    NUM_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    REWARD_MEAN_FIELD_NUMBER: _ClassVar[int]
+    REWARD_MIN_FIELD_NUMBER: _ClassVar[int]
+    REWARD_MAX_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    num_rows: int
+    num_ok: int
+    num_errors: int
+    reward_mean: float
+    reward_min: float
+    reward_max: float
+    elapsed_s: float
+    def __init__(self, num_rows: _Optional[int] = ..., num_ok: _Optional[int] = ..., num_errors: _Optional[int] = ..., reward_mean: _Optional[float] = ..., reward_min: _Optional[float] = ..., reward_max: _Optional[float] = ..., elapsed_s: _Optional[float] = ...) -> None: ...
+
+class EvaluatorTestResponse(_message.Message):
+    __slots__ = ("evaluator", "results", "summary", "output_tail")
+    EVALUATOR_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TAIL_FIELD_NUMBER: _ClassVar[int]
+    evaluator: Evaluator
+    results: _containers.RepeatedCompositeFieldContainer[EvaluatorTestResult]
+    summary: EvaluatorTestSummary
+    output_tail: str
+    def __init__(self, evaluator: _Optional[_Union[Evaluator, _Mapping]] = ..., results: _Optional[_Iterable[_Union[EvaluatorTestResult, _Mapping]]] = ..., summary: _Optional[_Union[EvaluatorTestSummary, _Mapping]] = ..., output_tail: _Optional[str] = ...) -> None: ...

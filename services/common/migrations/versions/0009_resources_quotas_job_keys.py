@@ -1,7 +1,7 @@
 """device inventory, job resource requests and priorities, per-account quotas, job-scoped API keys
 
 Revision ID: 0009
-Revises: 0005
+Revises: 0007
 Create Date: 2027-01-12 10:00:00.000000
 
 Workers register their machine's devices (GPUs, or CPU slots) in `devices`; a job holds the devices it was
@@ -15,7 +15,7 @@ from alembic import op
 
 
 revision = '0009'
-down_revision = '0005'
+down_revision = '0007'
 branch_labels = None
 depends_on = None
 
