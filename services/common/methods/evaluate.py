@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from services.common.errors import Violation
+from services.common.errors import InvalidArgument, NotFound, Violation
 from services.common.methods.resolved import Resolved
 from services.common.schema import Checkpoint
 from trainyard.methods import METHODS
@@ -20,10 +20,17 @@ class EvalHyperparams(Resolved, EvalSettings):
     request_prefix: ClassVar[str] = METHODS["eval"].prefix
 
     def job_violations(self, s, account_id: str, base_model: str) -> list[Violation]:
+        from services.evaluators.store import find  # the evaluator store's reference rules (name, name@N, id)
+
         out = []
         if not self.evaluator.strip():
             out.append(Violation(self.request_prefix + "evaluator", "required: the name (or name@version) of one of "
                                                                     "your evaluators"))
+        else:
+            try:
+                find(s, account_id, self.evaluator)
+            except (InvalidArgument, NotFound) as exc:
+                out.append(Violation(self.request_prefix + "evaluator", exc.message))
         if self.checkpoint_id:
             ckpt = s.get(Checkpoint, self.checkpoint_id)
             if ckpt is None or ckpt.account_id != account_id or ckpt.kind == RESULT_KIND:

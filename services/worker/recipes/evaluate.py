@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
-
 from services.common import blobrefs
 from services.common.blobstore import StoredFile
 from services.common.methods.evaluate import RESULT_KIND, EvalHyperparams
@@ -67,8 +65,8 @@ def run(ctx: JobContext) -> RecipeOutcome:
     data_path = blobs.materialize([StoredFile("dataset.jsonl", dataset.sha256, dataset.size_bytes)],
                                   ctx.work / "data", what=f"dataset {dataset.id}") / "dataset.jsonl"
     rows = read_jsonl(data_path)[:cfg.max_rows]
-    code_dir = load_evaluator(ctx.db, blobs, job.account_id, cfg.evaluator, ctx.work / "evaluator")
-    code_dir = Path(code_dir) if code_dir is not None else ctx.work / "evaluator"
+    code_dir = ctx.work / "evaluator"
+    evaluator = load_evaluator(ctx.db, blobs, job.account_id, cfg.evaluator, code_dir)  # verified against its sha256
 
     rollout = [d for d in ctx.devices if d.role == "rollout" and d.kind == "gpu"]
     device = f"cuda:{rollout[0].index}" if rollout else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -86,7 +84,7 @@ def run(ctx: JobContext) -> RecipeOutcome:
                 engine.load_adapter(adapter, model_dir, target)
         what = f"checkpoint {ckpt.id}" if ckpt is not None else f"the base model {job.base_model}"
         ledger.log(job.id, f"evaluating {what} on {len(rows)} rows, {cfg.samples_per_row} samples each, with "
-                           f"evaluator {cfg.evaluator}")
+                           f"evaluator {evaluator.name}@{evaluator.version} ({evaluator.id})")
         ledger.progress(job.id, ctx.worker_id, total_steps=len(rows))
         tokenizer = engine.base(model_dir).tokenizer
         handles = []
@@ -97,7 +95,7 @@ def run(ctx: JobContext) -> RecipeOutcome:
                                     seed=cfg.sampling_seed + i)
             handles.append(engine.submit(model_dir, adapter, ids, params))
         results, logged = [], 0
-        with Sandbox(code_dir) as sandbox:
+        with Sandbox(code_dir, limits=ctx.settings.evaluator_limits()) as sandbox:
             for i, (row, handle) in enumerate(zip(rows, handles)):
                 if ctx.heartbeat.stop.is_set():
                     for h in handles[i:]:
