@@ -285,6 +285,23 @@ def test_a_worker_runs_the_queue_in_order_on_its_devices_with_a_key_per_attempt(
     assert [d.id for d in Inventory(world.db).devices()] == ["m-worker/cpu0"]
 
 
+def test_a_delivered_job_that_cannot_start_waits_and_is_sent_again(world):
+    from services.worker.job import run_queue
+    from services.worker.settings import WorkerSettings
+
+    settings = WorkerSettings(data_dir=world.data_dir, database_url=world.url, worker_host="m-busy", cpu_slots=1)
+    Inventory(world.db).register("m-busy", slots(1))
+    running = world.job("alice")
+    assert world.ledger.claim_next("w-other", "m-busy").job.id == running
+    waiting = world.job("bob")
+    assert world.row(waiting).dispatched_at is not None
+    run_queue(waiting, settings)  # its message reaches a worker whose only device is held
+    row = world.row(waiting)
+    assert (row.status, row.attempts, row.dispatched_at) == ("queued", 0, None)
+    assert row.wait_reason == "waiting for 1 free devices on one worker (worker m-busy has 0 of 1 free)"
+    assert waiting in world.ledger.undispatched(older_than_s=0)  # the scheduler's reaper sends it again
+
+
 def test_sdk_and_cli_list_devices_quota_and_queue(tmp_path, tiny_model_dir, monkeypatch):
     from click.testing import CliRunner
 
