@@ -120,7 +120,8 @@ class Ledger:
 
     # -- worker side ---------------------------------------------------------------------------------------------
     def claim(self, job_id: str, worker_id: str) -> Claim | None:
-        """Take a queued job. None when it is not queued (already running elsewhere, finished or cancelled)."""
+        """Take a queued job without allocating devices or issuing a key (tools and tests; workers use claim_next /
+        claim_on). None when it is not queued (already running elsewhere, finished or cancelled)."""
         now = utcnow()
         with self.db.session() as s:
             res = s.execute(update(Job).where(Job.id == job_id, Job.status == "queued", Job.cancel_requested.is_(False))
