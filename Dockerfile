@@ -5,8 +5,8 @@ ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 HF_HUB_OFFLINE=1
 WORKDIR /app
 
 # A C compiler for deterministic mode's kernels (kernels/csrc/invariant.c, built per CPU on first use); jemalloc for
-# the processes that hold models (docker-compose.yml's training environment).
-RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev libjemalloc2 \
+# the processes that hold models (docker-compose.yml's training environment); bubblewrap for the evaluator sandbox.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev libjemalloc2 bubblewrap \
     && rm -rf /var/lib/apt/lists/*
 
 # CPU build of torch first so nothing else pulls a CUDA build; GPU images swap this index URL.

@@ -38,5 +38,14 @@ if ! .venv/bin/python -c "import ctypes.util, sys; sys.exit(ctypes.util.find_lib
     || { $SUDO apt-get update -q >/dev/null 2>&1 && $SUDO apt-get install -y -q libjemalloc2 >/dev/null 2>&1; }; } \
     || echo "could not install libjemalloc2: the training services use the default allocator" >&2
 fi
+# bubblewrap for the evaluator sandbox (services/evaluators/sandbox.py): without it uploaded evaluators are refused.
+if ! command -v bwrap >/dev/null 2>&1; then
+  echo "installing Debian's bubblewrap for the evaluator sandbox ..."
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && SUDO="sudo"
+  { $SUDO apt-get install -y -q bubblewrap >/dev/null 2>&1 \
+    || { $SUDO apt-get update -q >/dev/null 2>&1 && $SUDO apt-get install -y -q bubblewrap >/dev/null 2>&1; }; } \
+    || echo "could not install bubblewrap: evaluators (reward functions) will be refused" >&2
+fi
 .venv/bin/python -c "from kernels import native; native.build()" \
   || echo "building deterministic mode's kernels failed: deterministic mode will refuse to start" >&2

@@ -36,8 +36,9 @@ def test_no_import_cycles_between_service_folders():
 
     cycles = [folder for folder in graph if reaches(folder, folder, {folder})]
     assert cycles == [], f"import cycles through {cycles}: {graph}"
-    assert graph["scheduler"] <= {"common"}, graph["scheduler"]  # it sends task names; it never imports training
-    assert graph["worker"] <= {"common", "trainer"}, graph["worker"]  # control flows down: worker -> trainer
+    assert graph["scheduler"] <= {"common", "evaluators"}, graph["scheduler"]  # it never imports training
+    assert graph["worker"] <= {"common", "trainer", "evaluators"}, graph["worker"]  # control flows down
+    assert graph["evaluators"] <= {"common"}, graph["evaluators"]  # the sandbox: torch-free, under both
     assert "scheduler" not in graph["trainer"] and "worker" not in graph["trainer"]
 
 

@@ -15,8 +15,11 @@ message and any field/row violations.
 from __future__ import annotations
 
 import hashlib
+import io
+import json
 import os
 import time
+import zipfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -48,9 +51,13 @@ def format_name(fmt: int) -> str:
     return pb.DatasetFormat.Name(fmt).removeprefix("DATASET_FORMAT_").lower()
 
 
-def job_spec(method: str, base_model: str, dataset_id: str, display_name: str = "", **settings) -> pb.JobSpec:
+def job_spec(method: str, base_model: str, dataset_id: str, display_name: str = "", *,
+             trainer_devices: int | None = None, rollout_devices: int | None = None, priority: int = 0,
+             **settings) -> pb.JobSpec:
     """A JobSpec of a method (trainyard.methods.METHODS) with the settings given; None leaves a setting unset (the
-    server's default). ValueError for an unknown method or setting (listing the known ones) or an unknown choice."""
+    server's default). ValueError for an unknown method or setting (listing the known ones) or an unknown choice.
+    trainer_devices / rollout_devices: the devices the job holds on one worker (None: the method's default);
+    priority: -10..10, higher starts first (docs/resources.md)."""
     m = find_method(method)
     known = [f.name for f in m.fields()]
     unknown = sorted(set(settings) - set(known))
@@ -60,11 +67,26 @@ def job_spec(method: str, base_model: str, dataset_id: str, display_name: str = 
     config = getattr(spec, m.config)
     config.SetInParent()  # the oneof names the method even when every setting is left to its default
     method_proto.write(m.settings, settings, config)
+    if trainer_devices is not None:
+        spec.resources.trainer_devices = trainer_devices
+    if rollout_devices is not None:
+        spec.resources.rollout_devices = rollout_devices
+    spec.priority = priority
     return spec
 
 
 def deployment_status_name(status: int) -> str:
     return pb.DeploymentStatus.Name(status).removeprefix("DEPLOYMENT_STATUS_").lower()
+
+
+def _zip_dir(directory: Path) -> bytes:
+    """The directory's files (links left out) as a .zip, paths relative to it."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as archive:
+        for path in sorted(directory.rglob("*")):
+            if path.is_file() and not path.is_symlink() and "__pycache__" not in path.parts:
+                archive.write(path, path.relative_to(directory).as_posix())
+    return out.getvalue()
 
 
 def _channel(target: str, config: ClientConfig) -> grpc.Channel:
@@ -97,6 +119,8 @@ class Client:
         self.jobs = rpc.JobServiceStub(self._channel)
         self.checkpoints = rpc.CheckpointServiceStub(self._channel)
         self.deployments = rpc.DeploymentServiceStub(self._channel)
+        self.resources = rpc.ResourceServiceStub(self._channel)
+        self.evaluators = rpc.EvaluatorServiceStub(self._channel)
         self.rollout = rollout_pb2_grpc.RolloutServiceStub(self._rollout_channel)
 
     def close(self) -> None:
@@ -209,6 +233,46 @@ class Client:
     def delete_dataset(self, dataset_id: str) -> pb.Dataset:
         return self.datasets.DeleteDataset(pb.DeleteDatasetRequest(id=dataset_id), **self._kw())
 
+    # -- evaluators ----------------------------------------------------------------------------------------------
+    @translate
+    def upload_evaluator(self, source: str | os.PathLike | bytes, name: str, filename: str = "") -> pb.Evaluator:
+        """Upload an evaluator as the next version of name: evaluator.py, a .zip / .tar.gz holding it at the top level,
+        a directory (sent as a .zip of its files), or the bytes of one of those."""
+        if isinstance(source, bytes):
+            content = source
+        elif Path(source).is_dir():
+            content, filename = _zip_dir(Path(source)), filename or f"{Path(source).name}.zip"
+        else:
+            content, filename = Path(source).read_bytes(), filename or Path(source).name
+        return self.evaluators.UploadEvaluator(pb.EvaluatorUploadRequest(name=name, filename=filename,
+                                                                         content=content), **self._kw(120))
+
+    @translate
+    def list_evaluators(self, name: str = "") -> list[pb.Evaluator]:
+        """The account's evaluators, every version (only name's when given), by name then newest version first."""
+        out, tok = [], ""
+        while True:
+            resp = self.evaluators.ListEvaluators(pb.EvaluatorListRequest(
+                name=name, page=common_pb2.PageRequest(page_size=500, page_token=tok)), **self._kw())
+            out.extend(resp.evaluators)
+            tok = resp.next_page_token
+            if not tok:
+                return out
+
+    @translate
+    def get_evaluator(self, evaluator: str) -> pb.Evaluator:
+        """evaluator: a name (the latest version), name@N or a version's id."""
+        return self.evaluators.GetEvaluator(pb.EvaluatorGetRequest(evaluator=evaluator), **self._kw())
+
+    @translate
+    def test_evaluator(self, evaluator: str, rows: Iterable[dict] = (), completions: Iterable[str] = (),
+                       dataset_id: str = "", num_rows: int = 0, timeout_s: float = 600) -> pb.EvaluatorTestResponse:
+        """Run the evaluator in the server's sandbox on rows (dicts, completions[i] for rows[i]) or on the first
+        num_rows rows of a dataset: per-row reward or error, and a summary."""
+        request = pb.EvaluatorTestRequest(evaluator=evaluator, rows=[json.dumps(r) for r in rows],
+                                          completions=list(completions), dataset_id=dataset_id, num_rows=num_rows)
+        return self.evaluators.TestEvaluator(request, **self._kw(timeout_s))
+
     # -- jobs ----------------------------------------------------------------------------------------------------
     @translate
     def create_job(self, method: str, base_model: str, dataset_id: str, display_name: str = "",
@@ -217,6 +281,12 @@ class Client:
         learning_rate, max_steps, lora_rank), unset ones take the server's defaults."""
         spec = job_spec(method, base_model, dataset_id, display_name, **settings)
         return self.jobs.CreateJob(pb.CreateJobRequest(spec=spec), **self._kw())
+
+    @translate
+    def list_devices(self) -> pb.ListDevicesResponse:
+        """The worker machines' devices (which of your jobs holds each, which are free), your device and queue quota
+        and your queued jobs with what each waits for."""
+        return self.resources.ListDevices(pb.ListDevicesRequest(), **self._kw())
 
     def create_sft_job(self, base_model: str, dataset_id: str, display_name: str = "", **settings) -> pb.Job:
         """Create a LoRA SFT job (settings: trainyard/methods/sft.py, e.g. learning_rate, max_steps, lora_rank)."""

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 from sqlalchemy import String, cast, or_, select
 
 from services.common.db import Database
-from services.common.schema import Checkpoint, Dataset, WeightDelta, WeightVersion
+from services.common.schema import Checkpoint, Dataset, Evaluator, WeightDelta, WeightVersion
 
 # JSON manifests [{path, sha256, size_bytes}]: (model, column, how fsck names the row's part)
 MANIFESTS = ((Checkpoint, "files", "checkpoint"), (Checkpoint, "state", "checkpoint state"),
              (WeightVersion, "files", "weight version"))
 # Columns holding one digest (_all names their rows)
-DIGESTS = (Dataset, WeightDelta)
+DIGESTS = (Dataset, WeightDelta, Evaluator)
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,8 @@ def _all(db: Database) -> Iterator[tuple[str, Reference]]:
     with db.session() as s:
         for d in s.scalars(select(Dataset)):
             yield d.sha256, Reference(f"dataset {d.id} (account {d.account_id})", d.size_bytes)
+        for e in s.scalars(select(Evaluator)):
+            yield e.sha256, Reference(f"evaluator {e.id} {e.name}@{e.version} (account {e.account_id})", e.size_bytes)
         for w in s.scalars(select(WeightDelta)):
             yield w.sha256, Reference(f"weight delta {w.base_version_id} -> {w.version_id}", w.size_bytes)
         for model, column, kind in MANIFESTS:

@@ -63,6 +63,9 @@ class ApiKey(Base):
     key_hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(default=None)
+    # A job-scoped key (services/common/auth.py, "Job-scoped keys"): issued to the worker running the job, good only
+    # for that job's inputs, outputs, weights and deployment, and revoked when the job's attempt ends.
+    job_id: Mapped[str | None] = mapped_column(String(32), index=True, default=None)
 
 
 SHARED_SCOPE = "shared"
@@ -134,6 +137,41 @@ class Job(Base):
     dispatched_at: Mapped[datetime | None] = mapped_column(default=None)
     output_checkpoint_id: Mapped[str] = mapped_column(String(32), default="")
     latest_metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    # Resources (services/common/resources.py): the devices the job asks for on one worker, its queue priority
+    # (higher first) and, while it waits, why (a quota, free devices); "" once started.
+    trainer_devices: Mapped[int] = mapped_column(Integer, default=1)
+    rollout_devices: Mapped[int] = mapped_column(Integer, default=0)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    wait_reason: Mapped[str] = mapped_column(Text, default="")
+
+
+class Device(Base):
+    """One device of a worker machine's inventory (a GPU, or a CPU slot on a machine without GPUs), registered by
+    its workers at start and kept alive by their heartbeats; job_id is the job holding it (None: free)."""
+
+    __tablename__ = "devices"
+    __table_args__ = (UniqueConstraint("host", "kind", "index", name="uq_devices_host_kind_index"),)
+    id: Mapped[str] = mapped_column(String(200), primary_key=True)  # "<host>/<kind><index>"
+    host: Mapped[str] = mapped_column(String(160), index=True)
+    kind: Mapped[str] = mapped_column(String(8))  # "gpu" | "cpu"
+    index: Mapped[int] = mapped_column(Integer)
+    name: Mapped[str] = mapped_column(String(128), default="")
+    memory_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    job_id: Mapped[str | None] = mapped_column(String(32), index=True, default=None)
+    role: Mapped[str] = mapped_column(String(16), default="")  # "trainer" | "rollout" while held
+    account_id: Mapped[str | None] = mapped_column(String(32), index=True, default=None)  # the holding job's
+    registered_at: Mapped[datetime] = mapped_column(default=utcnow)
+    heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class AccountQuota(Base):
+    """An operator's limits for one account (`trainyard admin set-quota`); None: the worker/scheduler default."""
+
+    __tablename__ = "account_quotas"
+    account_id: Mapped[str] = mapped_column(ForeignKey("accounts.id"), primary_key=True)
+    max_devices: Mapped[int | None] = mapped_column(Integer, default=None)
+    max_queued_jobs: Mapped[int | None] = mapped_column(Integer, default=None)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
 class JobMetric(Base):
@@ -262,6 +300,24 @@ class WeightDelta(Base):
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     base_version_id: Mapped[str] = mapped_column(ForeignKey("weight_versions.id"))
     version_id: Mapped[str] = mapped_column(ForeignKey("weight_versions.id"), index=True)
+    sha256: Mapped[str] = mapped_column(String(64))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Evaluator(Base):
+    """One version of an uploaded evaluator (services/evaluators/): a reward function or a multi-turn environment.
+    Uploading a name the account already has adds version n+1; the bytes (evaluator.py, or a .zip / .tar.gz package)
+    are one blob in the object store, verified against sha256 whenever they are read."""
+
+    __tablename__ = "evaluators"
+    __table_args__ = (UniqueConstraint("account_id", "name", "version", name="uq_evaluators_account_name_version"),)
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    account_id: Mapped[str] = mapped_column(ForeignKey("accounts.id"), index=True)
+    name: Mapped[str] = mapped_column(String(128))
+    version: Mapped[int] = mapped_column(Integer)
+    kind: Mapped[str] = mapped_column(String(16))  # "reward_fn" | "environment"
+    filename: Mapped[str] = mapped_column(String(256), default="")
     sha256: Mapped[str] = mapped_column(String(64))
     size_bytes: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

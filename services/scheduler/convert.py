@@ -73,6 +73,8 @@ def job_spec(method: str, base_model: str, dataset_id: str, display_name: str, c
 
 def job(j: schema.Job) -> pb.Job:
     spec = job_spec(j.method, j.base_model, j.dataset_id, j.display_name, j.config)
+    spec.resources.trainer_devices, spec.resources.rollout_devices = j.trainer_devices, j.rollout_devices
+    spec.priority = j.priority
     return pb.Job(
         id=j.id, spec=spec, status=JOB_STATUS[j.status], created_at=ts(j.created_at), started_at=ts(j.started_at),
         finished_at=ts(j.finished_at), error=j.error, step=j.step, total_steps=j.total_steps, attempts=j.attempts,
@@ -97,7 +99,7 @@ def job_log(entry: schema.JobLog) -> pb.JobLog:
 
 def checkpoint(c: schema.Checkpoint) -> pb.Checkpoint:
     return pb.Checkpoint(
-        id=c.id, job_id=c.job_id or "", step=c.step, kind=CHECKPOINT_KIND[c.kind], base_model=c.base_model,
+        id=c.id, job_id=c.job_id or "", step=c.step, kind=CHECKPOINT_KIND.get(c.kind, pb.CHECKPOINT_KIND_UNSPECIFIED), base_model=c.base_model,
         files=[pb.CheckpointFile(path=f["path"], sha256=f["sha256"], size_bytes=f["size_bytes"]) for f in c.files],
         final=c.final, metrics={k: float(v) for k, v in (c.metrics or {}).items()}, created_at=ts(c.created_at),
         session_id=c.session_id or "", name=c.name,
@@ -108,3 +110,18 @@ def deployment(d: schema.Deployment, job_id: str = "") -> pb.Deployment:
     return pb.Deployment(id=d.id, name=d.name, checkpoint_id=d.checkpoint_id or "", base_model=d.base_model,
                          status=DEPLOYMENT_STATUS[d.status], error=d.error, created_at=ts(d.created_at),
                          job_id=job_id, lineage=d.lineage or "")
+
+
+def evaluator(e: schema.Evaluator) -> pb.Evaluator:
+    return pb.Evaluator(id=e.id, name=e.name, version=e.version, kind=e.kind, filename=e.filename,
+                        size_bytes=e.size_bytes, sha256=e.sha256, created_at=ts(e.created_at))
+
+
+def evaluator_test(report) -> pb.EvaluatorTestResponse:
+    """A services.evaluators.store.EvaluationReport as the API's answer."""
+    results = [pb.EvaluatorTestResult(row=r.row, completion=r.completion, ok=r.reward is not None,
+                                      reward=r.reward or 0.0, error=r.error, observation=r.observation)
+               for r in report.results]
+    return pb.EvaluatorTestResponse(evaluator=evaluator(report.evaluator), results=results,
+                                    summary=pb.EvaluatorTestSummary(elapsed_s=report.elapsed_s, **report.summary),
+                                    output_tail=report.stderr_tail)

@@ -7,9 +7,10 @@ from pathlib import Path
 from pydantic import Field
 
 from services.common.jobqueue import JobQueueSettings
+from services.evaluators.settings import EvaluatorSettings
 
 
-class SchedulerSettings(JobQueueSettings):
+class SchedulerSettings(JobQueueSettings, EvaluatorSettings):
     max_dataset_mb: int = Field(default=2048, ge=1)
     # Quotas per account, each refused with RESOURCE_EXHAUSTED naming it: live (not deleted) datasets and the bytes
     # they hold (checked before an upload's bytes travel, and with its size before it is stored), and live

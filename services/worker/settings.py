@@ -9,13 +9,16 @@ named (e.g. "managed_parallel.cp").
 """
 from __future__ import annotations
 
+import socket
+
 from pydantic import Field, model_validator
 
 from services.common.errors import InvalidArgument
 from services.common.jobqueue import JobQueueSettings
+from services.evaluators.settings import EvaluatorSettings
 
 
-class WorkerSettings(JobQueueSettings):
+class WorkerSettings(JobQueueSettings, EvaluatorSettings):
     # Ranks (processes; one accelerator each where there are accelerators) a managed job trains on: 1 = in the worker
     # process, more = a torchrun group started for each attempt (docs/distributed.md, "Managed jobs on several ranks").
     managed_nproc: int = Field(default=1, ge=1)
@@ -23,6 +26,13 @@ class WorkerSettings(JobQueueSettings):
     managed_parallel: dict[str, int] = Field(default_factory=dict)
     # How often the worker looks at the group's events and its job's stop flag while the group trains.
     managed_poll_s: float = Field(default=0.1, gt=0)
+    # The device inventory (services/common/resources.py): the machine's name in it (its workers share its devices;
+    # default: the host name) and, on a machine without GPUs, how many CPU slots it offers jobs.
+    worker_host: str = ""
+    cpu_slots: int = Field(default=4, ge=1, le=1024)
+
+    def machine(self) -> str:
+        return self.worker_host or socket.gethostname()
 
     @model_validator(mode="after")
     def _check_parallel(self) -> "WorkerSettings":

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainyard.methods.dpo import DpoSettings
+from trainyard.methods.evaluate import EvalSettings
 from trainyard.methods.lora import LORA_DEFAULTS, LoraSettings
 from trainyard.methods.sft import SftSettings
 from trainyard.methods.spec import Field, Problem, declared, resolve
@@ -25,6 +26,11 @@ class Method:
     settings: type  # the declared settings dataclass
     dataset_formats: tuple[str, ...]
     recipe: str
+    # The devices a job of this method holds on one worker unless its spec.resources says otherwise
+    # (docs/resources.md): trainer devices train, rollout devices sample (RFT: 1 + 1).
+    trainer_devices: int = 1
+    rollout_devices: int = 0
+    trains: bool = True  # False: the job trains nothing (an evaluation), so PlanJob has nothing to plan
 
     @property
     def prefix(self) -> str:
@@ -35,11 +41,17 @@ class Method:
         return declared(self.settings)
 
 
+# A job's queue priority (JobSpec.priority): higher starts first; 0 unless set.
+PRIORITY_MIN, PRIORITY_MAX = -10, 10
+
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("sft", "Supervised fine-tuning (LoRA)", pb.JOB_METHOD_SFT, "sft", SftSettings,
            ("sft_chat", "sft_prompt_completion"), "sft"),
     Method("dpo", "Direct preference optimization (LoRA or full-parameter)", pb.JOB_METHOD_DPO, "dpo", DpoSettings,
            ("dpo",), "dpo"),
+    # Samples in the worker process (the rollout engine): one rollout device, no training.
+    Method("eval", "Evaluation of a checkpoint with an evaluator", pb.JOB_METHOD_EVAL, "eval", EvalSettings,
+           ("rft",), "evaluate", trainer_devices=0, rollout_devices=1, trains=False),
 )}
 BY_PROTO = {m.proto: m for m in METHODS.values()}
 
@@ -51,5 +63,5 @@ def method(name: str) -> Method:
     return METHODS[name]
 
 
-__all__ = ["BY_PROTO", "DpoSettings", "LORA_DEFAULTS", "METHODS", "LoraSettings", "Method", "Problem", "SftSettings", "method",
-           "resolve"]
+__all__ = ["BY_PROTO", "DpoSettings", "EvalSettings", "LORA_DEFAULTS", "METHODS", "PRIORITY_MAX", "PRIORITY_MIN",
+           "LoraSettings", "Method", "Problem", "SftSettings", "method", "resolve"]

@@ -25,6 +25,7 @@ class JobMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_METHOD_UNSPECIFIED: _ClassVar[JobMethod]
     JOB_METHOD_SFT: _ClassVar[JobMethod]
     JOB_METHOD_DPO: _ClassVar[JobMethod]
+    JOB_METHOD_EVAL: _ClassVar[JobMethod]
 
 class JobStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -63,6 +64,7 @@ DATASET_FORMAT_RFT: DatasetFormat
 JOB_METHOD_UNSPECIFIED: JobMethod
 JOB_METHOD_SFT: JobMethod
 JOB_METHOD_DPO: JobMethod
+JOB_METHOD_EVAL: JobMethod
 JOB_STATUS_UNSPECIFIED: JobStatus
 JOB_STATUS_QUEUED: JobStatus
 JOB_STATUS_RUNNING: JobStatus
@@ -382,21 +384,55 @@ class DpoConfig(_message.Message):
     label_smoothing: float
     def __init__(self, lora: _Optional[_Union[LoraConfig, _Mapping]] = ..., learning_rate: _Optional[float] = ..., epochs: _Optional[int] = ..., max_steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., gradient_accumulation_steps: _Optional[int] = ..., warmup_steps: _Optional[int] = ..., lr_scheduler: _Optional[_Union[LrScheduler, str]] = ..., weight_decay: _Optional[float] = ..., max_seq_len: _Optional[int] = ..., eval_fraction: _Optional[float] = ..., eval_every: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., seed: _Optional[int] = ..., max_grad_norm: _Optional[float] = ..., full_parameter: _Optional[bool] = ..., beta: _Optional[float] = ..., label_smoothing: _Optional[float] = ...) -> None: ...
 
+class EvalConfig(_message.Message):
+    __slots__ = ("evaluator", "checkpoint_id", "samples_per_row", "temperature", "max_tokens", "pass_threshold", "max_rows", "seed")
+    EVALUATOR_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_ROW_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PASS_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    evaluator: str
+    checkpoint_id: str
+    samples_per_row: int
+    temperature: float
+    max_tokens: int
+    pass_threshold: float
+    max_rows: int
+    seed: int
+    def __init__(self, evaluator: _Optional[str] = ..., checkpoint_id: _Optional[str] = ..., samples_per_row: _Optional[int] = ..., temperature: _Optional[float] = ..., max_tokens: _Optional[int] = ..., pass_threshold: _Optional[float] = ..., max_rows: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
 class JobSpec(_message.Message):
-    __slots__ = ("method", "base_model", "dataset_id", "display_name", "sft", "dpo")
+    __slots__ = ("method", "base_model", "dataset_id", "display_name", "sft", "dpo", "eval", "resources", "priority")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     DATASET_ID_FIELD_NUMBER: _ClassVar[int]
     DISPLAY_NAME_FIELD_NUMBER: _ClassVar[int]
     SFT_FIELD_NUMBER: _ClassVar[int]
     DPO_FIELD_NUMBER: _ClassVar[int]
+    EVAL_FIELD_NUMBER: _ClassVar[int]
+    RESOURCES_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     method: JobMethod
     base_model: str
     dataset_id: str
     display_name: str
     sft: SftConfig
     dpo: DpoConfig
-    def __init__(self, method: _Optional[_Union[JobMethod, str]] = ..., base_model: _Optional[str] = ..., dataset_id: _Optional[str] = ..., display_name: _Optional[str] = ..., sft: _Optional[_Union[SftConfig, _Mapping]] = ..., dpo: _Optional[_Union[DpoConfig, _Mapping]] = ...) -> None: ...
+    eval: EvalConfig
+    resources: ResourceRequest
+    priority: int
+    def __init__(self, method: _Optional[_Union[JobMethod, str]] = ..., base_model: _Optional[str] = ..., dataset_id: _Optional[str] = ..., display_name: _Optional[str] = ..., sft: _Optional[_Union[SftConfig, _Mapping]] = ..., dpo: _Optional[_Union[DpoConfig, _Mapping]] = ..., eval: _Optional[_Union[EvalConfig, _Mapping]] = ..., resources: _Optional[_Union[ResourceRequest, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class ResourceRequest(_message.Message):
+    __slots__ = ("trainer_devices", "rollout_devices")
+    TRAINER_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    trainer_devices: int
+    rollout_devices: int
+    def __init__(self, trainer_devices: _Optional[int] = ..., rollout_devices: _Optional[int] = ...) -> None: ...
 
 class Job(_message.Message):
     __slots__ = ("id", "spec", "status", "created_at", "started_at", "finished_at", "error", "step", "total_steps", "attempts", "cancel_requested", "output_checkpoint_id", "latest_metrics")
@@ -736,3 +772,181 @@ class DeleteDeploymentRequest(_message.Message):
     ID_FIELD_NUMBER: _ClassVar[int]
     id: str
     def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class Device(_message.Message):
+    __slots__ = ("id", "host", "kind", "index", "name", "memory_bytes", "free", "job_id", "role", "held_by_other_account", "live", "heartbeat_at")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FREE_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    HELD_BY_OTHER_ACCOUNT_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_AT_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    host: str
+    kind: str
+    index: int
+    name: str
+    memory_bytes: int
+    free: bool
+    job_id: str
+    role: str
+    held_by_other_account: bool
+    live: bool
+    heartbeat_at: _timestamp_pb2.Timestamp
+    def __init__(self, id: _Optional[str] = ..., host: _Optional[str] = ..., kind: _Optional[str] = ..., index: _Optional[int] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., free: _Optional[bool] = ..., job_id: _Optional[str] = ..., role: _Optional[str] = ..., held_by_other_account: _Optional[bool] = ..., live: _Optional[bool] = ..., heartbeat_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class DeviceQuota(_message.Message):
+    __slots__ = ("max_devices", "devices_in_use", "max_queued_jobs", "queued_jobs")
+    MAX_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUED_JOBS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_JOBS_FIELD_NUMBER: _ClassVar[int]
+    max_devices: int
+    devices_in_use: int
+    max_queued_jobs: int
+    queued_jobs: int
+    def __init__(self, max_devices: _Optional[int] = ..., devices_in_use: _Optional[int] = ..., max_queued_jobs: _Optional[int] = ..., queued_jobs: _Optional[int] = ...) -> None: ...
+
+class DeviceQueueEntry(_message.Message):
+    __slots__ = ("job_id", "priority", "devices", "wait_reason")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    WAIT_REASON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    priority: int
+    devices: int
+    wait_reason: str
+    def __init__(self, job_id: _Optional[str] = ..., priority: _Optional[int] = ..., devices: _Optional[int] = ..., wait_reason: _Optional[str] = ...) -> None: ...
+
+class ListDevicesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListDevicesResponse(_message.Message):
+    __slots__ = ("devices", "quota", "queue")
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    devices: _containers.RepeatedCompositeFieldContainer[Device]
+    quota: DeviceQuota
+    queue: _containers.RepeatedCompositeFieldContainer[DeviceQueueEntry]
+    def __init__(self, devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., quota: _Optional[_Union[DeviceQuota, _Mapping]] = ..., queue: _Optional[_Iterable[_Union[DeviceQueueEntry, _Mapping]]] = ...) -> None: ...
+
+class Evaluator(_message.Message):
+    __slots__ = ("id", "name", "version", "kind", "filename", "size_bytes", "sha256", "created_at")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    FILENAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    version: int
+    kind: str
+    filename: str
+    size_bytes: int
+    sha256: str
+    created_at: _timestamp_pb2.Timestamp
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[int] = ..., kind: _Optional[str] = ..., filename: _Optional[str] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class EvaluatorUploadRequest(_message.Message):
+    __slots__ = ("name", "filename", "content")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FILENAME_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    filename: str
+    content: bytes
+    def __init__(self, name: _Optional[str] = ..., filename: _Optional[str] = ..., content: _Optional[bytes] = ...) -> None: ...
+
+class EvaluatorListRequest(_message.Message):
+    __slots__ = ("page", "name")
+    PAGE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    page: _common_pb2.PageRequest
+    name: str
+    def __init__(self, page: _Optional[_Union[_common_pb2.PageRequest, _Mapping]] = ..., name: _Optional[str] = ...) -> None: ...
+
+class EvaluatorListResponse(_message.Message):
+    __slots__ = ("evaluators", "next_page_token")
+    EVALUATORS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    evaluators: _containers.RepeatedCompositeFieldContainer[Evaluator]
+    next_page_token: str
+    def __init__(self, evaluators: _Optional[_Iterable[_Union[Evaluator, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class EvaluatorGetRequest(_message.Message):
+    __slots__ = ("evaluator",)
+    EVALUATOR_FIELD_NUMBER: _ClassVar[int]
+    evaluator: str
+    def __init__(self, evaluator: _Optional[str] = ...) -> None: ...
+
+class EvaluatorTestRequest(_message.Message):
+    __slots__ = ("evaluator", "rows", "completions", "dataset_id", "num_rows")
+    EVALUATOR_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    DATASET_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    evaluator: str
+    rows: _containers.RepeatedScalarFieldContainer[str]
+    completions: _containers.RepeatedScalarFieldContainer[str]
+    dataset_id: str
+    num_rows: int
+    def __init__(self, evaluator: _Optional[str] = ..., rows: _Optional[_Iterable[str]] = ..., completions: _Optional[_Iterable[str]] = ..., dataset_id: _Optional[str] = ..., num_rows: _Optional[int] = ...) -> None: ...
+
+class EvaluatorTestResult(_message.Message):
+    __slots__ = ("row", "completion", "ok", "reward", "error", "observation")
+    ROW_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    OBSERVATION_FIELD_NUMBER: _ClassVar[int]
+    row: int
+    completion: str
+    ok: bool
+    reward: float
+    error: str
+    observation: str
+    def __init__(self, row: _Optional[int] = ..., completion: _Optional[str] = ..., ok: _Optional[bool] = ..., reward: _Optional[float] = ..., error: _Optional[str] = ..., observation: _Optional[str] = ...) -> None: ...
+
+class EvaluatorTestSummary(_message.Message):
+    __slots__ = ("num_rows", "num_ok", "num_errors", "reward_mean", "reward_min", "reward_max", "elapsed_s")
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OK_FIELD_NUMBER: _ClassVar[int]
+    NUM_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    REWARD_MEAN_FIELD_NUMBER: _ClassVar[int]
+    REWARD_MIN_FIELD_NUMBER: _ClassVar[int]
+    REWARD_MAX_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    num_rows: int
+    num_ok: int
+    num_errors: int
+    reward_mean: float
+    reward_min: float
+    reward_max: float
+    elapsed_s: float
+    def __init__(self, num_rows: _Optional[int] = ..., num_ok: _Optional[int] = ..., num_errors: _Optional[int] = ..., reward_mean: _Optional[float] = ..., reward_min: _Optional[float] = ..., reward_max: _Optional[float] = ..., elapsed_s: _Optional[float] = ...) -> None: ...
+
+class EvaluatorTestResponse(_message.Message):
+    __slots__ = ("evaluator", "results", "summary", "output_tail")
+    EVALUATOR_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TAIL_FIELD_NUMBER: _ClassVar[int]
+    evaluator: Evaluator
+    results: _containers.RepeatedCompositeFieldContainer[EvaluatorTestResult]
+    summary: EvaluatorTestSummary
+    output_tail: str
+    def __init__(self, evaluator: _Optional[_Union[Evaluator, _Mapping]] = ..., results: _Optional[_Iterable[_Union[EvaluatorTestResult, _Mapping]]] = ..., summary: _Optional[_Union[EvaluatorTestSummary, _Mapping]] = ..., output_tail: _Optional[str] = ...) -> None: ...

@@ -1477,3 +1477,308 @@ class DeploymentService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class ResourceServiceStub:
+    """---------------------------------------------------------------------------------------------------------------
+    Resources: the worker machines' devices, which job holds each, and the caller's quota and queue.
+
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.ListDevices = channel.unary_unary(
+                '/trainyard.v1.ResourceService/ListDevices',
+                request_serializer=trainyard_dot_v1_dot_scheduler__pb2.ListDevicesRequest.SerializeToString,
+                response_deserializer=trainyard_dot_v1_dot_scheduler__pb2.ListDevicesResponse.FromString,
+                _registered_method=True)
+
+
+class ResourceServiceServicer:
+    """---------------------------------------------------------------------------------------------------------------
+    Resources: the worker machines' devices, which job holds each, and the caller's quota and queue.
+
+    """
+
+    def ListDevices(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ResourceServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'ListDevices': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListDevices,
+                    request_deserializer=trainyard_dot_v1_dot_scheduler__pb2.ListDevicesRequest.FromString,
+                    response_serializer=trainyard_dot_v1_dot_scheduler__pb2.ListDevicesResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'trainyard.v1.ResourceService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('trainyard.v1.ResourceService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class ResourceService:
+    """---------------------------------------------------------------------------------------------------------------
+    Resources: the worker machines' devices, which job holds each, and the caller's quota and queue.
+
+    """
+
+    @staticmethod
+    def ListDevices(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainyard.v1.ResourceService/ListDevices',
+            trainyard_dot_v1_dot_scheduler__pb2.ListDevicesRequest.SerializeToString,
+            trainyard_dot_v1_dot_scheduler__pb2.ListDevicesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class EvaluatorServiceStub:
+    """---------------------------------------------------------------------------------------------------------------
+    Evaluators: uploaded reward functions (reward_fn(completion, row) -> float) and multi-turn environments (class
+    Environment: reset(row) -> observation, step(action) -> (observation, reward, done)), versioned per name and
+    owned by the account. They run in a sandbox (docs/evaluators.md). A reference is a name (the latest version),
+    "name@N" (version N) or a version's id.
+    ---------------------------------------------------------------------------------------------------------------
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.UploadEvaluator = channel.unary_unary(
+                '/trainyard.v1.EvaluatorService/UploadEvaluator',
+                request_serializer=trainyard_dot_v1_dot_scheduler__pb2.EvaluatorUploadRequest.SerializeToString,
+                response_deserializer=trainyard_dot_v1_dot_scheduler__pb2.Evaluator.FromString,
+                _registered_method=True)
+        self.ListEvaluators = channel.unary_unary(
+                '/trainyard.v1.EvaluatorService/ListEvaluators',
+                request_serializer=trainyard_dot_v1_dot_scheduler__pb2.EvaluatorListRequest.SerializeToString,
+                response_deserializer=trainyard_dot_v1_dot_scheduler__pb2.EvaluatorListResponse.FromString,
+                _registered_method=True)
+        self.GetEvaluator = channel.unary_unary(
+                '/trainyard.v1.EvaluatorService/GetEvaluator',
+                request_serializer=trainyard_dot_v1_dot_scheduler__pb2.EvaluatorGetRequest.SerializeToString,
+                response_deserializer=trainyard_dot_v1_dot_scheduler__pb2.Evaluator.FromString,
+                _registered_method=True)
+        self.TestEvaluator = channel.unary_unary(
+                '/trainyard.v1.EvaluatorService/TestEvaluator',
+                request_serializer=trainyard_dot_v1_dot_scheduler__pb2.EvaluatorTestRequest.SerializeToString,
+                response_deserializer=trainyard_dot_v1_dot_scheduler__pb2.EvaluatorTestResponse.FromString,
+                _registered_method=True)
+
+
+class EvaluatorServiceServicer:
+    """---------------------------------------------------------------------------------------------------------------
+    Evaluators: uploaded reward functions (reward_fn(completion, row) -> float) and multi-turn environments (class
+    Environment: reset(row) -> observation, step(action) -> (observation, reward, done)), versioned per name and
+    owned by the account. They run in a sandbox (docs/evaluators.md). A reference is a name (the latest version),
+    "name@N" (version N) or a version's id.
+    ---------------------------------------------------------------------------------------------------------------
+    """
+
+    def UploadEvaluator(self, request, context):
+        """Checked before anything is stored: size (1 MiB at most), a safe package, evaluator.py compiles and, loaded in
+        the sandbox, defines reward_fn or Environment; otherwise INVALID_ARGUMENT naming the field. A name the account
+        has already becomes its next version.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListEvaluators(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetEvaluator(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TestEvaluator(self, request, context):
+        """Runs the evaluator in the sandbox on sample rows: per-row reward or error (exceptions, non-numbers, limits
+        breached), and a summary. Per-row failures are results, not RPC errors.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_EvaluatorServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'UploadEvaluator': grpc.unary_unary_rpc_method_handler(
+                    servicer.UploadEvaluator,
+                    request_deserializer=trainyard_dot_v1_dot_scheduler__pb2.EvaluatorUploadRequest.FromString,
+                    response_serializer=trainyard_dot_v1_dot_scheduler__pb2.Evaluator.SerializeToString,
+            ),
+            'ListEvaluators': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListEvaluators,
+                    request_deserializer=trainyard_dot_v1_dot_scheduler__pb2.EvaluatorListRequest.FromString,
+                    response_serializer=trainyard_dot_v1_dot_scheduler__pb2.EvaluatorListResponse.SerializeToString,
+            ),
+            'GetEvaluator': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetEvaluator,
+                    request_deserializer=trainyard_dot_v1_dot_scheduler__pb2.EvaluatorGetRequest.FromString,
+                    response_serializer=trainyard_dot_v1_dot_scheduler__pb2.Evaluator.SerializeToString,
+            ),
+            'TestEvaluator': grpc.unary_unary_rpc_method_handler(
+                    servicer.TestEvaluator,
+                    request_deserializer=trainyard_dot_v1_dot_scheduler__pb2.EvaluatorTestRequest.FromString,
+                    response_serializer=trainyard_dot_v1_dot_scheduler__pb2.EvaluatorTestResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'trainyard.v1.EvaluatorService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('trainyard.v1.EvaluatorService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class EvaluatorService:
+    """---------------------------------------------------------------------------------------------------------------
+    Evaluators: uploaded reward functions (reward_fn(completion, row) -> float) and multi-turn environments (class
+    Environment: reset(row) -> observation, step(action) -> (observation, reward, done)), versioned per name and
+    owned by the account. They run in a sandbox (docs/evaluators.md). A reference is a name (the latest version),
+    "name@N" (version N) or a version's id.
+    ---------------------------------------------------------------------------------------------------------------
+    """
+
+    @staticmethod
+    def UploadEvaluator(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainyard.v1.EvaluatorService/UploadEvaluator',
+            trainyard_dot_v1_dot_scheduler__pb2.EvaluatorUploadRequest.SerializeToString,
+            trainyard_dot_v1_dot_scheduler__pb2.Evaluator.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListEvaluators(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainyard.v1.EvaluatorService/ListEvaluators',
+            trainyard_dot_v1_dot_scheduler__pb2.EvaluatorListRequest.SerializeToString,
+            trainyard_dot_v1_dot_scheduler__pb2.EvaluatorListResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetEvaluator(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainyard.v1.EvaluatorService/GetEvaluator',
+            trainyard_dot_v1_dot_scheduler__pb2.EvaluatorGetRequest.SerializeToString,
+            trainyard_dot_v1_dot_scheduler__pb2.Evaluator.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TestEvaluator(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainyard.v1.EvaluatorService/TestEvaluator',
+            trainyard_dot_v1_dot_scheduler__pb2.EvaluatorTestRequest.SerializeToString,
+            trainyard_dot_v1_dot_scheduler__pb2.EvaluatorTestResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -5,6 +5,7 @@ name (trainyard.methods.METHODS) to the class the scheduler resolves a request i
 from __future__ import annotations
 
 from services.common.methods.dpo import DpoHyperparams
+from services.common.methods.evaluate import EvalHyperparams
 from services.common.methods.sft import SftHyperparams
 
-HYPERPARAMS = {"sft": SftHyperparams, "dpo": DpoHyperparams}
+HYPERPARAMS = {"sft": SftHyperparams, "dpo": DpoHyperparams, "eval": EvalHyperparams}

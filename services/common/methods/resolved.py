@@ -39,6 +39,10 @@ class Resolved:
             raise InvalidArgument(violations=violations)
         return settings
 
+    def job_violations(self, s, account_id: str, base_model: str) -> list[Violation]:
+        """The method's checks that need the database (s: a session), e.g. that a named object is the account's."""
+        return []
+
     def to_json(self) -> dict[str, Any]:
         return as_dict(self)
 

@@ -35,4 +35,6 @@ def _events(ctx: JobContext, data_path: Path, resume: SftCheckpoint | None) -> I
                      resume_step=resume.step if resume else 0, resume_root=str(resume.root) if resume else "",
                      torch_threads=settings.torch_threads)
     ctx.ledger.log(job.id, f"training on {settings.managed_nproc} ranks ({dims.describe()})")
-    return group_events(spec, settings.managed_nproc, stop=ctx.heartbeat.stop, poll_s=settings.managed_poll_s)
+    gpus = [d.index for d in ctx.role_devices("trainer") if d.kind == "gpu"]
+    return group_events(spec, settings.managed_nproc, stop=ctx.heartbeat.stop, poll_s=settings.managed_poll_s,
+                        gpus=gpus)

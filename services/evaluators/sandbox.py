@@ -1,0 +1,374 @@
+"""Run an uploaded evaluator in a sandboxed subprocess: bubblewrap namespaces, rlimits, and a wall clock.
+
+The evaluator (evaluator.py, defining `reward_fn(completion, row) -> float` or `class Environment` with
+`reset(row) -> str` and `step(action) -> (observation, reward, done)`) runs in one long-lived worker process
+(sandbox_worker.py) on the plain base interpreter in isolated mode (`-I -S`: the standard library only). The process
+sees a read-only view of the interpreter and system libraries, its own code read-only at /evaluator, an empty scratch
+dir at /scratch and a small tmpfs at /tmp; no network (its own empty net namespace), its own pid/ipc/uts namespaces,
+no environment, no capabilities. When started as root, bwrap keeps the host's user namespace and the worker drops to
+a user id of its own before it loads any evaluator code, so RLIMIT_NPROC binds (the kernel never applies it to uid 0).
+
+Limits and who enforces them:
+- CPU seconds per call: RLIMIT_CPU, re-armed by the worker before each call to its CPU time so far + cpu_s (the
+  kernel's SIGXCPU ends it); the parent also polls the worker's CPU time while it waits and kills it past the limit,
+  for code that ignores SIGXCPU or raises its own soft limit. (Raising a hard limit from outside would need
+  CAP_SYS_RESOURCE, which containers often lack.)
+- memory: RLIMIT_AS on the whole sandbox; a MemoryError in the evaluator also ends the worker.
+- wall clock per call: the parent stops waiting and kills the sandbox (bwrap dies, its pid namespace with it).
+- processes: RLIMIT_NPROC under the sandbox's own uid; file size RLIMIT_FSIZE; open files RLIMIT_NOFILE.
+A killed or crashed worker is restarted with a fresh scratch dir on the next call; the failing row gets the reason.
+Without bwrap, or where it cannot create namespaces, evaluators are refused (SandboxUnavailable): never run bare.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import secrets
+import select
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+WORKER = Path(__file__).with_name("sandbox_worker.py")
+HEADER = struct.Struct(">I")
+MAX_REPLY_BYTES = 16 << 20
+STDERR_TAIL_BYTES = 4096
+TMPFS_BYTES = 64 << 20
+FILE_SIZE_BYTES = 64 << 20
+OPEN_FILES = 256
+CPU_POLL_S = 0.25  # how often the parent checks a busy worker's CPU time (the kernel's SIGXCPU normally comes first)
+CPU_GRACE_S = 1.0
+# Sandboxed workers run as a uid of their own drawn from this range (root hosts only), so a fork bomb in one
+# evaluator counts against its own RLIMIT_NPROC and never against another sandbox or a real user.
+SANDBOX_UIDS = range(400_000, 1_400_000)
+
+
+class EvaluatorError(Exception):
+    """The evaluator cannot be loaded or an Environment call failed; the message says why, in words."""
+
+
+class SandboxUnavailable(EvaluatorError):
+    """This host cannot sandbox evaluator code (no bubblewrap, or no namespaces): evaluators are refused."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    cpu_s: float = 10.0
+    memory_mb: int = 1024
+    wall_s: float = 30.0
+    max_processes: int = 16
+
+    def __post_init__(self):
+        for name in ("cpu_s", "memory_mb", "wall_s", "max_processes"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"Limits.{name} must be > 0, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class Score:
+    value: float | None
+    error: str = ""
+
+
+class _CallError(Exception):
+    """The evaluator raised or returned something that is not a result; the message is the row's error."""
+
+
+class _Died(Exception):
+    """The worker is gone (killed on a limit, crashed or broke the protocol); the message is the row's error."""
+
+
+def _bwrap() -> str:
+    path = shutil.which("bwrap")
+    if path is None:
+        raise SandboxUnavailable(
+            "the evaluator sandbox needs bubblewrap (the `bwrap` command, Debian package `bubblewrap`); it is not "
+            "installed, so evaluator code is refused rather than run unsandboxed")
+    return path
+
+
+def _interpreter() -> tuple[str, Path]:
+    """The base interpreter (not a virtualenv's: its packages stay outside) and its installation prefix."""
+    executable = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+    return executable, Path(sys.base_prefix).resolve()
+
+
+def _system_mounts(prefix: Path) -> list[str]:
+    """Read-only binds of what the interpreter needs: /usr, the /lib* dirs (or their links), the interpreter's prefix
+    with its site-packages hidden under empty tmpfs."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for top in ("/lib", "/lib64", "/lib32", "/libx32"):
+        if os.path.islink(top):
+            args += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            args += ["--ro-bind", top, top]
+    if not prefix.is_relative_to("/usr"):
+        for parent in reversed(prefix.parents[:-1]):  # bwrap would copy the host's modes (/root is 0700)
+            args += ["--perms", "0755", "--dir", str(parent)]
+        args += ["--ro-bind", str(prefix), str(prefix)]
+    base = {"base": str(prefix), "platbase": str(prefix)}
+    for key in ("purelib", "platlib"):
+        site = Path(sysconfig.get_paths(vars=base)[key])
+        if site.is_dir() and str(site) not in args:
+            args += ["--tmpfs", str(site)]
+    return args
+
+
+class Sandbox:
+    """One sandboxed worker process for one evaluator, kept alive across calls and restarted after a kill.
+
+    Not thread-safe: one caller at a time (a recipe holds one Sandbox per worker thread)."""
+
+    def __init__(self, code_dir: Path, *, limits: Limits = Limits()) -> None:
+        self.limits = limits
+        self._root = Path(tempfile.mkdtemp(prefix="trainyard-evaluator-"))
+        self._code = self._root / "code"
+        shutil.copytree(code_dir, self._code, symlinks=False)
+        for path in [self._code, *self._code.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        self._as_root = os.geteuid() == 0
+        self._uid = SANDBOX_UIDS.start + secrets.randbelow(len(SANDBOX_UIDS)) if self._as_root else 0
+        self._proc: subprocess.Popen | None = None
+        self._pid = 0  # the worker's pid on the host, to watch its CPU time
+        self._kind: str | None = None
+        self._load_error: EvaluatorError | None = None
+        self._stderr = bytearray()  # the last STDERR_TAIL_BYTES the worker wrote, across restarts
+        self._stderr_open = False
+        self._in_episode = False
+
+    # -- public API ----------------------------------------------------------------------------------------------
+    @property
+    def kind(self) -> str:
+        """'reward_fn' or 'environment'; raises EvaluatorError when the evaluator does not load."""
+        self._ensure_started()
+        return self._kind
+
+    def score(self, items: Sequence[tuple[str, dict]]) -> list[Score]:
+        """One Score per (completion, row), in order; a failing row gets Score(None, reason) and the next row runs."""
+        if self.kind != "reward_fn":
+            raise EvaluatorError("this evaluator defines class Environment, not reward_fn: use reset/step")
+        scores = []
+        for completion, row in items:
+            try:
+                scores.append(Score(self._call({"op": "score", "completion": completion, "row": row})["value"]))
+            except (_Died, _CallError) as exc:
+                scores.append(Score(None, str(exc)))
+        return scores
+
+    def reset(self, row: dict) -> str:
+        if self.kind != "environment":
+            raise EvaluatorError("this evaluator defines reward_fn, not class Environment: use score")
+        self._in_episode = False
+        observation = self._env_call({"op": "reset", "row": row})["observation"]
+        self._in_episode = True
+        return observation
+
+    def step(self, action: str) -> tuple[str, float, bool]:
+        if not self._in_episode:
+            raise EvaluatorError("no episode in progress: call reset(row) first")
+        reply = self._env_call({"op": "step", "action": action})
+        return reply["observation"], reply["reward"], reply["done"]
+
+    def stderr_tail(self) -> str:
+        """The last few KB the evaluator wrote to stdout/stderr (its prints), for a job's log."""
+        return self._stderr.decode(errors="replace")
+
+    def close(self) -> None:
+        self._kill()
+        shutil.rmtree(self._root, ignore_errors=True)
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- the worker process --------------------------------------------------------------------------------------
+    def _env_call(self, message: dict) -> dict:
+        try:
+            return self._call(message)
+        except _Died as exc:
+            self._in_episode = False
+            raise EvaluatorError(f"{message['op']}: {exc}") from None
+        except _CallError as exc:
+            raise EvaluatorError(f"{message['op']}: {exc}") from None
+
+    def _call(self, message: dict) -> dict:
+        self._ensure_started()
+        try:
+            body = json.dumps(message, allow_nan=False).encode()
+        except (TypeError, ValueError) as exc:
+            raise _CallError(f"the row cannot be sent to the evaluator as JSON: {exc}") from None
+        cpu_deadline = self._cpu_seconds() + self.limits.cpu_s + CPU_GRACE_S
+        try:
+            self._proc.stdin.write(HEADER.pack(len(body)) + body)
+            self._proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass  # it died; reading says how
+        reply = self._receive(time.monotonic() + self.limits.wall_s, cpu_deadline)
+        if "error" in reply:
+            raise _CallError(reply["error"])
+        return reply
+
+    def _ensure_started(self) -> None:
+        if self._load_error is not None:
+            raise self._load_error
+        if self._proc is not None:
+            return
+        info_read, info_write = os.pipe()
+        argv = self._command(info_write)
+        try:
+            self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          pass_fds=(info_write,), preexec_fn=self._preexec, start_new_session=True)
+        finally:
+            os.close(info_write)
+        os.set_blocking(self._proc.stderr.fileno(), False)
+        self._stderr_open = True
+        with os.fdopen(info_read, "rb") as info:
+            raw = info.read()  # bwrap writes {"child-pid": N} and closes it; empty when it failed to start
+        try:
+            hello = self._receive(time.monotonic() + self.limits.wall_s)
+        except _Died as exc:
+            tail = self.stderr_tail()
+            if not raw or "bwrap:" in tail[-1000:]:
+                raise SandboxUnavailable(
+                    f"the evaluator sandbox needs bubblewrap able to create namespaces on this host; it failed: "
+                    f"{tail.strip()[-500:] or exc}") from None
+            self._load_error = EvaluatorError(f"loading evaluator.py: {exc}")
+            raise self._load_error from None
+        if "error" in hello:
+            self._kill()
+            self._load_error = EvaluatorError(f"loading evaluator.py: {hello['error']}")
+            raise self._load_error
+        self._kind = hello["kind"]
+        init = json.loads(raw)["child-pid"]  # bwrap's reaper, pid 1 of the namespace; the worker is its child
+        self._pid = int(Path(f"/proc/{init}/task/{init}/children").read_text().split()[0])
+
+    def _command(self, info_fd: int) -> list[str]:
+        python, prefix = _interpreter()
+        if self._as_root:
+            namespaces = ["--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+                          "--cap-add", "CAP_SETUID,CAP_SETGID"]  # the worker drops to its own uid, then has none
+        else:
+            namespaces = ["--unshare-all"]
+        scratch = self._root / "scratch"
+        shutil.rmtree(scratch, ignore_errors=True)
+        scratch.mkdir(mode=0o700)
+        if self._as_root:
+            os.chown(scratch, self._uid, self._uid)
+        return [
+            _bwrap(), *namespaces, "--die-with-parent", "--new-session", *_system_mounts(prefix),
+            "--ro-bind", str(self._code), "/evaluator", "--bind", str(scratch), "/scratch",
+            "--perms", "0755", "--dir", "/sandbox", "--ro-bind", str(WORKER), "/sandbox/worker.py",
+            "--perms", "1777", "--size", str(TMPFS_BYTES), "--tmpfs", "/tmp", "--proc", "/proc", "--dev", "/dev",
+            "--hostname", "evaluator", "--chdir", "/scratch", "--clearenv", "--setenv", "HOME", "/scratch",
+            "--setenv", "TMPDIR", "/tmp", "--setenv", "LANG", "C.UTF-8", "--info-fd", str(info_fd),
+            python, "-I", "-S", "-B", "/sandbox/worker.py", str(self._uid), str(self.limits.max_processes),
+            str(self.limits.cpu_s),
+        ]
+
+    def _preexec(self) -> None:
+        """In the child before bwrap runs: the limits the whole sandbox inherits (CPU is re-armed per call)."""
+        memory = self.limits.memory_mb << 20
+        cpu = math.ceil(self.limits.cpu_s)
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, resource.RLIM_INFINITY))  # loading; the worker re-arms it
+        resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE_BYTES, FILE_SIZE_BYTES))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (OPEN_FILES, OPEN_FILES))
+
+    def _cpu_seconds(self) -> float:
+        """The worker's CPU time so far (utime + stime of all its threads), from the host's /proc."""
+        try:
+            fields = Path(f"/proc/{self._pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def _receive(self, deadline: float, cpu_deadline: float = math.inf) -> dict:
+        header = self._read(HEADER.size, deadline, cpu_deadline)
+        (size,) = HEADER.unpack(header)
+        if size > MAX_REPLY_BYTES:
+            self._kill()
+            raise _Died(f"protocol error: a {size}-byte reply (the evaluator wrote to the sandbox's reply channel)")
+        try:
+            reply = json.loads(self._read(size, deadline, cpu_deadline))
+            if not isinstance(reply, dict):
+                raise ValueError(reply)
+        except ValueError:
+            self._kill()
+            raise _Died("protocol error: an unreadable reply (the evaluator wrote to the sandbox's reply channel)")
+        if reply.get("memory"):
+            self._kill()
+            raise _Died(f"killed: memory limit {self.limits.memory_mb} MB")
+        return reply
+
+    def _read(self, n: int, deadline: float, cpu_deadline: float) -> bytes:
+        out = self._proc.stdout
+        data = b""
+        while len(data) < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._kill()
+                raise _Died(f"killed: wall-clock limit {self.limits.wall_s:g} s")
+            watched = [out, self._proc.stderr] if self._stderr_open else [out]
+            ready = select.select(watched, [], [], min(left, CPU_POLL_S))[0]
+            if self._proc.stderr in ready:
+                self._drain_stderr()
+            if out not in ready:
+                if self._cpu_seconds() > cpu_deadline:
+                    self._kill()
+                    raise _Died(f"killed: CPU limit {self.limits.cpu_s:g} s")
+                continue
+            chunk = os.read(out.fileno(), n - len(data))
+            if not chunk:
+                raise _Died(self._death())
+            data += chunk
+        self._drain_stderr()  # the prints before the reply are in the pipe already
+        return data
+
+    def _death(self) -> str:
+        """Why the worker ended on its own: the kernel's CPU kill, a memory failure, or a crash (with its stderr)."""
+        code = self._proc.wait()
+        os.set_blocking(self._proc.stderr.fileno(), True)
+        self._drain_stderr()  # to the end: the whole sandbox is gone
+        self._kill()
+        if code in (128 + signal.SIGKILL, 128 + signal.SIGXCPU, -signal.SIGKILL):
+            return f"killed: CPU limit {self.limits.cpu_s:g} s"
+        tail = self.stderr_tail().strip()
+        if "MemoryError" in tail[-300:]:
+            return f"killed: memory limit {self.limits.memory_mb} MB"
+        reason = f"exited with code {code}" if code >= 0 else f"killed by signal {-code}"
+        return f"crashed: the evaluator process {reason}" + (f"; its last output: {tail[-1000:]}" if tail else "")
+
+    def _kill(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # bwrap; --die-with-parent takes the whole pid namespace with it
+            proc.wait()
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            stream.close()
+
+    def _drain_stderr(self) -> None:
+        """Keep what the worker wrote to stderr so far (its prints, tracebacks), the last few KB of it."""
+        while True:
+            try:
+                chunk = os.read(self._proc.stderr.fileno(), 65536)
+            except BlockingIOError:
+                return
+            if not chunk:
+                self._stderr_open = False
+                return
+            self._stderr += chunk
+            del self._stderr[:-STDERR_TAIL_BYTES]

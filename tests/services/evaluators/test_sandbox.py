@@ -1,0 +1,260 @@
+"""The evaluator sandbox (services/evaluators/sandbox.py): escape attempts are refused or killed with a clear
+per-row error, and the same sandbox goes on scoring the next row. Limits are small so the kills come quickly."""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from services.evaluators.sandbox import EvaluatorError, Limits, Sandbox, SandboxUnavailable, Score
+
+ROOT = Path(__file__).resolve().parents[3]
+LIMITS = Limits(cpu_s=1, memory_mb=512, wall_s=3, max_processes=8)
+
+ATTACKS = '''\
+import os, socket, time
+
+
+def reward_fn(completion, row):
+    print("noise from the evaluator", completion)
+    if completion == "read":
+        return float(len(open(row["path"], "rb").read()))
+    if completion == "write":
+        with open(row["path"], "w") as f:
+            f.write("x")
+        return 1.0
+    if completion == "socket":
+        socket.create_connection(("127.0.0.1", row["port"]), timeout=1)
+        return 1.0
+    if completion == "fork bomb":
+        while True:
+            os.fork()
+    if completion == "allocate":
+        return float(len(bytearray(10 * 2**30)))
+    if completion == "spin":
+        while True:
+            pass
+    if completion == "sleep":
+        time.sleep(10**6)
+    if completion == "raise":
+        raise ValueError("no answer in " + repr(row["q"]))
+    if completion == "environ":
+        return float(len([k for k in row["names"] if k in os.environ]))
+    if completion == "import":
+        import numpy  # noqa: F401
+    if completion in ("abc", "nan", "none"):
+        return {"abc": "abc", "nan": float("nan"), "none": None}[completion]
+    return float(len(completion))
+'''
+
+
+def _line(source: str, text: str) -> int:
+    return next(n for n, line in enumerate(source.splitlines(), 1) if text in line)
+
+
+def _code(tmp_path_factory, name: str, source: str, **extra: str) -> Path:
+    folder = tmp_path_factory.mktemp(name)
+    (folder / "evaluator.py").write_text(textwrap.dedent(source))
+    for filename, text in extra.items():
+        (folder / filename).write_text(textwrap.dedent(text))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def sandbox(tmp_path_factory):
+    os.environ["TRAINYARD_TEST_SECRET"] = "s3cret"  # the host's environment must not reach the evaluator
+    with Sandbox(_code(tmp_path_factory, "attacks", ATTACKS), limits=LIMITS) as sandbox:
+        assert sandbox.kind == "reward_fn"
+        yield sandbox
+    os.environ.pop("TRAINYARD_TEST_SECRET")
+
+
+def _attack(sandbox: Sandbox, completion: str, row: dict | None = None) -> Score:
+    """Score the attack, then an ordinary row: the sandbox must still answer it (restarted if it was killed)."""
+    attack, after = sandbox.score([(completion, row or {}), ("fine", {})])
+    assert after == Score(4.0), after
+    return attack
+
+
+@pytest.mark.parametrize("path", ["/etc/passwd", str(ROOT / "pyproject.toml"), "/root/.bashrc",
+                                  "/proc/1/environ"])
+def test_files_outside_the_sandbox_are_not_there(sandbox, path):
+    score = _attack(sandbox, "read", {"path": path})
+    assert score.value is None and ("FileNotFoundError" in score.error or "PermissionError" in score.error), score
+
+
+def test_the_blob_store_is_not_there(sandbox, tmp_path):
+    blob = tmp_path / "blobs" / "ab" / "abcdef"
+    blob.parent.mkdir(parents=True)
+    blob.write_bytes(b"a stored dataset")
+    score = _attack(sandbox, "read", {"path": str(blob)})
+    assert score.value is None and score.error.startswith("FileNotFoundError"), score
+
+
+@pytest.mark.parametrize("path", ["/evaluator/evaluator.py", "/usr/x", "/sandbox/worker.py", "/x"])
+def test_writes_outside_scratch_are_refused(sandbox, path):
+    score = _attack(sandbox, "write", {"path": path})
+    assert score.value is None and ("Read-only file system" in score.error or "Permission" in score.error), score
+
+
+def test_scratch_and_tmp_are_writable(sandbox):
+    assert _attack(sandbox, "write", {"path": "/scratch/out.txt"}) == Score(1.0)
+    assert _attack(sandbox, "write", {"path": "/tmp/out.txt"}) == Score(1.0)
+
+
+def test_no_network(sandbox):
+    try:  # the host side listens (Postgres): inside the sandbox the same address must fail
+        socket.create_connection(("127.0.0.1", 5432), timeout=2).close()
+    except OSError:
+        pytest.skip("nothing listens on 127.0.0.1:5432 on this host")
+    score = _attack(sandbox, "socket", {"port": 5432})
+    assert score.value is None and ("Connection refused" in score.error or "unreachable" in score.error), score
+
+
+def test_a_fork_bomb_is_refused(sandbox):
+    score = _attack(sandbox, "fork bomb")
+    assert score.value is None and "Resource temporarily unavailable" in score.error, score
+
+
+def test_allocating_10_gb_is_killed(sandbox):
+    assert _attack(sandbox, "allocate") == Score(None, "killed: memory limit 512 MB")
+
+
+def test_a_busy_loop_is_killed_on_cpu_time(tmp_path_factory):
+    limits = Limits(cpu_s=1, memory_mb=512, wall_s=60, max_processes=8)  # the wall clock far off, on a busy host too
+    with Sandbox(_code(tmp_path_factory, "spin", ATTACKS), limits=limits) as sandbox:
+        assert _attack(sandbox, "spin") == Score(None, "killed: CPU limit 1 s")
+
+
+def test_sleeping_forever_is_killed_on_the_wall_clock(sandbox):
+    started = time.monotonic()
+    assert _attack(sandbox, "sleep") == Score(None, "killed: wall-clock limit 3 s")
+    assert time.monotonic() - started < 10
+
+
+def test_exceptions_and_non_numbers_are_per_row_errors(sandbox):
+    got = sandbox.score([("raise", {"q": "2+2"}), ("abc", {}), ("nan", {}), ("none", {}), ("fine", {})])
+    assert got == [Score(None, f"ValueError: no answer in '2+2' (line {_line(ATTACKS, 'raise ValueError')})"),
+                   Score(None, "returned 'abc' (str), not a number"),
+                   Score(None, "returned nan, not a finite number"),
+                   Score(None, "returned None (NoneType), not a number"),
+                   Score(4.0)]
+
+
+def test_prints_do_not_corrupt_results_and_are_kept(sandbox):
+    assert sandbox.score([("hello", {})]) == [Score(5.0)]
+    assert "noise from the evaluator hello" in sandbox.stderr_tail()
+
+
+def test_the_environment_is_empty(sandbox):
+    host = [name for name in os.environ if name not in ("HOME", "TMPDIR", "LANG", "LC_CTYPE", "PWD")]
+    assert "TRAINYARD_TEST_SECRET" in host and "PATH" in host
+    assert _attack(sandbox, "environ", {"names": host}) == Score(0.0)
+
+
+def test_third_party_packages_are_not_importable(sandbox, tmp_path_factory):
+    assert _attack(sandbox, "import") == Score(
+        None, f"ModuleNotFoundError: No module named 'numpy' (line {_line(ATTACKS, 'import numpy')})")
+    with Sandbox(_code(tmp_path_factory, "numpy", "import numpy\n"), limits=LIMITS) as broken:
+        with pytest.raises(EvaluatorError, match=r"loading evaluator.py: ModuleNotFoundError: No module named "
+                                                 r"'numpy' \(line 1\)"):
+            broken.kind
+
+
+def test_load_errors_name_the_problem(tmp_path_factory):
+    cases = {"syntax": ("def reward_fn(c, row)\n    return 1\n", "SyntaxError: expected ':' (line 1)"),
+             "nothing": ("x = 1\n", "evaluator.py defines neither reward_fn(completion, row) nor class Environment")}
+    for name, (source, message) in cases.items():
+        with Sandbox(_code(tmp_path_factory, name, source), limits=LIMITS) as broken:
+            with pytest.raises(EvaluatorError, match=re.escape(f"loading evaluator.py: {message}")):
+                broken.kind
+            with pytest.raises(EvaluatorError, match=re.escape(message)):  # and again, without a new process
+                broken.score([("a", {})])
+
+
+def test_a_package_imports_its_own_modules(tmp_path_factory):
+    code = _code(tmp_path_factory, "package", """\
+        from helpers import parse
+
+        def reward_fn(completion, row):
+            return 1.0 if parse(completion) == row["answer"] else 0.0
+        """, **{"helpers.py": "def parse(text):\n    return int(text.split()[-1])\n"})
+    with Sandbox(code, limits=LIMITS) as sandbox:
+        got = sandbox.score([("the answer is 4", {"answer": 4}), ("it is 5", {"answer": 4}), ("none", {"answer": 4})])
+    assert got == [Score(1.0), Score(0.0), Score(None, "ValueError: invalid literal for int() with base 10: 'none' "
+                                                       "(helpers.py line 2)")]
+
+
+ENVIRONMENT = '''\
+class Environment:
+    """Guess the number: 'higher' / 'lower' until the guess is right (reward 1) or three guesses are used."""
+
+    def reset(self, row):
+        self.target, self.left = row["target"], 3
+        return "guess a number from 1 to 10"
+
+    def step(self, action):
+        self.left -= 1
+        guess = int(action)
+        if guess == self.target:
+            return "right", 1.0, True
+        return ("higher" if guess < self.target else "lower"), 0.0, self.left == 0
+'''
+
+
+def test_a_multi_turn_environment_episode(tmp_path_factory):
+    with Sandbox(_code(tmp_path_factory, "env", ENVIRONMENT), limits=LIMITS) as sandbox:
+        assert sandbox.kind == "environment"
+        assert sandbox.reset({"target": 7}) == "guess a number from 1 to 10"
+        assert sandbox.step("5") == ("higher", 0.0, False)
+        assert sandbox.step("8") == ("lower", 0.0, False)
+        assert sandbox.step("7") == ("right", 1.0, True)
+        assert sandbox.reset({"target": 2}) == "guess a number from 1 to 10"
+        line = _line(ENVIRONMENT, "int(action)")
+        with pytest.raises(EvaluatorError, match=rf"step: ValueError: invalid literal .*'two' \(line {line}\)"):
+            sandbox.step("two")
+        assert sandbox.step("2") == ("right", 1.0, True)  # the episode survives an exception in one step
+        with pytest.raises(EvaluatorError, match="defines class Environment, not reward_fn"):
+            sandbox.score([("a", {})])
+
+
+def test_without_bubblewrap_evaluators_are_refused(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path_factory.mktemp("empty")))
+    with Sandbox(_code(tmp_path_factory, "plain", "def reward_fn(c, row):\n    return 1.0\n")) as sandbox:
+        with pytest.raises(SandboxUnavailable, match="needs bubblewrap"):
+            sandbox.score([("a", {})])
+
+
+def test_the_fast_path(sandbox):
+    """rows/s of a trivial reward_fn over 1000 rows, through one sandboxed worker (printed; no timing assert)."""
+    items = [(f"completion {i}", {"i": i}) for i in range(1000)]
+    started = time.perf_counter()
+    scores = sandbox.score(items)
+    elapsed = time.perf_counter() - started
+    assert scores == [Score(float(len(c))) for c, _ in items]
+    print(f"evaluator sandbox: {len(items) / elapsed:.0f} rows/s ({elapsed * 1000 / len(items):.2f} ms/row)")
+
+
+def test_crashing_and_closing_its_own_output_are_per_row_errors(tmp_path_factory):
+    code = _code(tmp_path_factory, "crasher", """\
+        import os
+
+        def reward_fn(completion, row):
+            if completion == "exit":
+                print("going away")
+                os._exit(3)
+            if completion == "close":
+                os.close(1)
+                os.close(2)
+            return 1.0
+        """)
+    with Sandbox(code, limits=LIMITS) as sandbox:
+        assert sandbox.score([("exit", {}), ("fine", {})]) == [
+            Score(None, "crashed: the evaluator process exited with code 3; its last output: going away"), Score(1.0)]
+        # its prints now go nowhere; the protocol does not depend on them
+        assert sandbox.score([("close", {}), ("fine", {})]) == [Score(1.0), Score(1.0)]
