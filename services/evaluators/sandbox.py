@@ -8,14 +8,16 @@ dir at /scratch and a small tmpfs at /tmp; no network (its own empty net namespa
 no environment, no capabilities. When started as root, bwrap keeps the host's user namespace and the worker drops to
 a user id of its own before it loads any evaluator code, so RLIMIT_NPROC binds (the kernel never applies it to uid 0).
 
-Limits and who enforces them:
+Limits and who enforces them: the worker sets its rlimits itself, first thing and before any evaluator code runs
+(not the parent between fork and exec, which is unsafe in a multi-threaded parent such as the gRPC server).
 - CPU seconds per call: RLIMIT_CPU, re-armed by the worker before each call to its CPU time so far + cpu_s (the
   kernel's SIGXCPU ends it); the parent also polls the worker's CPU time while it waits and kills it past the limit,
   for code that ignores SIGXCPU or raises its own soft limit. (Raising a hard limit from outside would need
   CAP_SYS_RESOURCE, which containers often lack.)
-- memory: RLIMIT_AS on the whole sandbox; a MemoryError in the evaluator also ends the worker.
+- memory: RLIMIT_AS on the worker and what it forks; a MemoryError in the evaluator also ends the worker.
 - wall clock per call: the parent stops waiting and kills the sandbox (bwrap dies, its pid namespace with it).
-- processes: RLIMIT_NPROC under the sandbox's own uid; file size RLIMIT_FSIZE; open files RLIMIT_NOFILE.
+- processes: RLIMIT_NPROC under the sandbox's own uid, and whatever the evaluator started is killed after each call;
+  file size RLIMIT_FSIZE; open files RLIMIT_NOFILE; /tmp is a tmpfs of TMPFS_BYTES.
 A killed or crashed worker is restarted with a fresh scratch dir on the next call; the failing row gets the reason.
 Without bwrap, or where it cannot create namespaces, evaluators are refused (SandboxUnavailable): never run bare.
 """
@@ -24,7 +26,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
 import secrets
 import select
 import shutil
@@ -229,7 +230,7 @@ class Sandbox:
         argv = self._command(info_write)
         try:
             self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          pass_fds=(info_write,), preexec_fn=self._preexec, start_new_session=True)
+                                          pass_fds=(info_write,), start_new_session=True)
         finally:
             os.close(info_write)
         os.set_blocking(self._proc.stderr.fileno(), False)
@@ -273,18 +274,10 @@ class Sandbox:
             "--perms", "1777", "--size", str(TMPFS_BYTES), "--tmpfs", "/tmp", "--proc", "/proc", "--dev", "/dev",
             "--hostname", "evaluator", "--chdir", "/scratch", "--clearenv", "--setenv", "HOME", "/scratch",
             "--setenv", "TMPDIR", "/tmp", "--setenv", "LANG", "C.UTF-8", "--info-fd", str(info_fd),
-            python, "-I", "-S", "-B", "/sandbox/worker.py", str(self._uid), str(self.limits.max_processes),
-            str(self.limits.cpu_s),
+            python, "-I", "-S", "-B", "/sandbox/worker.py", json.dumps({
+                "uid": self._uid, "max_processes": self.limits.max_processes, "cpu_s": self.limits.cpu_s,
+                "memory_bytes": self.limits.memory_mb << 20, "file_bytes": FILE_SIZE_BYTES, "open_files": OPEN_FILES}),
         ]
-
-    def _preexec(self) -> None:
-        """In the child before bwrap runs: the limits the whole sandbox inherits (CPU is re-armed per call)."""
-        memory = self.limits.memory_mb << 20
-        cpu = math.ceil(self.limits.cpu_s)
-        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, resource.RLIM_INFINITY))  # loading; the worker re-arms it
-        resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE_BYTES, FILE_SIZE_BYTES))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (OPEN_FILES, OPEN_FILES))
 
     def _cpu_seconds(self) -> float:
         """The worker's CPU time so far (utime + stime of all its threads), from the host's /proc."""

@@ -6,7 +6,7 @@ import json
 from collections.abc import Sequence
 
 from services.common.errors import InvalidArgument, Violation
-from services.evaluators.store import EvaluationReport, EvaluatorStore
+from services.evaluators.store import EvaluationReport, EvaluatorStore, parse_ref
 from services.scheduler.datasets import DatasetStore
 
 DEFAULT_TEST_ROWS = 10
@@ -30,6 +30,7 @@ class EvaluatorCore:
 
     def test(self, account_id: str, ref: str, rows: Sequence[str], completions: Sequence[str], dataset_id: str,
              num_rows: int) -> EvaluationReport:
+        parse_ref(ref)
         if rows and dataset_id:
             raise InvalidArgument("give rows or a dataset, not both", field="dataset_id")
         if dataset_id:
