@@ -8,10 +8,7 @@ import grpc
 import pytest
 from click.testing import CliRunner
 
-from services.common.auth import create_account
-from services.common.db import Database, migrate
-from services.scheduler.app import build as build_scheduler
-from services.scheduler.settings import SchedulerSettings
+from tests.services.evaluators.scheduler_only import scheduler_only
 from trainyard.cli.main import cli
 from trainyard.client import Client
 from trainyard.errors import TrainyardError, from_rpc_error
@@ -30,21 +27,13 @@ def reward_fn(completion, row):
 
 @pytest.fixture(scope="module")
 def scheduler(tmp_path_factory, pg_url):
-    root = tmp_path_factory.mktemp("scheduler")
-    migrate(pg_url)
-    db = Database(pg_url)
-    keys = {name: create_account(db, f"{name}-evaluators")[2] for name in ("alice", "bob")}
-    server = build_scheduler(SchedulerSettings(
-        data_dir=root, database_url=pg_url, host="127.0.0.1", scheduler_port=0, builtin_tiny_models=False,
-        grpc_workers=4, shutdown_grace_s=0, evaluator_cpu_s=1, evaluator_wall_s=10, max_evaluator_test_rows=20))
-    server.start()
-    url = f"127.0.0.1:{server.port}"
-    clients = {name: Client(url=url, api_key=key) for name, key in keys.items()}
-    yield url, keys, clients
-    for c in clients.values():
-        c.close()
-    server.stop()
-    db.dispose()
+    with scheduler_only(tmp_path_factory.mktemp("scheduler"), pg_url, ("alice-evaluators", "bob-evaluators"),
+                        evaluator_cpu_s=1, evaluator_wall_s=10, max_evaluator_test_rows=20) as (url, accounts):
+        keys = {name.split("-")[0]: key for name, key in accounts.items()}
+        clients = {name: Client(url=url, api_key=key) for name, key in keys.items()}
+        yield url, keys, clients
+        for c in clients.values():
+            c.close()
 
 
 def test_upload_list_get_and_test(scheduler, tmp_path):
