@@ -125,6 +125,20 @@ def _system_mounts(prefix: Path) -> list[str]:
     return args
 
 
+def _child_of(pid: int) -> int:
+    """The (one) child process of pid, from the host's /proc."""
+    try:
+        return int(Path(f"/proc/{pid}/task/{pid}/children").read_text().split()[0])
+    except (OSError, IndexError):  # a kernel without CONFIG_PROC_CHILDREN: look for the process whose parent it is
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    return int(stat.parent.name)
+            except (OSError, IndexError, ValueError):
+                continue
+    return 0  # gone already: the next call finds out how
+
+
 class Sandbox:
     """One sandboxed worker process for one evaluator, kept alive across calls and restarted after a kill.
 
@@ -162,7 +176,7 @@ class Sandbox:
         for completion, row in items:
             try:
                 scores.append(Score(self._call({"op": "score", "completion": completion, "row": row})["value"]))
-            except (_Died, _CallError) as exc:
+            except (_Died, _CallError, EvaluatorError) as exc:  # EvaluatorError: restarting it after a kill failed
                 scores.append(Score(None, str(exc)))
         return scores
 
@@ -252,8 +266,7 @@ class Sandbox:
             self._load_error = EvaluatorError(f"loading evaluator.py: {hello['error']}")
             raise self._load_error
         self._kind = hello["kind"]
-        init = json.loads(raw)["child-pid"]  # bwrap's reaper, pid 1 of the namespace; the worker is its child
-        self._pid = int(Path(f"/proc/{init}/task/{init}/children").read_text().split()[0])
+        self._pid = _child_of(json.loads(raw)["child-pid"])  # bwrap's reaper is pid 1 there; the worker its child
 
     def _command(self, info_fd: int) -> list[str]:
         python, prefix = _interpreter()

@@ -81,6 +81,10 @@ def test_another_account_sees_nothing(scheduler):
             call()
         assert exc.value.code == "NOT_FOUND"
     assert bob.list_evaluators() == []
+    url = scheduler[0]
+    with Client(url=url, api_key="ty_not-a-key") as stranger, pytest.raises(TrainyardError) as exc:
+        stranger.list_evaluators()
+    assert exc.value.code == "UNAUTHENTICATED"
 
 
 @pytest.mark.parametrize("content, field, reason", [
