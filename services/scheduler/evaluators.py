@@ -56,7 +56,7 @@ def _parse_rows(rows: Sequence[str]) -> list[dict]:
     for i, text in enumerate(rows, 1):
         try:
             row = json.loads(text)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than the parser goes
             problems.append(Violation(field="rows", reason=f"not JSON: {exc}", row=i))
             continue
         if not isinstance(row, dict):
