@@ -118,9 +118,12 @@ def _system_mounts(prefix: Path) -> list[str]:
             args += ["--perms", "0755", "--dir", str(parent)]
         args += ["--ro-bind", str(prefix), str(prefix)]
     base = {"base": str(prefix), "platbase": str(prefix)}
-    for key in ("purelib", "platlib"):
-        site = Path(sysconfig.get_paths(vars=base)[key])
-        if site.is_dir() and str(site) not in args:
+    sites = {Path(sysconfig.get_paths(vars=base)[key]) for key in ("purelib", "platlib")}
+    # The system's Python packages too (Debian's dist-packages under /usr): the standard library only, whatever
+    # sys.path an evaluator builds for itself.
+    sites |= {*Path("/usr/lib").glob("python3*/dist-packages"), *Path("/usr/local/lib").glob("python3*/*-packages")}
+    for site in sorted(sites):
+        if site.is_dir() and not site.is_symlink():
             args += ["--tmpfs", str(site)]
     return args
 

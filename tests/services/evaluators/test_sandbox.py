@@ -45,6 +45,8 @@ def reward_fn(completion, row):
         raise ValueError("no answer in " + repr(row["q"]))
     if completion == "environ":
         return float(len([k for k in row["names"] if k in os.environ]))
+    if completion == "list":
+        return float(sum(len(os.listdir(p)) for p in row["paths"] if os.path.isdir(p)))
     if completion == "import":
         import numpy  # noqa: F401
     if completion in ("abc", "nan", "none"):
@@ -155,6 +157,18 @@ def test_the_environment_is_empty(sandbox):
     host = [name for name in os.environ if name not in ("HOME", "TMPDIR", "LANG", "LC_CTYPE", "PWD")]
     assert "TRAINYARD_TEST_SECRET" in host and "PATH" in host
     assert _attack(sandbox, "environ", {"names": host}) == Score(0.0)
+
+
+def test_installed_packages_are_hidden(sandbox):
+    """The interpreter's site-packages and the system's dist-packages are empty inside, whatever sys.path says."""
+    import sys
+    import sysconfig
+
+    sites = {sysconfig.get_paths(vars={"base": sys.base_prefix, "platbase": sys.base_prefix})["purelib"],
+             *map(str, Path("/usr/lib").glob("python3*/dist-packages"))}
+    here = [p for p in sites if os.path.isdir(p) and os.listdir(p)]
+    assert here, "nothing installed on this host to hide"
+    assert _attack(sandbox, "list", {"paths": here}) == Score(0.0)
 
 
 def test_third_party_packages_are_not_importable(sandbox, tmp_path_factory):
