@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
+import subprocess
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -272,3 +275,38 @@ def test_crashing_and_closing_its_own_output_are_per_row_errors(tmp_path_factory
             Score(None, "crashed: the evaluator process exited with code 3; its last output: going away"), Score(1.0)]
         # its prints now go nowhere; the protocol does not depend on them
         assert sandbox.score([("close", {}), ("fine", {})]) == [Score(1.0), Score(1.0)]
+
+
+NON_ROOT = '''\
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+from services.evaluators.sandbox import Limits, Sandbox
+with Sandbox(Path(sys.argv[2]), limits=Limits(cpu_s=1, memory_mb=512, wall_s=3, max_processes=8)) as s:
+    for c, row in [("read", {"path": "/etc/passwd"}), ("socket", {"port": 5432}), ("fork bomb", {}), ("allocate", {}),
+                   ("sleep", {}), ("fine", {})]:
+        print(c, "|", s.score([(c, row)])[0].error)
+'''
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("runuser") or not os.path.exists("/usr/bin/python3"),
+                    reason="needs root to switch to an unprivileged user, and a system interpreter it can run")
+def test_as_an_unprivileged_user_bwrap_uses_a_user_namespace(tmp_path_factory):
+    """Run by a non-root service user, the sandbox makes a user namespace instead of switching uid: the same
+    refusals and kills. (The package and the evaluator are copied where that user can read them.)"""
+    with tempfile.TemporaryDirectory() as tmp:  # pytest's own temp dirs are private to root
+        root, code = Path(tmp) / "lib", Path(tmp) / "code"
+        (root / "services" / "evaluators").mkdir(parents=True)
+        for name in ("__init__.py", "sandbox.py", "sandbox_worker.py"):
+            shutil.copy(ROOT / "services" / "evaluators" / name, root / "services" / "evaluators" / name)
+        shutil.copy(ROOT / "services" / "__init__.py", root / "services" / "__init__.py")
+        shutil.copytree(_code(tmp_path_factory, "non_root_code", ATTACKS), code)
+        subprocess.run(["chmod", "-R", "a+rX", tmp], check=True)
+        out = subprocess.run(["runuser", "-u", "nobody", "--", "/usr/bin/python3", "-c", NON_ROOT, str(root),
+                              str(code)], capture_output=True, text=True, timeout=120, cwd="/")
+    errors = dict(line.split(" | ", 1) for line in out.stdout.splitlines())
+    assert errors.keys() == {"read", "socket", "fork bomb", "allocate", "sleep", "fine"}, out.stdout + out.stderr
+    assert errors["read"].startswith("FileNotFoundError") and "Connection refused" in errors["socket"]
+    assert "Resource temporarily unavailable" in errors["fork bomb"]
+    assert (errors["allocate"], errors["sleep"], errors["fine"]) == (
+        "killed: memory limit 512 MB", "killed: wall-clock limit 3 s", "")
