@@ -128,6 +128,20 @@ def _system_mounts(prefix: Path) -> list[str]:
     return args
 
 
+PROTOCOL_ERROR = "protocol error: a reply that is not the sandbox's (the evaluator wrote to the reply channel)"
+_REPLY_TYPES = {"score": {"value": float}, "reset": {"observation": str},
+                "step": {"observation": str, "reward": float, "done": bool}}
+
+
+def _well_formed(op: str, reply: dict) -> bool:
+    """The worker's reply to op, as it sends them (a finite float reward, a str observation, a bool done)."""
+    for key, kind in _REPLY_TYPES[op].items():
+        value = reply.get(key)
+        if not isinstance(value, kind) or (kind is float and not math.isfinite(value)):
+            return False
+    return True
+
+
 def _child_of(pid: int) -> int:
     """The (one) child process of pid, from the host's /proc."""
     try:
@@ -234,8 +248,11 @@ class Sandbox:
         except (BrokenPipeError, OSError):
             pass  # it died; reading says how
         reply = self._receive(time.monotonic() + self.limits.wall_s, cpu_deadline)
-        if "error" in reply:
+        if isinstance(reply.get("error"), str):
             raise _CallError(reply["error"])
+        if not _well_formed(message["op"], reply):
+            self._kill()
+            raise _Died(PROTOCOL_ERROR)
         return reply
 
     def _ensure_started(self) -> None:
@@ -244,10 +261,12 @@ class Sandbox:
         if self._proc is not None:
             return
         info_read, info_write = os.pipe()
-        argv = self._command(info_write)
         try:
-            self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          pass_fds=(info_write,), start_new_session=True)
+            self._proc = subprocess.Popen(self._command(info_write), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, pass_fds=(info_write,), start_new_session=True)
+        except BaseException:
+            os.close(info_read)
+            raise
         finally:
             os.close(info_write)
         os.set_blocking(self._proc.stderr.fileno(), False)
@@ -268,6 +287,9 @@ class Sandbox:
             self._kill()
             self._load_error = EvaluatorError(f"loading evaluator.py: {hello['error']}")
             raise self._load_error
+        if hello.get("kind") not in ("reward_fn", "environment"):
+            self._kill()
+            raise EvaluatorError(f"loading evaluator.py: {PROTOCOL_ERROR}")
         self._kind = hello["kind"]
         self._pid = _child_of(json.loads(raw)["child-pid"])  # bwrap's reaper is pid 1 there; the worker its child
 
@@ -308,14 +330,14 @@ class Sandbox:
         (size,) = HEADER.unpack(header)
         if size > MAX_REPLY_BYTES:
             self._kill()
-            raise _Died(f"protocol error: a {size}-byte reply (the evaluator wrote to the sandbox's reply channel)")
+            raise _Died(PROTOCOL_ERROR)
         try:
             reply = json.loads(self._read(size, deadline, cpu_deadline))
             if not isinstance(reply, dict):
                 raise ValueError(reply)
         except ValueError:
             self._kill()
-            raise _Died("protocol error: an unreadable reply (the evaluator wrote to the sandbox's reply channel)")
+            raise _Died(PROTOCOL_ERROR)
         if reply.get("memory"):
             self._kill()
             raise _Died(f"killed: memory limit {self.limits.memory_mb} MB")

@@ -48,6 +48,15 @@ def reward_fn(completion, row):
         raise ValueError("no answer in " + repr(row["q"]))
     if completion == "environ":
         return float(len([k for k in row["names"] if k in os.environ]))
+    if completion == "forge":  # a reply of its own on every descriptor the worker holds open
+        import json, struct
+        body = json.dumps({"value": "abc"}).encode()
+        for fd in map(int, os.listdir("/proc/self/fd")):
+            try:
+                os.write(fd, struct.pack(">I", len(body)) + body) if fd > 2 else None
+            except OSError:
+                pass
+        return 1.0
     if completion == "list":
         return float(sum(len(os.listdir(p)) for p in row["paths"] if os.path.isdir(p)))
     if completion == "import":
@@ -154,6 +163,11 @@ def test_exceptions_and_non_numbers_are_per_row_errors(sandbox):
 def test_prints_do_not_corrupt_results_and_are_kept(sandbox):
     assert sandbox.score([("hello", {})]) == [Score(5.0)]
     assert "noise from the evaluator hello" in sandbox.stderr_tail()
+
+
+def test_a_forged_reply_is_a_protocol_error_not_a_result(sandbox):
+    score = _attack(sandbox, "forge")
+    assert score.value is None and score.error.startswith("protocol error"), score
 
 
 def test_the_environment_is_empty(sandbox):
