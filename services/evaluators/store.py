@@ -20,6 +20,7 @@ from services.common import blobrefs
 from services.common.blobstore import BlobStore
 from services.common.db import Database
 from services.common.errors import FailedPrecondition, InvalidArgument, not_found
+from services.common.quotas import check_quota
 from services.common.schema import Account, Evaluator, new_id, utcnow
 from services.evaluators.package import Package, PackageError, lay_out, read_package
 from services.evaluators.sandbox import EvaluatorError, Limits, Sandbox, SandboxUnavailable
@@ -94,11 +95,13 @@ def result_summary(results: Sequence[RowResult]) -> dict:
 
 
 class EvaluatorStore:
-    def __init__(self, db: Database, blobs: BlobStore, limits: Limits = Limits(), max_bytes: int = 1 << 20):
+    def __init__(self, db: Database, blobs: BlobStore, limits: Limits = Limits(), max_bytes: int = 1 << 20,
+                 max_per_account: int = 1000):
         self.db = db
         self.blobs = blobs
         self.limits = limits
         self.max_bytes = max_bytes
+        self.max_per_account = max_per_account
 
     # -- upload ----------------------------------------------------------------------------------------------------
     def upload(self, account_id: str, name: str, filename: str, content: bytes) -> Evaluator:
@@ -111,6 +114,8 @@ class EvaluatorStore:
             raise InvalidArgument("at most 256 characters", field="filename")
         if not content:
             raise InvalidArgument("empty: upload evaluator.py or a .zip / .tar.gz holding it", field="content")
+        with self.db.session() as s:  # refused before the sandbox runs when the count is already reached
+            self._check_quota(s, account_id)
         if len(content) > self.max_bytes:
             raise InvalidArgument(f"{len(content)} bytes is more than the {self.max_bytes >> 10} KB limit on an "
                                   "evaluator (raise TRAINYARD_MAX_EVALUATOR_KB on the scheduler)", field="content")
@@ -123,6 +128,7 @@ class EvaluatorStore:
             digest, size = save.put_bytes(content)
             with self.db.session() as s:
                 s.get(Account, account_id, with_for_update=True)  # one account's uploads number versions in turn
+                self._check_quota(s, account_id)
                 latest = s.scalar(select(func.max(Evaluator.version)).where(
                     Evaluator.account_id == account_id, Evaluator.name == name)) or 0
                 row = Evaluator(id=new_id("ev"), account_id=account_id, name=name, version=latest + 1, kind=kind,
@@ -130,6 +136,11 @@ class EvaluatorStore:
                                 created_at=utcnow())
                 s.add(row)
         return row
+
+    def _check_quota(self, s, account_id: str) -> None:
+        count = s.scalar(select(func.count()).select_from(Evaluator).where(Evaluator.account_id == account_id))
+        check_quota("max_evaluator_versions_per_account", self.max_per_account, count,
+                    "the account holds that many evaluator versions")
 
     def check_loads(self, package: Package) -> str:
         """Load the package in the sandbox: its kind, or INVALID_ARGUMENT with the Python error."""
