@@ -39,7 +39,11 @@ def reward_fn(completion, row):
             os.fork()
     if completion == "allocate":
         return float(len(bytearray(10 * 2**30)))
-    if completion == "spin":
+    if completion in ("spin", "spin past SIGXCPU"):
+        if completion == "spin past SIGXCPU":
+            import resource, signal
+            signal.signal(signal.SIGXCPU, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_CPU, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
         while True:
             pass
     if completion == "sleep":
@@ -143,6 +147,8 @@ def test_a_busy_loop_is_killed_on_cpu_time(tmp_path_factory):
     limits = Limits(cpu_s=1, memory_mb=512, wall_s=60, max_processes=8)  # the wall clock far off, on a busy host too
     with Sandbox(_code(tmp_path_factory, "spin", ATTACKS), limits=limits) as sandbox:
         assert _attack(sandbox, "spin") == Score(None, "killed: CPU limit 1 s")
+        # Ignoring SIGXCPU and lifting its own soft limit leaves the parent's watch on its CPU time.
+        assert _attack(sandbox, "spin past SIGXCPU") == Score(None, "killed: CPU limit 1 s")
 
 
 def test_sleeping_forever_is_killed_on_the_wall_clock(sandbox):
