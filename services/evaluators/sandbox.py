@@ -11,8 +11,9 @@ a user id of its own before it loads any evaluator code, so RLIMIT_NPROC binds (
 Limits and who enforces them: the worker sets its rlimits itself, first thing and before any evaluator code runs
 (not the parent between fork and exec, which is unsafe in a multi-threaded parent such as the gRPC server).
 - CPU seconds per call: RLIMIT_CPU, re-armed by the worker before each call to its CPU time so far + cpu_s (the
-  kernel's SIGXCPU ends it); the parent also polls the worker's CPU time while it waits and kills it past the limit,
-  for code that ignores SIGXCPU or raises its own soft limit. (Raising a hard limit from outside would need
+  kernel's SIGXCPU ends it); the parent also polls the CPU time of the worker and every process it started while it
+  waits and kills the sandbox past the limit, for code that ignores SIGXCPU, raises its own soft limit or spins in
+  forked children. (Raising a hard limit from outside would need
   CAP_SYS_RESOURCE, which containers often lack.)
 - memory: RLIMIT_AS on the worker and what it forks; a MemoryError in the evaluator also ends the worker.
 - wall clock per call: the parent stops waiting and kills the sandbox (bwrap dies, its pid namespace with it).
@@ -140,6 +141,20 @@ def _well_formed(op: str, reply: dict) -> bool:
         if not isinstance(value, kind) or (kind is float and not math.isfinite(value)):
             return False
     return True
+
+
+def _tree_cpu_ticks(pid: int) -> int:
+    """utime + stime of pid's threads, of its reaped children (cutime + cstime) and of its live descendants."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:  # gone meanwhile
+        return 0
+    try:
+        children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+                    for c in (task / "children").read_text().split()]
+    except OSError:  # exited meanwhile, or a kernel without children files: its own time only
+        children = []
+    return sum(int(f) for f in fields[11:15]) + sum(_tree_cpu_ticks(c) for c in children)
 
 
 def _child_of(pid: int) -> int:
@@ -318,12 +333,8 @@ class Sandbox:
         ]
 
     def _cpu_seconds(self) -> float:
-        """The worker's CPU time so far (utime + stime of all its threads), from the host's /proc."""
-        try:
-            fields = Path(f"/proc/{self._pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            return 0.0
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """CPU time of the worker and every process it started (and reaped) so far, from the host's /proc."""
+        return _tree_cpu_ticks(self._pid) / os.sysconf("SC_CLK_TCK") if self._pid else 0.0
 
     def _receive(self, deadline: float, cpu_deadline: float = math.inf) -> dict:
         header = self._read(HEADER.size, deadline, cpu_deadline)

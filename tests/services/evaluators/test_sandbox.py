@@ -39,6 +39,12 @@ def reward_fn(completion, row):
             os.fork()
     if completion == "allocate":
         return float(len(bytearray(10 * 2**30)))
+    if completion == "spin in children":
+        for _ in range(3):
+            if os.fork() == 0:
+                while True:
+                    pass
+        os.wait()
     if completion in ("spin", "spin past SIGXCPU"):
         if completion == "spin past SIGXCPU":
             import resource, signal
@@ -149,6 +155,8 @@ def test_a_busy_loop_is_killed_on_cpu_time(tmp_path_factory):
         assert _attack(sandbox, "spin") == Score(None, "killed: CPU limit 1 s")
         # Ignoring SIGXCPU and lifting its own soft limit leaves the parent's watch on its CPU time.
         assert _attack(sandbox, "spin past SIGXCPU") == Score(None, "killed: CPU limit 1 s")
+        # Children inherit the worker's soft limit, which counts from its own usage: the parent counts theirs too.
+        assert _attack(sandbox, "spin in children") == Score(None, "killed: CPU limit 1 s")
 
 
 def test_sleeping_forever_is_killed_on_the_wall_clock(sandbox):
