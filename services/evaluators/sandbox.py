@@ -256,13 +256,12 @@ class Sandbox:
             body = json.dumps(message, allow_nan=False).encode()
         except (TypeError, ValueError) as exc:
             raise _CallError(f"the row cannot be sent to the evaluator as JSON: {exc}") from None
-        cpu_deadline = self._cpu_seconds() + self.limits.cpu_s + CPU_GRACE_S
         try:
             self._proc.stdin.write(HEADER.pack(len(body)) + body)
             self._proc.stdin.flush()
         except (BrokenPipeError, OSError):
             pass  # it died; reading says how
-        reply = self._receive(time.monotonic() + self.limits.wall_s, cpu_deadline)
+        reply = self._receive(time.monotonic() + self.limits.wall_s)
         if isinstance(reply.get("error"), str):
             raise _CallError(reply["error"])
         if not _well_formed(message["op"], reply):
@@ -336,14 +335,18 @@ class Sandbox:
         """CPU time of the worker and every process it started (and reaped) so far, from the host's /proc."""
         return _tree_cpu_ticks(self._pid) / os.sysconf("SC_CLK_TCK") if self._pid else 0.0
 
-    def _receive(self, deadline: float, cpu_deadline: float = math.inf) -> dict:
-        header = self._read(HEADER.size, deadline, cpu_deadline)
+    def _receive(self, deadline: float) -> dict:
+        # The parent's CPU watch takes its baseline CPU_POLL_S into the call (a quick call costs no /proc reads):
+        # lenient by what ran before that, a backstop behind the kernel's SIGXCPU.
+        self._cpu_deadline: float | None = None
+        self._cpu_check_at = time.monotonic() + CPU_POLL_S
+        header = self._read(HEADER.size, deadline)
         (size,) = HEADER.unpack(header)
         if size > MAX_REPLY_BYTES:
             self._kill()
             raise _Died(PROTOCOL_ERROR)
         try:
-            reply = json.loads(self._read(size, deadline, cpu_deadline))
+            reply = json.loads(self._read(size, deadline))
             if not isinstance(reply, dict):
                 raise ValueError(reply)
         except ValueError:
@@ -354,22 +357,22 @@ class Sandbox:
             raise _Died(f"killed: memory limit {self.limits.memory_mb} MB")
         return reply
 
-    def _read(self, n: int, deadline: float, cpu_deadline: float) -> bytes:
+    def _read(self, n: int, deadline: float) -> bytes:
         out = self._proc.stdout
         data = b""
         while len(data) < n:
-            left = deadline - time.monotonic()
-            if left <= 0:
+            now = time.monotonic()
+            if now >= deadline:
                 self._kill()
                 raise _Died(f"killed: wall-clock limit {self.limits.wall_s:g} s")
+            if now >= self._cpu_check_at:
+                self._check_cpu()
             watched = [out, self._proc.stderr] if self._stderr_open else [out]
-            ready = select.select(watched, [], [], min(left, CPU_POLL_S))[0]
+            wait = min(deadline, self._cpu_check_at) - now
+            ready = select.select(watched, [], [], max(wait, 0.0))[0]
             if self._proc.stderr in ready:
                 self._drain_stderr()
             if out not in ready:
-                if self._cpu_seconds() > cpu_deadline:
-                    self._kill()
-                    raise _Died(f"killed: CPU limit {self.limits.cpu_s:g} s")
                 continue
             chunk = os.read(out.fileno(), n - len(data))
             if not chunk:
@@ -377,6 +380,15 @@ class Sandbox:
             data += chunk
         self._drain_stderr()  # the prints before the reply are in the pipe already
         return data
+
+    def _check_cpu(self) -> None:
+        self._cpu_check_at = time.monotonic() + CPU_POLL_S
+        used = self._cpu_seconds()
+        if self._cpu_deadline is None:
+            self._cpu_deadline = used + self.limits.cpu_s + CPU_GRACE_S
+        elif used > self._cpu_deadline:
+            self._kill()
+            raise _Died(f"killed: CPU limit {self.limits.cpu_s:g} s")
 
     def _death(self) -> str:
         """Why the worker ended on its own: the kernel's CPU kill, a memory failure, or a crash (with its stderr)."""

@@ -45,13 +45,14 @@ def reward_fn(completion, row):
                 while True:
                     pass
         os.wait()
-    if completion in ("spin", "spin past SIGXCPU"):
-        if completion == "spin past SIGXCPU":
+    if completion in ("spin", "spin past SIGXCPU", "print past SIGXCPU"):
+        if completion != "spin":
             import resource, signal
             signal.signal(signal.SIGXCPU, signal.SIG_IGN)
             resource.setrlimit(resource.RLIMIT_CPU, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
         while True:
-            pass
+            if completion == "print past SIGXCPU":
+                print("busy")
     if completion == "sleep":
         time.sleep(10**6)
     if completion == "raise":
@@ -155,6 +156,7 @@ def test_a_busy_loop_is_killed_on_cpu_time(tmp_path_factory):
         assert _attack(sandbox, "spin") == Score(None, "killed: CPU limit 1 s")
         # Ignoring SIGXCPU and lifting its own soft limit leaves the parent's watch on its CPU time.
         assert _attack(sandbox, "spin past SIGXCPU") == Score(None, "killed: CPU limit 1 s")
+        assert _attack(sandbox, "print past SIGXCPU") == Score(None, "killed: CPU limit 1 s")  # output flowing
         # Children inherit the worker's soft limit, which counts from its own usage: the parent counts theirs too.
         assert _attack(sandbox, "spin in children") == Score(None, "killed: CPU limit 1 s")
 
