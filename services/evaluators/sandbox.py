@@ -13,8 +13,7 @@ Limits and who enforces them: the worker sets its rlimits itself, first thing an
 - CPU seconds per call: RLIMIT_CPU, re-armed by the worker before each call to its CPU time so far + cpu_s (the
   kernel's SIGXCPU ends it); the parent also polls the CPU time of the worker and every process it started while it
   waits and kills the sandbox past the limit, for code that ignores SIGXCPU, raises its own soft limit or spins in
-  forked children. (Raising a hard limit from outside would need
-  CAP_SYS_RESOURCE, which containers often lack.)
+  forked children. (A hard limit re-armed from outside would need CAP_SYS_RESOURCE, which containers often lack.)
 - memory: RLIMIT_AS on the worker and what it forks; a MemoryError in the evaluator also ends the worker.
 - wall clock per call: the parent stops waiting and kills the sandbox (bwrap dies, its pid namespace with it).
 - processes: RLIMIT_NPROC under the sandbox's own uid, and whatever the evaluator started is killed after each call;
@@ -192,6 +191,8 @@ class Sandbox:
         self._stderr = bytearray()  # the last STDERR_TAIL_BYTES the worker wrote, across restarts
         self._stderr_open = False
         self._in_episode = False
+        self._cpu_deadline: float | None = None  # this call's, set by the CPU watch's first look (_check_cpu)
+        self._cpu_check_at = 0.0
 
     # -- public API ----------------------------------------------------------------------------------------------
     @property
@@ -338,7 +339,7 @@ class Sandbox:
     def _receive(self, deadline: float) -> dict:
         # The parent's CPU watch takes its baseline CPU_POLL_S into the call (a quick call costs no /proc reads):
         # lenient by what ran before that, a backstop behind the kernel's SIGXCPU.
-        self._cpu_deadline: float | None = None
+        self._cpu_deadline = None
         self._cpu_check_at = time.monotonic() + CPU_POLL_S
         header = self._read(HEADER.size, deadline)
         (size,) = HEADER.unpack(header)
