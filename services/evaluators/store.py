@@ -1,7 +1,8 @@
 """Evaluators as stored, versioned objects owned by an account: upload (validated, then version n+1 of its name),
 list, get, lay out for a run (verified against the sha256 its row holds), and "test on N rows".
 
-A reference to an evaluator is its name (the latest version), "name@N" (version N) or a version's id ("ev_...").
+A reference to an evaluator is its name (the latest version), "name@N" (version N) or a version's id ("ev_..."): the
+rules are services/common/evaluator_refs.py's.
 Another account's evaluator is "not found", like any object of another account.
 """
 from __future__ import annotations
@@ -19,14 +20,14 @@ from sqlalchemy import func, select
 from services.common import blobrefs
 from services.common.blobstore import BlobStore
 from services.common.db import Database
-from services.common.errors import FailedPrecondition, InvalidArgument, not_found
+from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.evaluator_refs import ID_PREFIX, find
 from services.common.quotas import check_quota
 from services.common.schema import Account, Evaluator, new_id, utcnow
 from services.evaluators.package import Package, PackageError, lay_out, read_package
 from services.evaluators.sandbox import EvaluatorError, Limits, Sandbox, SandboxUnavailable
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-ID_PREFIX = "ev_"
 
 
 @dataclass(frozen=True)
@@ -45,36 +46,6 @@ class EvaluationReport:
     elapsed_s: float
     stderr_tail: str = ""
     summary: dict = field(default_factory=dict)
-
-
-def parse_ref(ref: str) -> tuple[str, int | None, str]:
-    """(name, version or None for the latest, id): exactly one of name and id is set."""
-    ref = ref.strip()
-    if not ref:
-        raise InvalidArgument("required: an evaluator name, name@version or id", field="evaluator")
-    if ref.startswith(ID_PREFIX):
-        return "", None, ref
-    name, at, version = ref.partition("@")
-    if at:
-        if not version.isdigit() or int(version) < 1:
-            raise InvalidArgument(f"'{ref}': the version after '@' must be a number >= 1", field="evaluator")
-        return name, int(version), ""
-    return name, None, ""
-
-
-def find(session, account_id: str, ref: str) -> Evaluator:
-    name, version, ident = parse_ref(ref)
-    if ident:
-        row = session.get(Evaluator, ident)
-        if row is None or row.account_id != account_id:
-            raise not_found("evaluator", ref)
-        return row
-    query = select(Evaluator).where(Evaluator.account_id == account_id, Evaluator.name == name)
-    query = query.where(Evaluator.version == version) if version else query.order_by(Evaluator.version.desc())
-    row = session.scalars(query.limit(1)).first()
-    if row is None:
-        raise not_found("evaluator", ref)
-    return row
 
 
 def load_evaluator(db: Database, blobs: BlobStore, account_id: str, ref: str, dest: Path) -> Evaluator:

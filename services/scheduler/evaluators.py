@@ -6,7 +6,8 @@ import json
 from collections.abc import Sequence
 
 from services.common.errors import InvalidArgument, Violation
-from services.evaluators.store import EvaluationReport, EvaluatorStore, parse_ref
+from services.common.evaluator_refs import parse_ref
+from services.evaluators.store import EvaluationReport, EvaluatorStore
 from services.scheduler.datasets import DatasetStore
 
 DEFAULT_TEST_ROWS = 10
