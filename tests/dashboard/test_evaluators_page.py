@@ -80,3 +80,14 @@ def test_upload_list_and_test_on_rows(scheduler):
     assert list(results["reward"])[:2] == [1.0, 0.0] and list(results["error"])[2] == "KeyError: 'answer' (line 3)"
     with Client(url=url, api_key=key) as sdk:  # what the page shows is what the server stored
         assert [(e.name, e.version) for e in sdk.list_evaluators()] == [("exact", 1)]
+        rows = [{"prompt": f"{i}+{i}=", "completion": str(2 * i if i else 7), "answer": 2 * i} for i in range(5)]
+        ds, _ = sdk.upload_dataset("".join(json.dumps(r) + "\n" for r in rows).encode(), name="sums")
+
+    next(r for r in at.radio if r.label == "Rows from").set_value("A dataset").run()
+    next(s for s in at.selectbox if s.label == "Dataset").set_value(ds.id)
+    next(n for n in at.number_input if n.label == "Rows").set_value(3).run()
+    _button(at, "Test on 3 rows").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    results = at.dataframe[-1].value
+    assert list(results["completion"]) == ["7", "2", "4"] and list(results["reward"]) == [0.0, 1.0, 1.0]
+    assert "scoring 7" in at.code[-1].value  # what the evaluator printed
