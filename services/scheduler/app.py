@@ -140,7 +140,8 @@ def build(settings: SchedulerSettings) -> Server:
     deployments = DeploymentCore(db, rollout.load, rollout.unload, settings.max_deployments_per_account)
     datasets = DatasetStore(db, blobs, settings.max_dataset_mb * 1024 * 1024, settings.max_datasets_per_account,
                             settings.max_dataset_mb_per_account)
-    evaluators = EvaluatorCore(EvaluatorStore(db, blobs, settings.evaluator_limits(), settings.max_evaluator_kb << 10),
+    evaluators = EvaluatorCore(EvaluatorStore(db, blobs, settings.evaluator_limits(), settings.max_evaluator_kb << 10,
+                                              settings.max_evaluator_versions_per_account),
                                datasets, settings.max_evaluator_test_rows)
 
     def register(server) -> None:

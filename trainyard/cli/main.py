@@ -10,6 +10,7 @@ from google.protobuf import json_format
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
 
 from trainyard.cli.admin import admin
+from trainyard.cli.evaluators import evaluators
 from trainyard.cli.local import validate
 from trainyard.cli.method_flags import (
     flag_of,
@@ -523,6 +524,7 @@ def demo(data_dir, steps):
 
 
 cli.add_command(admin)
+cli.add_command(evaluators)
 cli.add_command(validate)
 
 
