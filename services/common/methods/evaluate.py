@@ -20,7 +20,7 @@ class EvalHyperparams(Resolved, EvalSettings):
     request_prefix: ClassVar[str] = METHODS["eval"].prefix
 
     def job_violations(self, s, account_id: str, base_model: str) -> list[Violation]:
-        from services.evaluators.store import find  # the evaluator store's reference rules (name, name@N, id)
+        from services.common.evaluator_refs import find  # the reference rules (name, name@N, id)
 
         out = []
         if not self.evaluator.strip():
