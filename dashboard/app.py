@@ -18,6 +18,7 @@ page = st.navigation([
     st.Page("pages_train.py", title="Train", icon=":material/model_training:", url_path="train"),
     st.Page("pages_jobs.py", title="Jobs", icon=":material/monitoring:", url_path="jobs"),
     st.Page("pages_playground.py", title="Playground", icon=":material/chat:", url_path="playground"),
+    st.Page("pages_evaluators.py", title="Evaluators", icon=":material/rule:", url_path="evaluators"),
 ])
 api.sidebar_connection()
 try:

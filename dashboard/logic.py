@@ -166,22 +166,29 @@ def plan_summary(plan: pb.JobPlan, model: pb.Model, dataset: pb.Dataset) -> list
     mem = plan.memory
     share = plan.trainable_parameters / plan.base_parameters if plan.base_parameters else 0.0
     steps = f"{plan.total_steps} step{'s' * (plan.total_steps != 1)}"
+    full = hp.get("full_parameter", False)
+    how = "every weight (full-parameter)" if full else \
+        f"a LoRA adapter of rank {hp['lora_rank']} (alpha {hp['lora_alpha']:g})"
+    how += f", by DPO (beta {hp['beta']:g})" if "beta" in hp else ""
+    unit = "pairs" if method.name == "dpo" else "sequences"
     lines = [
-        (f"Fine-tune **{md_escape(model.name)}** ({model.architecture}, {plan.base_parameters:,} parameters) with a "
-         f"LoRA adapter of rank {hp['lora_rank']} (alpha {hp['lora_alpha']:g}): {plan.trainable_parameters:,} "
-         f"trainable parameters ({share:.2%})."),
+        (f"Fine-tune **{md_escape(model.name)}** ({model.architecture}, {plan.base_parameters:,} parameters) with "
+         f"{how}: {plan.trainable_parameters:,} trainable parameters ({share:.2%})."),
         (f"Data: **{md_escape(dataset.name)}** ({format_name(dataset.format)}): {plan.train_rows} rows for training "
          f"and {plan.eval_rows} held out for the eval loss ({plan.skipped_rows} skipped); {plan.tokens_per_epoch:,} "
          f"tokens per epoch, {plan.target_tokens_per_epoch:,} of them with loss."),
-        (f"Length: {steps} of {hp['batch_size'] * hp['gradient_accumulation_steps']} sequences each "
+        (f"Length: {steps} of {hp['batch_size'] * hp['gradient_accumulation_steps']} {unit} each "
          f"({plan.epochs:.2f} epochs of {plan.steps_per_epoch} steps), learning rate {hp['learning_rate']:g} "
          f"({hp['lr_scheduler']}, {hp['warmup_steps']} warmup steps)."),
-        (f"Checkpoints: {plan.checkpoints} (every {hp['checkpoint_every']} steps and the final adapter, which you "
-         f"can deploy and try in the Playground); {plan.eval_passes} eval passes."),
+        (f"Checkpoints: {plan.checkpoints} (every {hp['checkpoint_every']} steps and the final "
+         + ("model, a whole model directory to download" if full else
+            "adapter, which you can deploy and try in the Playground")
+         + f"); {plan.eval_passes} eval passes."),
     ]
     held = mem.trainable_bytes + mem.gradient_bytes + mem.optimizer_bytes
     lines.append(f"Memory: about {mib(mem.total_bytes)} on {mem.device} ({mem.weights_dtype} weights "
-                 f"{mib(mem.weights_bytes)}, adapter + gradients + AdamW {mib(held)}, activations of the largest "
+                 f"{mib(mem.weights_bytes)}, {'' if full else 'adapter + '}gradients + AdamW {mib(held)}, "
+                 "activations of the largest "
                  f"micro-batch ({plan.largest_micro_batch_tokens:,} tokens) {mib(mem.activation_bytes)}, logprob "
                  f"head {mib(mem.logprob_chunk_bytes)}).")
     return lines

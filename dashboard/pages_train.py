@@ -1,4 +1,5 @@
-"""Train: choose a base model and a dataset, set the method's settings, read the plan, launch the job.
+"""Train: choose a method (trainyard.methods.METHODS), a base model and a dataset, set the method's settings, read
+the plan, launch the job.
 
 The inputs are generated from the method's declaration (trainyard/methods/: label, default, help with bounds); the
 values are checked by the server, not here: on every change the page asks PlanJob, which runs CreateJob's checks,
@@ -18,10 +19,10 @@ LAUNCHED = "launched_job"  # session state: id of the job launched from this pag
 JOB_ID = "job_id"  # session state: the job the Jobs page shows
 DEFAULT_MODEL = "tiny-qwen3"
 COLUMNS = 4
-METHOD = METHODS["sft"]
 
 client = api.require_client()
 st.title("Train")
+METHOD = METHODS[st.selectbox("Method", list(METHODS), format_func=lambda name: METHODS[name].title)]
 
 models = client.list_models()
 datasets = [d for d in client.list_datasets() if format_name(d.format) in METHOD.dataset_formats]

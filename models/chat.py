@@ -110,3 +110,26 @@ def tokenize_sft_example(tokenizer: PreTrainedTokenizerBase, row: dict, max_seq_
             f"SFT rows need either 'messages' or both 'prompt' and 'completion'; got keys {sorted(row)}"
         )
     return SftExample(input_ids=example.input_ids[:max_seq_len], loss_mask=example.loss_mask[:max_seq_len])
+
+
+def tokenize_preference_response(tokenizer: PreTrainedTokenizerBase, prompt, response, max_seq_len: int) -> SftExample:
+    """One side of a preference pair (a DPO row's prompt with its chosen or rejected response) as token ids + a loss
+    mask on the response's tokens only, truncated to max_seq_len (keeping the start).
+
+    Prompt and response both strings: raw text, as a prompt/completion row (the prompt with the tokenizer's special
+    tokens, the response ended by eos). Otherwise a conversation rendered with the chat template: a string prompt is
+    a user turn, a string response an assistant turn, and only the response's assistant turns are targets (assistant
+    turns inside a message-list prompt are context)."""
+    if max_seq_len < 1:
+        raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+    if isinstance(prompt, str) and isinstance(response, str):
+        example = _completion_example(tokenizer, prompt, response)
+    else:
+        prompt_messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        response_messages = [{"role": "assistant", "content": response}] if isinstance(response, str) else response
+        check_messages(tokenizer, prompt_messages)
+        check_messages(tokenizer, response_messages)
+        example = _chat_example(tokenizer, list(prompt_messages) + list(response_messages))
+        prompt_len = len(_render(tokenizer, list(prompt_messages), add_generation_prompt=True))
+        example = SftExample(example.input_ids, [0] * prompt_len + example.loss_mask[prompt_len:])
+    return SftExample(input_ids=example.input_ids[:max_seq_len], loss_mask=example.loss_mask[:max_seq_len])

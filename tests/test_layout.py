@@ -37,7 +37,9 @@ def test_no_import_cycles_between_service_folders():
     cycles = [folder for folder in graph if reaches(folder, folder, {folder})]
     assert cycles == [], f"import cycles through {cycles}: {graph}"
     assert graph["scheduler"] <= {"common", "evaluators"}, graph["scheduler"]  # it never imports training
-    assert graph["worker"] <= {"common", "trainer", "evaluators"}, graph["worker"]  # control flows down
+    # control flows down; the worker hosts rollout engines too (evaluation jobs sample in it)
+    assert graph["worker"] <= {"common", "trainer", "evaluators", "rollout"}, graph["worker"]
+    assert graph["rollout"] <= {"common", "weightsync"}, graph["rollout"]  # serving never imports training
     assert graph["evaluators"] <= {"common"}, graph["evaluators"]  # the sandbox: torch-free, under both
     assert "scheduler" not in graph["trainer"] and "worker" not in graph["trainer"]
 

@@ -51,9 +51,13 @@ def format_name(fmt: int) -> str:
     return pb.DatasetFormat.Name(fmt).removeprefix("DATASET_FORMAT_").lower()
 
 
-def job_spec(method: str, base_model: str, dataset_id: str, display_name: str = "", **settings) -> pb.JobSpec:
+def job_spec(method: str, base_model: str, dataset_id: str, display_name: str = "", *,
+             trainer_devices: int | None = None, rollout_devices: int | None = None, priority: int = 0,
+             **settings) -> pb.JobSpec:
     """A JobSpec of a method (trainyard.methods.METHODS) with the settings given; None leaves a setting unset (the
-    server's default). ValueError for an unknown method or setting (listing the known ones) or an unknown choice."""
+    server's default). ValueError for an unknown method or setting (listing the known ones) or an unknown choice.
+    trainer_devices / rollout_devices: the devices the job holds on one worker (None: the method's default);
+    priority: -10..10, higher starts first (docs/resources.md)."""
     m = find_method(method)
     known = [f.name for f in m.fields()]
     unknown = sorted(set(settings) - set(known))
@@ -63,6 +67,11 @@ def job_spec(method: str, base_model: str, dataset_id: str, display_name: str = 
     config = getattr(spec, m.config)
     config.SetInParent()  # the oneof names the method even when every setting is left to its default
     method_proto.write(m.settings, settings, config)
+    if trainer_devices is not None:
+        spec.resources.trainer_devices = trainer_devices
+    if rollout_devices is not None:
+        spec.resources.rollout_devices = rollout_devices
+    spec.priority = priority
     return spec
 
 
@@ -110,6 +119,7 @@ class Client:
         self.jobs = rpc.JobServiceStub(self._channel)
         self.checkpoints = rpc.CheckpointServiceStub(self._channel)
         self.deployments = rpc.DeploymentServiceStub(self._channel)
+        self.resources = rpc.ResourceServiceStub(self._channel)
         self.evaluators = rpc.EvaluatorServiceStub(self._channel)
         self.rollout = rollout_pb2_grpc.RolloutServiceStub(self._rollout_channel)
 
@@ -272,9 +282,20 @@ class Client:
         spec = job_spec(method, base_model, dataset_id, display_name, **settings)
         return self.jobs.CreateJob(pb.CreateJobRequest(spec=spec), **self._kw())
 
+    @translate
+    def list_devices(self) -> pb.ListDevicesResponse:
+        """The worker machines' devices (which of your jobs holds each, which are free), your device and queue quota
+        and your queued jobs with what each waits for."""
+        return self.resources.ListDevices(pb.ListDevicesRequest(), **self._kw())
+
     def create_sft_job(self, base_model: str, dataset_id: str, display_name: str = "", **settings) -> pb.Job:
         """Create a LoRA SFT job (settings: trainyard/methods/sft.py, e.g. learning_rate, max_steps, lora_rank)."""
         return self.create_job("sft", base_model, dataset_id, display_name, **settings)
+
+    def create_dpo_job(self, base_model: str, dataset_id: str, display_name: str = "", **settings) -> pb.Job:
+        """Create a DPO job on a preference dataset (settings: trainyard/methods/dpo.py, e.g. beta, full_parameter,
+        learning_rate, max_steps, lora_rank)."""
+        return self.create_job("dpo", base_model, dataset_id, display_name, **settings)
 
     def create_rft_job(self, base_model: str, dataset_id: str, evaluator: str, display_name: str = "",
                        **settings) -> pb.Job:

@@ -65,6 +65,10 @@ class Unauthenticated(TrainyardError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class PermissionDenied(TrainyardError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class ResourceExhausted(TrainyardError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 

@@ -173,10 +173,13 @@ class CallInterceptor(grpc.ServerInterceptor):
     Cancellation, checks the request, observes the call and translates exceptions, for all four RPC shapes."""
 
     def __init__(self, authenticate: Callable[[str | None], auth.Caller], account_calls: AccountCalls,
-                 auth_recheck_s: float = 2.0, count_streams: bool = True):
+                 auth_recheck_s: float = 2.0, count_streams: bool = True,
+                 authorize: Callable[[auth.Caller, str, object], None] | None = None):
         """count_streams: whether a server stream counts against its account's calls in flight for its whole life
-        (it holds a thread on a threaded server; not on the asyncio one)."""
+        (it holds a thread on a threaded server; not on the asyncio one). authorize: raises when the caller's key may
+        not make this call with this request (a job-scoped key, services/common/auth.py)."""
         self._authenticate = authenticate
+        self._authorize = authorize
         self._account_calls = account_calls
         self._recheck_s = auth_recheck_s
         self._count_streams = count_streams
@@ -188,7 +191,7 @@ class CallInterceptor(grpc.ServerInterceptor):
             return handler
         metadata = handler_call_details.invocation_metadata
         key = auth.key_from_metadata(metadata)
-        authenticate, recheck_s = self._authenticate, self._recheck_s
+        authenticate, recheck_s, authorize = self._authenticate, self._recheck_s, self._authorize
 
         counted = self._count_streams or not handler.unary_stream
         account_calls = self._account_calls if counted else None
@@ -210,15 +213,26 @@ class CallInterceptor(grpc.ServerInterceptor):
             if account_calls is not None:
                 account_calls.release(caller.account_id)
 
-        def checked(request, streamed: bool):
-            return request_checks.check_stream(request) if streamed else request_checks.check(request)
+        def checked(request, streamed: bool, caller: auth.Caller):
+            request = request_checks.check_stream(request) if streamed else request_checks.check(request)
+            if authorize is None or not caller.job_id:
+                return request
+            if not streamed:
+                authorize(caller, method, request)
+                return request
+
+            def each():
+                for message in request:
+                    authorize(caller, method, message)
+                    yield message
+            return each()
 
         def unary(fn, streamed: bool):
             def wrapped(request, context):
                 with observed(method, metadata, request, context):
                     entered = enter(context)
                     try:
-                        return fn(checked(request, streamed), context)
+                        return fn(checked(request, streamed, entered[0]), context)
                     except Exception as exc:  # noqa: BLE001 - the one place exceptions become statuses
                         _fail(context, method, exc)
                     finally:
@@ -231,7 +245,7 @@ class CallInterceptor(grpc.ServerInterceptor):
                     entered = enter(context)
                     live = _KeyWatch(authenticate, key, recheck_s)
                     try:
-                        for item in fn(checked(request, streamed), _StreamContext(context, live)):
+                        for item in fn(checked(request, streamed, entered[0]), _StreamContext(context, live)):
                             live.check()
                             yield item
                         live.check()  # a watch that stopped because the key was revoked says so
@@ -307,7 +321,7 @@ class Server:
 
     def __init__(self, spec: ServiceSpec, *, port: int, host: str, authenticate, workers: int,
                  max_message_mb: int, grace_s: float, max_calls_per_account: int, auth_recheck_s: float = 2.0,
-                 credentials: grpc.ServerCredentials | None = None, metrics_port: int = 0):
+                 credentials: grpc.ServerCredentials | None = None, metrics_port: int = 0, authorize=None):
         self.spec = spec
         self.grace_s = grace_s
         self.host, self.metrics_port = host, metrics_port
@@ -315,7 +329,7 @@ class Server:
         size = max_message_mb * 1024 * 1024
         self.account_calls = AccountCalls(max_calls_per_account, spec.name)
         self.interceptor = CallInterceptor(authenticate, self.account_calls, auth_recheck_s,
-                                           self.streams_hold_threads)
+                                           self.streams_hold_threads, authorize)
         self.server = self._grpc_server(workers, options=[
             ("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),
             ("grpc.so_reuseport", 0)])
@@ -397,7 +411,8 @@ def service_server(spec: ServiceSpec, settings, port: int, db, server_cls: type[
     shared settings and authenticating against db."""
     from services.common.auth import KeyAuthenticator
 
-    return server_cls(spec, port=port, host=settings.host, authenticate=KeyAuthenticator(db).authenticate,
+    keys = KeyAuthenticator(db)
+    return server_cls(spec, port=port, host=settings.host, authenticate=keys.authenticate, authorize=keys.authorize,
                       workers=settings.grpc_workers, max_message_mb=settings.grpc_max_message_mb,
                       grace_s=settings.shutdown_grace_s,
                       max_calls_per_account=settings.max_concurrent_calls_per_account,

@@ -23,6 +23,11 @@ class JobQueueSettings(TrainyardSettings):
     celery_queue: str = "trainyard"
     # Job leases: a worker heartbeats every heartbeat_s (the scheduler retries a job silent for worker_lost_after_s).
     heartbeat_s: float = Field(default=2.0, gt=0)
+    # Per-account quotas where an operator set none (`trainyard admin set-quota`; docs/resources.md), 0 = no limit:
+    # devices held at once by the account's running jobs (workers enforce it: a job over it waits, queued), and jobs
+    # queued at once (CreateJob refuses one more with RESOURCE_EXHAUSTED).
+    max_devices_per_account: int = Field(default=0, ge=0)
+    max_queued_jobs_per_account: int = Field(default=1000, ge=0)
 
     def broker(self) -> str:
         return self.broker_url or "filesystem://"

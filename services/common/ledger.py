@@ -7,17 +7,24 @@
 A running job is leased to one worker (worker_id). Every write a worker makes is conditional on still holding the
 lease, so a worker that was presumed lost (and whose job was handed to another) cannot overwrite the new attempt.
 Each transition is one transaction; timestamps are UTC.
+
+A worker starts a job with `claim_next` (the first queued job in queue order that its machine can hold now) or
+`claim_on` (one given job): the claim allocates the job's devices and issues its job-scoped API key in the same
+transaction (services/common/resources.py, services/common/auth.py). Every end of an attempt -- finish, abandon, the
+reaper's requeue -- releases the devices and revokes the key in the transaction that ends it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from sqlalchemy import delete, func, select, update
 
+from services.common import resources
+from services.common.auth import issue_job_key, revoke_job_keys
 from services.common.db import Database
-from services.common.schema import Checkpoint, Job, JobLog, JobMetric, new_id, utcnow
+from services.common.schema import Checkpoint, Device, Job, JobLog, JobMetric, new_id, utcnow
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 LEASE_EXPIRED = datetime(1970, 1, 1, tzinfo=timezone.utc)  # a heartbeat older than any worker_lost_after_s
@@ -28,10 +35,26 @@ class LeaseLost(Exception):
     """The job is no longer this worker's: it was cancelled, reaped or finished elsewhere."""
 
 
+@dataclass(frozen=True)
+class HeldDevice:
+    id: str
+    kind: str  # "gpu" | "cpu"
+    index: int
+    role: str  # "trainer" | "rollout"
+
+
 @dataclass
 class Claim:
     job: Job
     attempt: int
+    devices: list[HeldDevice] = field(default_factory=list)  # trainer devices first, then rollout devices
+    credential: str = ""  # the job-scoped API key of this attempt ("" for a claim without devices)
+
+
+def _end_attempt(s, job_id: str) -> None:
+    """What every end of an attempt does: its devices go back to the pool, its job-scoped key stops working."""
+    resources.release(s, job_id)
+    revoke_job_keys(s, job_id)
 
 
 class Ledger:
@@ -58,6 +81,7 @@ class Ledger:
                               .with_for_update(skip_locked=True)).all()
             for job in stale:
                 now = utcnow()
+                _end_attempt(s, job.id)
                 lost = job.worker_id
                 job.worker_id = ""
                 job.updated_at = now
@@ -83,13 +107,21 @@ class Ledger:
             return list(s.scalars(select(Job.id).where(Job.status == "queued", Job.dispatched_at.is_(None),
                                                        Job.updated_at < cutoff)))
 
+    def requeue_undispatched(self, job_id: str) -> bool:
+        """A delivered job that a worker did not start: if still queued, its message is spent, so the reaper's next
+        pass sends it again (undispatched). Whether it is still queued."""
+        with self.db.session() as s:
+            return s.execute(update(Job).where(Job.id == job_id, Job.status == "queued")
+                             .values(dispatched_at=None)).rowcount == 1
+
     def mark_dispatched(self, job_id: str) -> None:
         with self.db.session() as s:
             s.execute(update(Job).where(Job.id == job_id, Job.status == "queued").values(dispatched_at=utcnow()))
 
     # -- worker side ---------------------------------------------------------------------------------------------
     def claim(self, job_id: str, worker_id: str) -> Claim | None:
-        """Take a queued job. None when it is not queued (already running elsewhere, finished or cancelled)."""
+        """Take a queued job without allocating devices or issuing a key (tools and tests; workers use claim_next /
+        claim_on). None when it is not queued (already running elsewhere, finished or cancelled)."""
         now = utcnow()
         with self.db.session() as s:
             res = s.execute(update(Job).where(Job.id == job_id, Job.status == "queued", Job.cancel_requested.is_(False))
@@ -103,6 +135,63 @@ class Ledger:
             s.add(JobLog(job_id=job_id, level="info", created_at=now,
                          message=f"started on worker {worker_id} (attempt {job.attempts})"))
             return Claim(job=job, attempt=job.attempts)
+
+    def claim_next(self, worker_id: str, host: str, *, default_max_devices: int = 0,
+                   only: str | None = None) -> Claim | None:
+        """Start the first queued job, in queue order, that this machine (host) can hold now, or only that job: its
+        devices allocated and its job-scoped key issued, in one transaction serialized with every other claim.
+        Jobs looked at that must wait get the reason (wait_reason, a log line when it changes). None: nothing to
+        start here now. default_max_devices: the account device quota where no operator set one (0: none)."""
+        now = utcnow()
+        with self.db.session() as s:
+            resources.serialize_claims(s)
+            free = resources.free_devices(s, host)
+            total = int(s.scalar(select(func.count()).select_from(Device).where(Device.host == host)) or 0)
+            q = select(Job).where(Job.status == "queued", Job.cancel_requested.is_(False))
+            if only is not None:
+                q = q.where(Job.id == only)
+            queued = list(s.scalars(q))
+            held = dict(s.execute(select(Device.account_id, func.count()).where(Device.account_id.is_not(None))
+                                  .group_by(Device.account_id)).all())
+            last = resources.last_starts(s, {j.account_id for j in queued})
+            for job in resources.queue_order(queued, held, last):
+                need = job.trainer_devices + job.rollout_devices
+                if need > total:  # never on this machine; a bigger one may take it
+                    if only is not None:
+                        resources.note_wait(s, job, f"needs {need} devices on one worker; worker {host} has {total}")
+                    continue
+                limits = resources.account_limits(s, job.account_id, default_max_devices, 0)
+                using = held.get(job.account_id, 0)
+                if limits.max_devices and using + need > limits.max_devices:
+                    resources.note_wait(s, job, f"quota max_devices ({limits.max_devices}) reached: the account's "
+                                                f"running jobs hold {using} devices and this job needs {need}")
+                    continue
+                if need > len(free):
+                    resources.note_wait(s, job, f"waiting for {need} free devices on one worker (worker {host} has "
+                                                f"{len(free)} of {total} free)")
+                    break
+                res = s.execute(update(Job).where(Job.id == job.id, Job.status == "queued",
+                                                  Job.cancel_requested.is_(False))
+                                .values(status="running", worker_id=worker_id, heartbeat_at=now, updated_at=now,
+                                        attempts=Job.attempts + 1, wait_reason="")
+                                .execution_options(synchronize_session=False))
+                if res.rowcount != 1:
+                    continue
+                s.refresh(job)
+                if job.started_at is None:
+                    job.started_at = now
+                taken = resources.assign(s, job, free)
+                held_devices = [HeldDevice(d.id, d.kind, d.index, d.role) for d in taken]
+                s.add(JobLog(job_id=job.id, level="info", created_at=now,
+                             message=f"started on worker {worker_id} (attempt {job.attempts}) with "
+                                     + ", ".join(f"{d.kind}{d.index} ({d.role})" for d in held_devices)))
+                credential = issue_job_key(s, job)
+                return Claim(job=job, attempt=job.attempts, devices=held_devices, credential=credential)
+            return None
+
+    def claim_on(self, job_id: str, worker_id: str, host: str, *, default_max_devices: int = 0) -> Claim | None:
+        """claim_next for one job: None when it is not queued or must wait (its wait_reason says why)."""
+        return self.claim_next(worker_id, host, default_max_devices=default_max_devices, only=job_id)
 
     def _owned(self, s, job_id: str, worker_id: str) -> Job:
         job = s.get(Job, job_id, with_for_update=True)
@@ -168,6 +257,7 @@ class Ledger:
         checkpoint, or failed after max_job_attempts, or cancelled if that was asked. Raises LeaseLost."""
         with self.db.session() as s:
             job = self._owned(s, job_id, worker_id)
+            _end_attempt(s, job_id)
             job.heartbeat_at = LEASE_EXPIRED
             job.updated_at = utcnow()
             s.add(JobLog(job_id=job_id, level="error", created_at=utcnow(),
@@ -186,6 +276,7 @@ class Ledger:
         with self.db.session() as s:
             job = self._owned(s, job_id, worker_id)
             job.status, job.finished_at, job.updated_at = status, now, now
+            _end_attempt(s, job_id)
             job.error = error
             job.worker_id = ""
             if output_checkpoint_id:

@@ -63,6 +63,9 @@ class ApiKey(Base):
     key_hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(default=None)
+    # A job-scoped key (services/common/auth.py, "Job-scoped keys"): issued to the worker running the job, good only
+    # for that job's inputs, outputs, weights and deployment, and revoked when the job's attempt ends.
+    job_id: Mapped[str | None] = mapped_column(String(32), index=True, default=None)
 
 
 SHARED_SCOPE = "shared"
@@ -134,6 +137,41 @@ class Job(Base):
     dispatched_at: Mapped[datetime | None] = mapped_column(default=None)
     output_checkpoint_id: Mapped[str] = mapped_column(String(32), default="")
     latest_metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    # Resources (services/common/resources.py): the devices the job asks for on one worker, its queue priority
+    # (higher first) and, while it waits, why (a quota, free devices); "" once started.
+    trainer_devices: Mapped[int] = mapped_column(Integer, default=1)
+    rollout_devices: Mapped[int] = mapped_column(Integer, default=0)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    wait_reason: Mapped[str] = mapped_column(Text, default="")
+
+
+class Device(Base):
+    """One device of a worker machine's inventory (a GPU, or a CPU slot on a machine without GPUs), registered by
+    its workers at start and kept alive by their heartbeats; job_id is the job holding it (None: free)."""
+
+    __tablename__ = "devices"
+    __table_args__ = (UniqueConstraint("host", "kind", "index", name="uq_devices_host_kind_index"),)
+    id: Mapped[str] = mapped_column(String(200), primary_key=True)  # "<host>/<kind><index>"
+    host: Mapped[str] = mapped_column(String(160), index=True)
+    kind: Mapped[str] = mapped_column(String(8))  # "gpu" | "cpu"
+    index: Mapped[int] = mapped_column(Integer)
+    name: Mapped[str] = mapped_column(String(128), default="")
+    memory_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    job_id: Mapped[str | None] = mapped_column(String(32), index=True, default=None)
+    role: Mapped[str] = mapped_column(String(16), default="")  # "trainer" | "rollout" while held
+    account_id: Mapped[str | None] = mapped_column(String(32), index=True, default=None)  # the holding job's
+    registered_at: Mapped[datetime] = mapped_column(default=utcnow)
+    heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class AccountQuota(Base):
+    """An operator's limits for one account (`trainyard admin set-quota`); None: the worker/scheduler default."""
+
+    __tablename__ = "account_quotas"
+    account_id: Mapped[str] = mapped_column(ForeignKey("accounts.id"), primary_key=True)
+    max_devices: Mapped[int | None] = mapped_column(Integer, default=None)
+    max_queued_jobs: Mapped[int | None] = mapped_column(Integer, default=None)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
 class JobMetric(Base):

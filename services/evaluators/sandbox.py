@@ -8,14 +8,16 @@ dir at /scratch and a small tmpfs at /tmp; no network (its own empty net namespa
 no environment, no capabilities. When started as root, bwrap keeps the host's user namespace and the worker drops to
 a user id of its own before it loads any evaluator code, so RLIMIT_NPROC binds (the kernel never applies it to uid 0).
 
-Limits and who enforces them:
+Limits and who enforces them: the worker sets its rlimits itself, first thing and before any evaluator code runs
+(not the parent between fork and exec, which is unsafe in a multi-threaded parent such as the gRPC server).
 - CPU seconds per call: RLIMIT_CPU, re-armed by the worker before each call to its CPU time so far + cpu_s (the
-  kernel's SIGXCPU ends it); the parent also polls the worker's CPU time while it waits and kills it past the limit,
-  for code that ignores SIGXCPU or raises its own soft limit. (Raising a hard limit from outside would need
-  CAP_SYS_RESOURCE, which containers often lack.)
-- memory: RLIMIT_AS on the whole sandbox; a MemoryError in the evaluator also ends the worker.
+  kernel's SIGXCPU ends it); the parent also polls the CPU time of the worker and every process it started while it
+  waits and kills the sandbox past the limit, for code that ignores SIGXCPU, raises its own soft limit or spins in
+  forked children. (A hard limit re-armed from outside would need CAP_SYS_RESOURCE, which containers often lack.)
+- memory: RLIMIT_AS on the worker and what it forks; a MemoryError in the evaluator also ends the worker.
 - wall clock per call: the parent stops waiting and kills the sandbox (bwrap dies, its pid namespace with it).
-- processes: RLIMIT_NPROC under the sandbox's own uid; file size RLIMIT_FSIZE; open files RLIMIT_NOFILE.
+- processes: RLIMIT_NPROC under the sandbox's own uid, and whatever the evaluator started is killed after each call;
+  file size RLIMIT_FSIZE; open files RLIMIT_NOFILE; /tmp is a tmpfs of TMPFS_BYTES.
 A killed or crashed worker is restarted with a fresh scratch dir on the next call; the failing row gets the reason.
 Without bwrap, or where it cannot create namespaces, evaluators are refused (SandboxUnavailable): never run bare.
 """
@@ -24,7 +26,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
 import secrets
 import select
 import shutil
@@ -117,11 +118,56 @@ def _system_mounts(prefix: Path) -> list[str]:
             args += ["--perms", "0755", "--dir", str(parent)]
         args += ["--ro-bind", str(prefix), str(prefix)]
     base = {"base": str(prefix), "platbase": str(prefix)}
-    for key in ("purelib", "platlib"):
-        site = Path(sysconfig.get_paths(vars=base)[key])
-        if site.is_dir() and str(site) not in args:
+    sites = {Path(sysconfig.get_paths(vars=base)[key]) for key in ("purelib", "platlib")}
+    # The system's Python packages too (Debian's dist-packages under /usr): the standard library only, whatever
+    # sys.path an evaluator builds for itself.
+    sites |= {*Path("/usr/lib").glob("python3*/dist-packages"), *Path("/usr/local/lib").glob("python3*/*-packages")}
+    for site in sorted(sites):
+        if site.is_dir() and not site.is_symlink():
             args += ["--tmpfs", str(site)]
     return args
+
+
+PROTOCOL_ERROR = "protocol error: a reply that is not the sandbox's (the evaluator wrote to the reply channel)"
+_REPLY_TYPES = {"score": {"value": float}, "reset": {"observation": str},
+                "step": {"observation": str, "reward": float, "done": bool}}
+
+
+def _well_formed(op: str, reply: dict) -> bool:
+    """The worker's reply to op, as it sends them (a finite float reward, a str observation, a bool done)."""
+    for key, kind in _REPLY_TYPES[op].items():
+        value = reply.get(key)
+        if not isinstance(value, kind) or (kind is float and not math.isfinite(value)):
+            return False
+    return True
+
+
+def _tree_cpu_ticks(pid: int) -> int:
+    """utime + stime of pid's threads, of its reaped children (cutime + cstime) and of its live descendants."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:  # gone meanwhile
+        return 0
+    try:
+        children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+                    for c in (task / "children").read_text().split()]
+    except OSError:  # exited meanwhile, or a kernel without children files: its own time only
+        children = []
+    return sum(int(f) for f in fields[11:15]) + sum(_tree_cpu_ticks(c) for c in children)
+
+
+def _child_of(pid: int) -> int:
+    """The (one) child process of pid, from the host's /proc."""
+    try:
+        return int(Path(f"/proc/{pid}/task/{pid}/children").read_text().split()[0])
+    except (OSError, IndexError):  # a kernel without CONFIG_PROC_CHILDREN: look for the process whose parent it is
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    return int(stat.parent.name)
+            except (OSError, IndexError, ValueError):
+                continue
+    return 0  # gone already: the next call finds out how
 
 
 class Sandbox:
@@ -145,6 +191,8 @@ class Sandbox:
         self._stderr = bytearray()  # the last STDERR_TAIL_BYTES the worker wrote, across restarts
         self._stderr_open = False
         self._in_episode = False
+        self._cpu_deadline: float | None = None  # this call's, set by the CPU watch's first look (_check_cpu)
+        self._cpu_check_at = 0.0
 
     # -- public API ----------------------------------------------------------------------------------------------
     @property
@@ -161,7 +209,7 @@ class Sandbox:
         for completion, row in items:
             try:
                 scores.append(Score(self._call({"op": "score", "completion": completion, "row": row})["value"]))
-            except (_Died, _CallError) as exc:
+            except (_Died, _CallError, EvaluatorError) as exc:  # EvaluatorError: restarting it after a kill failed
                 scores.append(Score(None, str(exc)))
         return scores
 
@@ -209,15 +257,17 @@ class Sandbox:
             body = json.dumps(message, allow_nan=False).encode()
         except (TypeError, ValueError) as exc:
             raise _CallError(f"the row cannot be sent to the evaluator as JSON: {exc}") from None
-        cpu_deadline = self._cpu_seconds() + self.limits.cpu_s + CPU_GRACE_S
         try:
             self._proc.stdin.write(HEADER.pack(len(body)) + body)
             self._proc.stdin.flush()
         except (BrokenPipeError, OSError):
             pass  # it died; reading says how
-        reply = self._receive(time.monotonic() + self.limits.wall_s, cpu_deadline)
-        if "error" in reply:
+        reply = self._receive(time.monotonic() + self.limits.wall_s)
+        if isinstance(reply.get("error"), str):
             raise _CallError(reply["error"])
+        if not _well_formed(message["op"], reply):
+            self._kill()
+            raise _Died(PROTOCOL_ERROR)
         return reply
 
     def _ensure_started(self) -> None:
@@ -226,10 +276,12 @@ class Sandbox:
         if self._proc is not None:
             return
         info_read, info_write = os.pipe()
-        argv = self._command(info_write)
         try:
-            self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          pass_fds=(info_write,), preexec_fn=self._preexec, start_new_session=True)
+            self._proc = subprocess.Popen(self._command(info_write), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, pass_fds=(info_write,), start_new_session=True)
+        except BaseException:
+            os.close(info_read)
+            raise
         finally:
             os.close(info_write)
         os.set_blocking(self._proc.stderr.fileno(), False)
@@ -250,9 +302,11 @@ class Sandbox:
             self._kill()
             self._load_error = EvaluatorError(f"loading evaluator.py: {hello['error']}")
             raise self._load_error
+        if hello.get("kind") not in ("reward_fn", "environment"):
+            self._kill()
+            raise EvaluatorError(f"loading evaluator.py: {PROTOCOL_ERROR}")
         self._kind = hello["kind"]
-        init = json.loads(raw)["child-pid"]  # bwrap's reaper, pid 1 of the namespace; the worker is its child
-        self._pid = int(Path(f"/proc/{init}/task/{init}/children").read_text().split()[0])
+        self._pid = _child_of(json.loads(raw)["child-pid"])  # bwrap's reaper is pid 1 there; the worker its child
 
     def _command(self, info_fd: int) -> list[str]:
         python, prefix = _interpreter()
@@ -273,61 +327,53 @@ class Sandbox:
             "--perms", "1777", "--size", str(TMPFS_BYTES), "--tmpfs", "/tmp", "--proc", "/proc", "--dev", "/dev",
             "--hostname", "evaluator", "--chdir", "/scratch", "--clearenv", "--setenv", "HOME", "/scratch",
             "--setenv", "TMPDIR", "/tmp", "--setenv", "LANG", "C.UTF-8", "--info-fd", str(info_fd),
-            python, "-I", "-S", "-B", "/sandbox/worker.py", str(self._uid), str(self.limits.max_processes),
-            str(self.limits.cpu_s),
+            python, "-I", "-S", "-B", "/sandbox/worker.py", json.dumps({
+                "uid": self._uid, "max_processes": self.limits.max_processes, "cpu_s": self.limits.cpu_s,
+                "memory_bytes": self.limits.memory_mb << 20, "file_bytes": FILE_SIZE_BYTES, "open_files": OPEN_FILES}),
         ]
 
-    def _preexec(self) -> None:
-        """In the child before bwrap runs: the limits the whole sandbox inherits (CPU is re-armed per call)."""
-        memory = self.limits.memory_mb << 20
-        cpu = math.ceil(self.limits.cpu_s)
-        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, resource.RLIM_INFINITY))  # loading; the worker re-arms it
-        resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE_BYTES, FILE_SIZE_BYTES))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (OPEN_FILES, OPEN_FILES))
-
     def _cpu_seconds(self) -> float:
-        """The worker's CPU time so far (utime + stime of all its threads), from the host's /proc."""
-        try:
-            fields = Path(f"/proc/{self._pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            return 0.0
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """CPU time of the worker and every process it started (and reaped) so far, from the host's /proc."""
+        return _tree_cpu_ticks(self._pid) / os.sysconf("SC_CLK_TCK") if self._pid else 0.0
 
-    def _receive(self, deadline: float, cpu_deadline: float = math.inf) -> dict:
-        header = self._read(HEADER.size, deadline, cpu_deadline)
+    def _receive(self, deadline: float) -> dict:
+        # The parent's CPU watch takes its baseline CPU_POLL_S into the call (a quick call costs no /proc reads):
+        # lenient by what ran before that, a backstop behind the kernel's SIGXCPU.
+        self._cpu_deadline = None
+        self._cpu_check_at = time.monotonic() + CPU_POLL_S
+        header = self._read(HEADER.size, deadline)
         (size,) = HEADER.unpack(header)
         if size > MAX_REPLY_BYTES:
             self._kill()
-            raise _Died(f"protocol error: a {size}-byte reply (the evaluator wrote to the sandbox's reply channel)")
+            raise _Died(PROTOCOL_ERROR)
         try:
-            reply = json.loads(self._read(size, deadline, cpu_deadline))
+            reply = json.loads(self._read(size, deadline))
             if not isinstance(reply, dict):
                 raise ValueError(reply)
         except ValueError:
             self._kill()
-            raise _Died("protocol error: an unreadable reply (the evaluator wrote to the sandbox's reply channel)")
+            raise _Died(PROTOCOL_ERROR)
         if reply.get("memory"):
             self._kill()
             raise _Died(f"killed: memory limit {self.limits.memory_mb} MB")
         return reply
 
-    def _read(self, n: int, deadline: float, cpu_deadline: float) -> bytes:
+    def _read(self, n: int, deadline: float) -> bytes:
         out = self._proc.stdout
         data = b""
         while len(data) < n:
-            left = deadline - time.monotonic()
-            if left <= 0:
+            now = time.monotonic()
+            if now >= deadline:
                 self._kill()
                 raise _Died(f"killed: wall-clock limit {self.limits.wall_s:g} s")
+            if now >= self._cpu_check_at:
+                self._check_cpu()
             watched = [out, self._proc.stderr] if self._stderr_open else [out]
-            ready = select.select(watched, [], [], min(left, CPU_POLL_S))[0]
+            wait = min(deadline, self._cpu_check_at) - now
+            ready = select.select(watched, [], [], max(wait, 0.0))[0]
             if self._proc.stderr in ready:
                 self._drain_stderr()
             if out not in ready:
-                if self._cpu_seconds() > cpu_deadline:
-                    self._kill()
-                    raise _Died(f"killed: CPU limit {self.limits.cpu_s:g} s")
                 continue
             chunk = os.read(out.fileno(), n - len(data))
             if not chunk:
@@ -335,6 +381,15 @@ class Sandbox:
             data += chunk
         self._drain_stderr()  # the prints before the reply are in the pipe already
         return data
+
+    def _check_cpu(self) -> None:
+        self._cpu_check_at = time.monotonic() + CPU_POLL_S
+        used = self._cpu_seconds()
+        if self._cpu_deadline is None:
+            self._cpu_deadline = used + self.limits.cpu_s + CPU_GRACE_S
+        elif used > self._cpu_deadline:
+            self._kill()
+            raise _Died(f"killed: CPU limit {self.limits.cpu_s:g} s")
 
     def _death(self) -> str:
         """Why the worker ended on its own: the kernel's CPU kill, a memory failure, or a crash (with its stderr)."""

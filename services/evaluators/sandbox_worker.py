@@ -1,6 +1,7 @@
 """The process inside the evaluator sandbox (standard library only; it runs on the plain interpreter in isolated mode).
 
-It drops to the sandbox's user id (when started as root), caps its process count, loads /evaluator/evaluator.py and
+It drops to the sandbox's user id (when started as root), sets its limits (processes, address space, file size,
+open files, CPU), loads /evaluator/evaluator.py and
 answers length-prefixed JSON requests on its original stdin/stdout: `score`, `reset`, `step`. The evaluator's own
 prints go to stderr, so they cannot corrupt the protocol. Every exception the evaluator raises and every value that is
 not a number becomes an error reply; the CPU limit is re-armed here
@@ -90,18 +91,24 @@ class Worker:
 
 
 def main() -> None:
-    uid, max_processes, cpu_s = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+    config = json.loads(sys.argv[1])
+    cpu_s = config["cpu_s"]
     pid = os.getpid()
     requests = os.fdopen(os.dup(0), "rb", buffering=0)
     replies = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(os.open("/dev/null", os.O_RDONLY), 0)
     os.dup2(2, 1)  # the evaluator's prints go to stderr, never into the protocol
     sys.stdout = sys.stderr
-    if uid:
+    if config["uid"]:
         os.setgroups([])
-        os.setgid(uid)
-        os.setuid(uid)
-    resource.setrlimit(resource.RLIMIT_NPROC, (max_processes, max_processes))
+        os.setgid(config["uid"])
+        os.setuid(config["uid"])
+    # The limits, before any evaluator code runs (here rather than in the parent between fork and exec, which is not
+    # safe in a multi-threaded parent such as a gRPC server). NPROC binds now that the uid is the sandbox's own.
+    for name, value in (("RLIMIT_NPROC", config["max_processes"]), ("RLIMIT_AS", config["memory_bytes"]),
+                        ("RLIMIT_FSIZE", config["file_bytes"]), ("RLIMIT_NOFILE", config["open_files"])):
+        resource.setrlimit(getattr(resource, name), (value, value))
+    resource.setrlimit(resource.RLIMIT_CPU, (math.ceil(cpu_s), resource.RLIM_INFINITY))  # loading; re-armed per call
 
     def send(message: dict) -> None:
         if os.getpid() != pid:

@@ -18,6 +18,8 @@ class EvaluatorSettings(TrainyardSettings):
     # Upload size cap (the source file or the .zip / .tar.gz package), and how many rows one TestEvaluator may run.
     max_evaluator_kb: int = Field(default=1024, ge=1, le=1024)
     max_evaluator_test_rows: int = Field(default=100, ge=1, le=100)
+    # Quota: evaluator versions an account holds (each up to max_evaluator_kb in the object store).
+    max_evaluator_versions_per_account: int = Field(default=1000, ge=1)
 
     def evaluator_limits(self) -> Limits:
         return Limits(cpu_s=self.evaluator_cpu_s, memory_mb=self.evaluator_memory_mb, wall_s=self.evaluator_wall_s,

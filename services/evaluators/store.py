@@ -1,7 +1,8 @@
 """Evaluators as stored, versioned objects owned by an account: upload (validated, then version n+1 of its name),
 list, get, lay out for a run (verified against the sha256 its row holds), and "test on N rows".
 
-A reference to an evaluator is its name (the latest version), "name@N" (version N) or a version's id ("ev_...").
+A reference to an evaluator is its name (the latest version), "name@N" (version N) or a version's id ("ev_..."): the
+rules are services/common/evaluator_refs.py's.
 Another account's evaluator is "not found", like any object of another account.
 """
 from __future__ import annotations
@@ -19,13 +20,14 @@ from sqlalchemy import func, select
 from services.common import blobrefs
 from services.common.blobstore import BlobStore
 from services.common.db import Database
-from services.common.errors import FailedPrecondition, InvalidArgument, not_found
+from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.evaluator_refs import ID_PREFIX, find
+from services.common.quotas import check_quota
 from services.common.schema import Account, Evaluator, new_id, utcnow
 from services.evaluators.package import Package, PackageError, lay_out, read_package
 from services.evaluators.sandbox import EvaluatorError, Limits, Sandbox, SandboxUnavailable
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-ID_PREFIX = "ev_"
 
 
 @dataclass(frozen=True)
@@ -46,36 +48,6 @@ class EvaluationReport:
     summary: dict = field(default_factory=dict)
 
 
-def parse_ref(ref: str) -> tuple[str, int | None, str]:
-    """(name, version or None for the latest, id): exactly one of name and id is set."""
-    ref = ref.strip()
-    if not ref:
-        raise InvalidArgument("required: an evaluator name, name@version or id", field="evaluator")
-    if ref.startswith(ID_PREFIX):
-        return "", None, ref
-    name, at, version = ref.partition("@")
-    if at:
-        if not version.isdigit() or int(version) < 1:
-            raise InvalidArgument(f"'{ref}': the version after '@' must be a number >= 1", field="evaluator")
-        return name, int(version), ""
-    return name, None, ""
-
-
-def find(session, account_id: str, ref: str) -> Evaluator:
-    name, version, ident = parse_ref(ref)
-    if ident:
-        row = session.get(Evaluator, ident)
-        if row is None or row.account_id != account_id:
-            raise not_found("evaluator", ref)
-        return row
-    query = select(Evaluator).where(Evaluator.account_id == account_id, Evaluator.name == name)
-    query = query.where(Evaluator.version == version) if version else query.order_by(Evaluator.version.desc())
-    row = session.scalars(query.limit(1)).first()
-    if row is None:
-        raise not_found("evaluator", ref)
-    return row
-
-
 def load_evaluator(db: Database, blobs: BlobStore, account_id: str, ref: str, dest: Path) -> Evaluator:
     """Lay out the evaluator's code in dest (evaluator.py and its modules), verified against its row's sha256, for a
     Sandbox(dest) to run; returns its row. NotFound for another account's evaluator; DataLoss for damaged bytes."""
@@ -94,11 +66,13 @@ def result_summary(results: Sequence[RowResult]) -> dict:
 
 
 class EvaluatorStore:
-    def __init__(self, db: Database, blobs: BlobStore, limits: Limits = Limits(), max_bytes: int = 1 << 20):
+    def __init__(self, db: Database, blobs: BlobStore, limits: Limits = Limits(), max_bytes: int = 1 << 20,
+                 max_per_account: int = 1000):
         self.db = db
         self.blobs = blobs
         self.limits = limits
         self.max_bytes = max_bytes
+        self.max_per_account = max_per_account
 
     # -- upload ----------------------------------------------------------------------------------------------------
     def upload(self, account_id: str, name: str, filename: str, content: bytes) -> Evaluator:
@@ -111,6 +85,8 @@ class EvaluatorStore:
             raise InvalidArgument("at most 256 characters", field="filename")
         if not content:
             raise InvalidArgument("empty: upload evaluator.py or a .zip / .tar.gz holding it", field="content")
+        with self.db.session() as s:  # refused before the sandbox runs when the count is already reached
+            self._check_quota(s, account_id)
         if len(content) > self.max_bytes:
             raise InvalidArgument(f"{len(content)} bytes is more than the {self.max_bytes >> 10} KB limit on an "
                                   "evaluator (raise TRAINYARD_MAX_EVALUATOR_KB on the scheduler)", field="content")
@@ -123,6 +99,7 @@ class EvaluatorStore:
             digest, size = save.put_bytes(content)
             with self.db.session() as s:
                 s.get(Account, account_id, with_for_update=True)  # one account's uploads number versions in turn
+                self._check_quota(s, account_id)
                 latest = s.scalar(select(func.max(Evaluator.version)).where(
                     Evaluator.account_id == account_id, Evaluator.name == name)) or 0
                 row = Evaluator(id=new_id("ev"), account_id=account_id, name=name, version=latest + 1, kind=kind,
@@ -130,6 +107,11 @@ class EvaluatorStore:
                                 created_at=utcnow())
                 s.add(row)
         return row
+
+    def _check_quota(self, s, account_id: str) -> None:
+        count = s.scalar(select(func.count()).select_from(Evaluator).where(Evaluator.account_id == account_id))
+        check_quota("max_evaluator_versions_per_account", self.max_per_account, count,
+                    "the account holds that many evaluator versions")
 
     def check_loads(self, package: Package) -> str:
         """Load the package in the sandbox: its kind, or INVALID_ARGUMENT with the Python error."""

@@ -65,7 +65,7 @@ def build(settings: RolloutSettings) -> Server:
     spec = ServiceSpec(name="rollout", register=register, on_shutdown=shutdown, background=[stop_rendering],
                        service_names=[rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name])
     if settings.openai_port:
-        http = OpenAIServer(core, KeyAuthenticator(db).authenticate, host=settings.host, port=settings.openai_port,
+        http = OpenAIServer(core, KeyAuthenticator(db).account_key, host=settings.host, port=settings.openai_port,
                             max_requests=settings.openai_max_requests, grace_s=settings.shutdown_grace_s,
                             tls=dict(cert_file=settings.tls_cert_file, key_file=settings.tls_key_file,
                                      client_ca_file=settings.tls_client_ca_file))

@@ -32,7 +32,9 @@ from services.scheduler.servicer import (
     EvaluatorServicer,
     JobServicer,
     ModelServicer,
+    ResourceServicer,
 )
+from services.scheduler.devices import DeviceCore
 from services.scheduler.settings import SchedulerSettings
 from trainyard.v1 import rollout_pb2, rollout_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc as rpc
 
@@ -129,11 +131,17 @@ def build(settings: SchedulerSettings) -> Server:
     stopping = threading.Event()
     accounts = AccountCore(db, blobs, settings.model_import_roots, [settings.data_dir, settings.blob_dir])
     planner = Planner(blobs)
-    jobs = JobCore(db, ledger, dispatch, settings.watch_poll_s, stopping, planner)
+    jobs = JobCore(db, ledger, dispatch, settings.watch_poll_s, stopping, planner,
+                   live_within_s=settings.worker_lost_after_s,
+                   max_queued_jobs_per_account=settings.max_queued_jobs_per_account,
+                   max_devices_per_account=settings.max_devices_per_account)
+    devices = DeviceCore(db, settings.worker_lost_after_s, settings.max_devices_per_account,
+                         settings.max_queued_jobs_per_account)
     deployments = DeploymentCore(db, rollout.load, rollout.unload, settings.max_deployments_per_account)
     datasets = DatasetStore(db, blobs, settings.max_dataset_mb * 1024 * 1024, settings.max_datasets_per_account,
                             settings.max_dataset_mb_per_account)
-    evaluators = EvaluatorCore(EvaluatorStore(db, blobs, settings.evaluator_limits(), settings.max_evaluator_kb << 10),
+    evaluators = EvaluatorCore(EvaluatorStore(db, blobs, settings.evaluator_limits(), settings.max_evaluator_kb << 10,
+                                              settings.max_evaluator_versions_per_account),
                                datasets, settings.max_evaluator_test_rows)
 
     def register(server) -> None:
@@ -143,6 +151,7 @@ def build(settings: SchedulerSettings) -> Server:
         rpc.add_JobServiceServicer_to_server(JobServicer(jobs), server)
         rpc.add_CheckpointServiceServicer_to_server(CheckpointServicer(accounts), server)
         rpc.add_DeploymentServiceServicer_to_server(DeploymentServicer(deployments), server)
+        rpc.add_ResourceServiceServicer_to_server(ResourceServicer(devices), server)
         rpc.add_EvaluatorServiceServicer_to_server(EvaluatorServicer(evaluators), server)
 
     def shutdown() -> None:
@@ -152,7 +161,7 @@ def build(settings: SchedulerSettings) -> Server:
 
     names = [scheduler_pb2.DESCRIPTOR.services_by_name[n].full_name for n in
              ("AccountService", "ModelService", "DatasetService", "JobService", "CheckpointService",
-              "DeploymentService", "EvaluatorService")]
+              "DeploymentService", "ResourceService", "EvaluatorService")]
     spec = ServiceSpec(name="scheduler", register=register, service_names=names, on_shutdown=shutdown,
                        background=[reaper_loop(settings, ledger, dispatch)], stopping=stopping)
     server = service_server(spec, settings, settings.scheduler_port, db)

@@ -73,6 +73,8 @@ def job_spec(method: str, base_model: str, dataset_id: str, display_name: str, c
 
 def job(j: schema.Job) -> pb.Job:
     spec = job_spec(j.method, j.base_model, j.dataset_id, j.display_name, j.config)
+    spec.resources.trainer_devices, spec.resources.rollout_devices = j.trainer_devices, j.rollout_devices
+    spec.priority = j.priority
     return pb.Job(
         id=j.id, spec=spec, status=JOB_STATUS[j.status], created_at=ts(j.created_at), started_at=ts(j.started_at),
         finished_at=ts(j.finished_at), error=j.error, step=j.step, total_steps=j.total_steps, attempts=j.attempts,
@@ -97,7 +99,7 @@ def job_log(entry: schema.JobLog) -> pb.JobLog:
 
 def checkpoint(c: schema.Checkpoint) -> pb.Checkpoint:
     return pb.Checkpoint(
-        id=c.id, job_id=c.job_id or "", step=c.step, kind=CHECKPOINT_KIND[c.kind], base_model=c.base_model,
+        id=c.id, job_id=c.job_id or "", step=c.step, kind=CHECKPOINT_KIND.get(c.kind, pb.CHECKPOINT_KIND_UNSPECIFIED), base_model=c.base_model,
         files=[pb.CheckpointFile(path=f["path"], sha256=f["sha256"], size_bytes=f["size_bytes"]) for f in c.files],
         final=c.final, metrics={k: float(v) for k, v in (c.metrics or {}).items()}, created_at=ts(c.created_at),
         session_id=c.session_id or "", name=c.name,

@@ -27,6 +27,7 @@ from services.common.errors import (
     not_found,
 )
 from services.common.quotas import check_quota
+from services.common.methods.evaluate import RESULT_KIND
 from services.common.schema import Account, Checkpoint, Deployment, Job, WeightLineage, new_id, utcnow
 
 log = logging.getLogger("trainyard.deployments")
@@ -107,7 +108,11 @@ class DeploymentCore:
                 raise FailedPrecondition(f"job '{job_id}' is {job.status}; only a succeeded job can be deployed "
                                          "(or deploy one of its checkpoints by checkpoint_id)")
             checkpoint_id = job.output_checkpoint_id
-        return registry.get_checkpoint(s, account_id, checkpoint_id)
+        ckpt = registry.get_checkpoint(s, account_id, checkpoint_id)
+        if ckpt.kind == RESULT_KIND:
+            raise FailedPrecondition(f"checkpoint '{ckpt.id}' holds an evaluation's results, not weights; deploy the "
+                                     "checkpoint it evaluated")
+        return ckpt
 
     def _set(self, dep_id: str, **fields) -> Deployment:
         with self.db.session() as s:

@@ -6,6 +6,7 @@ import json
 from collections.abc import Sequence
 
 from services.common.errors import InvalidArgument, Violation
+from services.common.evaluator_refs import parse_ref
 from services.evaluators.store import EvaluationReport, EvaluatorStore
 from services.scheduler.datasets import DatasetStore
 
@@ -30,6 +31,7 @@ class EvaluatorCore:
 
     def test(self, account_id: str, ref: str, rows: Sequence[str], completions: Sequence[str], dataset_id: str,
              num_rows: int) -> EvaluationReport:
+        parse_ref(ref)
         if rows and dataset_id:
             raise InvalidArgument("give rows or a dataset, not both", field="dataset_id")
         if dataset_id:
@@ -55,7 +57,7 @@ def _parse_rows(rows: Sequence[str]) -> list[dict]:
     for i, text in enumerate(rows, 1):
         try:
             row = json.loads(text)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than the parser goes
             problems.append(Violation(field="rows", reason=f"not JSON: {exc}", row=i))
             continue
         if not isinstance(row, dict):

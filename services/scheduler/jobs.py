@@ -5,16 +5,17 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from services.common import registry
 from services.common.db import Database
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable, Violation, not_found
+from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable, not_found
 from services.common.methods import HYPERPARAMS
 from services.common.methods.resolved import Resolved, model_violations
 from services.common.schema import Dataset, Job, JobLog, JobMetric, Model, new_id, utcnow
 from services.common.ledger import TERMINAL, Ledger
-from services.evaluators.store import find as find_evaluator
+from services.common.quotas import quota_reached
+from services.common.resources import Inventory, ResourceRequest, account_limits, check_fits, resolve_request
 from services.scheduler.planner import Planner
 from trainyard.methods import METHODS, Method
 
@@ -26,6 +27,10 @@ class NewJob:
     dataset_id: str
     display_name: str
     config: dict  # the method's settings as given (unset ones left out or None), validated here
+    # Resources (docs/resources.md): devices on one worker (None: the method's default) and the queue priority.
+    trainer_devices: int | None = None
+    rollout_devices: int | None = None
+    priority: int = 0
 
 
 @dataclass
@@ -36,6 +41,7 @@ class CheckedJob:
     model: Model
     dataset: Dataset
     settings: Resolved
+    resources: ResourceRequest
 
 
 @dataclass
@@ -46,7 +52,13 @@ class WatchItem:
 
 class JobCore:
     def __init__(self, db: Database, ledger: Ledger, dispatch: Callable[[str], None], poll_s: float,
-                 stopping: threading.Event, planner: Planner | None = None):
+                 stopping: threading.Event, planner: Planner | None = None, *, live_within_s: float = 30.0,
+                 max_queued_jobs_per_account: int = 0, max_devices_per_account: int = 0):
+        """live_within_s: a worker machine heard from within it counts when a request is checked against the
+        inventory; the two quotas: the defaults where an operator set none (0: no limit)."""
+        self.live_within_s = live_within_s
+        self.max_queued_jobs_per_account = max_queued_jobs_per_account
+        self.max_devices_per_account = max_devices_per_account
         self.db = db
         self.ledger = ledger
         self.dispatch = dispatch
@@ -72,30 +84,45 @@ class JobCore:
             raise InvalidArgument(f"dataset '{ds.id}' is in {ds.format} format; {method.name} needs "
                                   f"{' or '.join(method.dataset_formats)} rows", field="spec.dataset_id")
         settings, problems = HYPERPARAMS[method.name].check_request(req.config, prefix=method.prefix)
+        with self.db.session() as s:
+            problems += settings.job_violations(s, account_id, model.name)
         wrong = {v.field for v in problems}  # a value already reported is checked against the model no further
         problems += [v for v in model_violations(settings, model.path, model.max_position_embeddings,
                                                  prefix=method.prefix) if v.field not in wrong]
-        for name, ref in settings.evaluator_refs().items():
-            field = method.prefix + name
-            if field not in wrong:
-                problems += evaluator_violations(self.db, account_id, ref, field)
+        resources, resource_problems = resolve_request(method.name, req.trainer_devices, req.rollout_devices,
+                                                       req.priority)
+        problems += resource_problems
         if problems:
             raise InvalidArgument(violations=problems)
-        return CheckedJob(method, model, ds, settings)
+        check_fits(resources, Inventory(self.db).largest(self.live_within_s))
+        return CheckedJob(method, model, ds, settings, resources)
 
     def plan(self, account_id: str, req: NewJob) -> tuple[CheckedJob, dict]:
         """The checked request and its plan (services/scheduler/planner.py); nothing is stored."""
         checked = self.check(account_id, req)
+        if not checked.method.trains:
+            raise InvalidArgument(f"PlanJob plans training jobs; a {checked.method.name} job trains nothing",
+                                  field="spec.method")
         return checked, self.planner.plan(checked.method.name, checked.model.path, checked.dataset.sha256,
                                           checked.settings.to_json(), what=f"dataset {checked.dataset.id}")
 
     def create(self, account_id: str, req: NewJob) -> Job:
         checked = self.check(account_id, req)
+        r = checked.resources
         with self.db.session() as s:
+            limit = account_limits(s, account_id, self.max_devices_per_account,
+                                   self.max_queued_jobs_per_account).max_queued_jobs
+            if limit:
+                queued = s.scalar(select(func.count()).select_from(Job).where(Job.account_id == account_id,
+                                                                              Job.status == "queued"))
+                if queued + 1 > limit:
+                    raise quota_reached("max_queued_jobs_per_account", limit,
+                                        f"the account has {queued} jobs queued; wait for some to start, or cancel some")
             job = Job(id=new_id("job"), account_id=account_id, display_name=req.display_name[:256],
                       method=checked.method.name, base_model=checked.model.name, model_path=checked.model.path,
                       dataset_id=checked.dataset.id, config=checked.settings.to_json(), status="queued",
-                      created_at=utcnow(), updated_at=utcnow())
+                      created_at=utcnow(), updated_at=utcnow(), trainer_devices=r.trainer_devices,
+                      rollout_devices=r.rollout_devices, priority=r.priority, wait_reason="")
             s.add(job)
             s.add(JobLog(job_id=job.id, level="info", message="queued", created_at=utcnow()))
         try:
@@ -187,19 +214,3 @@ class JobCore:
                 if self.stopping.is_set():
                     raise Unavailable("the scheduler is shutting down; watch again to continue")
                 return
-
-
-def evaluator_violations(db, account_id: str, ref: str, field: str) -> list[Violation]:
-    """Why the account cannot score a job with the evaluator ref (empty when it can): it must hold it, as a
-    reward_fn (an Environment scores episodes, not single completions)."""
-    try:
-        with db.session() as s:
-            row = find_evaluator(s, account_id, ref)
-    except NotFound as exc:
-        return [Violation(field=field, reason=f"{exc.message}: upload it first")]
-    except InvalidArgument as exc:
-        return [Violation(field=field, reason=v.reason) for v in exc.violations]
-    if row.kind != "reward_fn":
-        return [Violation(field=field, reason=f"evaluator {ref!r} is an Environment; this job needs a "
-                                              "reward_fn(completion, row)")]
-    return []

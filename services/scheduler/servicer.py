@@ -11,6 +11,9 @@ from services.scheduler.accounts import AccountCore
 from services.common.streams import split_header
 from services.scheduler.datasets import DatasetStore, UploadHeader
 from services.scheduler.deployments import DeploymentCore
+from services.scheduler.devices import DeviceCore
+
+
 from services.scheduler.evaluators import EvaluatorCore
 from services.scheduler.jobs import JobCore, NewJob
 from trainyard.methods import BY_PROTO, proto as method_proto
@@ -129,7 +132,11 @@ def _new_job(spec: pb.JobSpec) -> NewJob:
     if spec.WhichOneof("config") not in (None, method.config):
         raise InvalidArgument(f"a {method.name} job takes spec.{method.config}", field="spec.config")
     given = method_proto.read(method.settings, getattr(spec, method.config))
-    return NewJob(method.name, spec.base_model, spec.dataset_id, spec.display_name, given)
+    r = spec.resources
+    return NewJob(method.name, spec.base_model, spec.dataset_id, spec.display_name, given,
+                  trainer_devices=r.trainer_devices if r.HasField("trainer_devices") else None,
+                  rollout_devices=r.rollout_devices if r.HasField("rollout_devices") else None,
+                  priority=spec.priority)
 
 
 class JobServicer(rpc.JobServiceServicer):
@@ -214,6 +221,28 @@ class DeploymentServicer(rpc.DeploymentServiceServicer):
         caller = current_caller()
         dep = self.core.delete(caller.account_id, caller.api_key, request.id)
         return convert.deployment(dep, self.core.job_of(dep))
+
+
+class ResourceServicer(rpc.ResourceServiceServicer):
+    def __init__(self, core: DeviceCore):
+        self.core = core
+
+    def ListDevices(self, request, context):
+        r = self.core.list(current_caller().account_id)
+        devices = []
+        for v in r.devices:
+            d = v.device
+            devices.append(pb.Device(id=d.id, host=d.host, kind=d.kind, index=d.index, name=d.name,
+                                     memory_bytes=d.memory_bytes, free=d.job_id is None,
+                                     job_id=d.job_id if v.mine else "", role=d.role if v.mine else "",
+                                     held_by_other_account=d.job_id is not None and not v.mine, live=v.live,
+                                     heartbeat_at=convert.ts(d.heartbeat_at)))
+        return pb.ListDevicesResponse(
+            devices=devices,
+            quota=pb.DeviceQuota(max_devices=r.max_devices, devices_in_use=r.devices_in_use,
+                                 max_queued_jobs=r.max_queued_jobs, queued_jobs=len(r.queued)),
+            queue=[pb.DeviceQueueEntry(job_id=j.id, priority=j.priority, devices=j.trainer_devices + j.rollout_devices,
+                                       wait_reason=j.wait_reason) for j in r.queued])
 
 
 class EvaluatorServicer(rpc.EvaluatorServiceServicer):

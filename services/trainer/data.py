@@ -1,4 +1,6 @@
-"""SFT data: JSONL rows -> token ids + loss masks, the train/eval split, and seeded micro-batches.
+"""Training data of the managed methods: JSONL rows -> token ids + loss masks, the train/eval split, and seeded
+micro-batches. SFT's examples are one sequence each; DPO's (PreferencePair) are two, the chosen and the rejected
+response to one prompt, whose micro-batches pack chosen_0, rejected_0, chosen_1, rejected_1, ... (collate_pairs).
 
 Shapes: a micro-batch is one row (B = 1) of N tokens: its examples back to back, padding-free (models' Packing: each
 example attends only to itself, positions restart at 0); inputs are an example's tokens 0..n-2, targets 1..n-1.
@@ -19,7 +21,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from kernels import Packing
-from models.chat import SftExample, tokenize_sft_example
+from models.chat import SftExample, tokenize_preference_response, tokenize_sft_example
 
 IGNORE_INDEX = -100  # target id of positions that carry no loss (prompt tokens, padding)
 
@@ -111,17 +113,18 @@ def collate(examples: list[SftExample]) -> MicroBatch:
                       Packing.from_lengths(lengths))
 
 
-def batches(examples: list[SftExample], batch_size: int) -> list[MicroBatch]:
+def batches(examples: list, batch_size: int, collate=collate) -> list[MicroBatch]:
     """Consecutive micro-batches of batch_size (the last may be smaller), e.g. for evaluation."""
     return [collate(examples[i : i + batch_size]) for i in range(0, len(examples), batch_size)]
 
 
 class StepSampler:
-    """The micro-batches of each optimizer step, from the step number alone (see the module docstring)."""
+    """The micro-batches of each optimizer step, from the step number alone (see the module docstring). train: SFT
+    examples (collate) or preference pairs (collate_pairs)."""
 
-    def __init__(self, train: list[SftExample], *, batch_size: int, grad_accum: int, seed: int):
+    def __init__(self, train: list, *, batch_size: int, grad_accum: int, seed: int, collate=collate):
         assert train, "the train split is never empty"
-        self.train, self.batch_size, self.seed = train, batch_size, seed
+        self.train, self.batch_size, self.seed, self.collate = train, batch_size, seed, collate
         self.examples_per_step = batch_size * grad_accum
         self.steps_per_epoch = math.ceil(len(train) / self.examples_per_step)
         self._epoch, self._order = -1, []
@@ -137,4 +140,56 @@ class StepSampler:
     def step_batches(self, step: int) -> list[MicroBatch]:
         epoch, k = divmod(step, self.steps_per_epoch)
         idx = self._epoch_order(epoch)[k * self.examples_per_step : (k + 1) * self.examples_per_step]
-        return batches([self.train[i] for i in idx], self.batch_size)
+        return batches([self.train[i] for i in idx], self.batch_size, self.collate)
+
+
+# -- preference pairs (DPO) --------------------------------------------------------------------------------------
+@dataclass
+class PreferencePair:
+    chosen: SftExample  # the prompt + the chosen response; loss mask on the response's tokens
+    rejected: SftExample
+
+
+def tokenize_pairs(tokenizer: PreTrainedTokenizerBase, rows: list[dict],
+                   max_seq_len: int) -> tuple[list[PreferencePair], int]:
+    """Tokenize every {"prompt", "chosen", "rejected"} row; returns the pairs whose two responses both keep at least
+    one target token after truncation to max_seq_len, and how many rows were dropped for lacking one."""
+    kept: list[PreferencePair] = []
+    for i, row in enumerate(rows):
+        try:
+            pair = PreferencePair(*(tokenize_preference_response(tokenizer, row["prompt"], row[key], max_seq_len)
+                                    for key in ("chosen", "rejected")))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"dataset row {i + 1}: {e}") from None
+        if num_targets(pair.chosen) > 0 and num_targets(pair.rejected) > 0:
+            kept.append(pair)
+    return kept, len(rows) - len(kept)
+
+
+@dataclass
+class PreferenceData:
+    train: list[PreferencePair]
+    eval: list[PreferencePair]
+    num_rows: int
+    skipped: int  # rows with a response that keeps no target token within max_seq_len
+
+
+def load_preference_data(path: Path, tokenizer: PreTrainedTokenizerBase, *, max_seq_len: int, eval_fraction: float,
+                         seed: int) -> PreferenceData:
+    rows = read_jsonl(path)
+    if not rows:
+        raise ValueError(f"The dataset {path.name} has no rows")
+    pairs, skipped = tokenize_pairs(tokenizer, rows, max_seq_len)
+    if not pairs:
+        raise ValueError(
+            f"None of the {len(rows)} dataset rows keeps a token of both responses within max_seq_len={max_seq_len} "
+            "tokens, so there is nothing to train on; raise max_seq_len or shorten the prompts"
+        )
+    train, held_out = split_train_eval(pairs, eval_fraction, seed)
+    return PreferenceData(train=train, eval=held_out, num_rows=len(rows), skipped=skipped)
+
+
+def collate_pairs(pairs: list[PreferencePair]) -> MicroBatch:
+    """The pairs' sequences packed into one row (collate): chosen_0, rejected_0, chosen_1, rejected_1, ..., so
+    sequence 2i is pair i's chosen response and 2i + 1 its rejected one."""
+    return collate([ex for pair in pairs for ex in (pair.chosen, pair.rejected)])

@@ -21,6 +21,11 @@ micro-batch, per token and layer:
                                                               them (float32 SDPA on the CPU: packed groups of up to
                                                               SDPA_PACKED_CHUNK_TOKENS; none on CUDA's fused kernels)
 at the weights' dtype; and the logprob head's three float32 [chunk, vocab] blocks (kernels/logprobs.py).
+
+DPO (plan_dpo) plans the same numbers over preference pairs (data.tokenize_pairs: rows are pairs, a pair's tokens
+are its two sequences', a micro-batch packs batch_size pairs). A full-parameter job's estimate counts float32
+weights, their float32 gradients and AdamW's two moments, and no adapter; its reference pass (no gradients, before
+training) needs less than a training step, so it adds nothing to the peak.
 """
 from __future__ import annotations
 
@@ -40,7 +45,8 @@ from models.lora import LoraConfig, apply_lora
 from models.model_dir import read_config
 from models.tokenizer import load_tokenizer
 from services.common.methods import HYPERPARAMS
-from services.trainer.data import StepSampler, num_targets, read_jsonl, split_train_eval, tokenize_rows
+from services.trainer.data import (StepSampler, num_targets, read_jsonl, split_train_eval, tokenize_pairs,
+                                   tokenize_rows)
 from services.trainer.engine.engine import training_device, training_dtype
 
 EXAMPLES_KEPT = 8  # tokenized datasets kept
@@ -58,8 +64,9 @@ def tokenized(model_path: str, dataset_path: str, sha256: str, max_seq_len: int,
         if model_path not in _tokenizers:
             _tokenizers[model_path] = load_tokenizer(model_path)
         rows = read_jsonl(verified_bytes(Path(dataset_path), sha256))
+        tokenize = tokenize_pairs if method == "dpo" else tokenize_rows
         try:
-            examples, skipped = tokenize_rows(_tokenizers[model_path], rows, max_seq_len)
+            examples, skipped = tokenize(_tokenizers[model_path], rows, max_seq_len)
             _examples[key] = (examples, skipped, len(rows), "")
         except ValueError as exc:  # a row the chat template cannot render fails the job the same way
             _examples[key] = ([], 0, len(rows), str(exc))
@@ -86,15 +93,16 @@ def verified_bytes(path: Path, sha256: str) -> bytes:
     return data
 
 
-def model_numbers(model_path: str, lora: LoraConfig, seed: int) -> dict:
+def model_numbers(model_path: str, lora: LoraConfig | None, seed: int) -> dict:
     """Parameter counts and activation elements per token (without attention probabilities) of the model with this
-    adapter, from the model built on the meta device (no weights are read)."""
-    key = (model_path, lora.rank, lora.dropout, tuple(lora.target_modules))
+    adapter (None: full-parameter, every weight trainable), from the model built on the meta device (no weights are
+    read)."""
+    key = (model_path, None) if lora is None else (model_path, lora.rank, lora.dropout, tuple(lora.target_modules))
     if key not in _models:
         config = read_config(model_path)
         model = build_on_meta(model_path)
         base = sum(p.numel() for p in model.parameters())
-        trainable = sum(p.numel() for p in apply_lora(model, lora, seed=seed))
+        trainable = base if lora is None else sum(p.numel() for p in apply_lora(model, lora, seed=seed))
         top_k = int(config.get("num_experts_per_tok") or 1)
         per_token = 4 * int(config["hidden_size"]) * int(config["num_hidden_layers"])
         for name, p in model.named_parameters():
@@ -115,15 +123,16 @@ def model_numbers(model_path: str, lora: LoraConfig, seed: int) -> dict:
     return _models[key]
 
 
-def memory_estimate(numbers: dict, tokens: int, longest: int) -> dict:
+def memory_estimate(numbers: dict, tokens: int, longest: int, *, full_parameter: bool = False) -> dict:
     device = training_device()
-    dtype = training_dtype(device, full_parameter=False)
+    dtype = training_dtype(device, full_parameter=full_parameter)
     width = torch.empty((), dtype=dtype).element_size()
     span = 0 if device.type == "cuda" else min(tokens, max(SDPA_PACKED_CHUNK_TOKENS, longest))
-    adapter = 4 * numbers["trainable"]
+    trained = 4 * numbers["trainable"]  # float32
     out = {"device": device.type, "weights_dtype": str(dtype).removeprefix("torch."),
-           "weights_bytes": numbers["base"] * width, "trainable_bytes": adapter, "gradient_bytes": adapter,
-           "optimizer_bytes": 2 * adapter,
+           "weights_bytes": numbers["base"] * width,
+           "trainable_bytes": 0 if full_parameter else trained,  # full-parameter: the weights themselves
+           "gradient_bytes": trained, "optimizer_bytes": 2 * trained,
            "activation_bytes": tokens * (numbers["per_token"] + numbers["heads"] * span) * width,
            "logprob_chunk_bytes": 3 * min(tokens, default_chunk_size(numbers["vocab"])) * numbers["vocab"] * 4}
     out["total_bytes"] = sum(v for k, v in out.items() if k.endswith("_bytes"))
@@ -134,10 +143,34 @@ def plan_sft(req: dict) -> dict:
     hp = HYPERPARAMS["sft"].from_json(req["settings"])
     examples, skipped, num_rows, failure = tokenized(req["model_path"], req["dataset_path"], req["dataset_sha256"],
                                                      hp.max_seq_len, "sft")
+    # A micro-batch packs examples' tokens 0..n-2 (data.collate); the largest packs the batch_size longest.
+    return _plan(req, hp, examples, skipped, num_rows, failure, what="no assistant/completion token",
+                 usable="an assistant/completion token",
+                 tokens=lambda ex: len(ex.input_ids) - 1, longest=lambda ex: len(ex.input_ids) - 1,
+                 targets=num_targets, lora=True)
+
+
+def plan_dpo(req: dict) -> dict:
+    """A DPO job's plan: rows are preference pairs; a pair's tokens and targets are its two sequences'
+    (data.collate_pairs packs both)."""
+    hp = HYPERPARAMS["dpo"].from_json(req["settings"])
+    pairs, skipped, num_rows, failure = tokenized(req["model_path"], req["dataset_path"], req["dataset_sha256"],
+                                                  hp.max_seq_len, "dpo")
+    return _plan(req, hp, pairs, skipped, num_rows, failure, what="a response with no token",
+                 usable="a token of both responses",
+                 tokens=lambda p: len(p.chosen.input_ids) + len(p.rejected.input_ids) - 2,
+                 longest=lambda p: max(len(p.chosen.input_ids), len(p.rejected.input_ids)) - 1,
+                 targets=lambda p: num_targets(p.chosen) + num_targets(p.rejected), lora=not hp.full_parameter)
+
+
+def _plan(req: dict, hp, examples: list, skipped: int, num_rows: int, failure: str, *, what: str, usable: str,
+          tokens, longest, targets, lora: bool) -> dict:
+    """The plan of a method's tokenized examples (SFT rows or DPO pairs): tokens(ex) the tokens one packs into a
+    micro-batch, longest(ex) its longest sequence, targets(ex) its target tokens."""
     warnings = [f"the job would fail: {failure}"] if failure else []
     if skipped and examples:
-        warnings.append(f"{skipped} of {num_rows} rows have no assistant/completion token within max_seq_len="
-                        f"{hp.max_seq_len} and are skipped")
+        warnings.append(f"{skipped} of {num_rows} rows have {what} within max_seq_len={hp.max_seq_len} and are "
+                        "skipped")
     train, held_out, steps_per_epoch, total = [], [], 0, 0
     if examples:
         train, held_out = split_train_eval(examples, hp.eval_fraction, hp.seed)
@@ -145,10 +178,9 @@ def plan_sft(req: dict) -> dict:
                                       seed=hp.seed).steps_per_epoch
         total = hp.max_steps or steps_per_epoch * hp.epochs  # as services/trainer/sft.py's _SftRun counts
     elif not failure:
-        warnings.append(f"none of the {num_rows} rows has an assistant/completion token within max_seq_len="
-                        f"{hp.max_seq_len}: the job would fail; raise max_seq_len or shorten the prompts")
-    # A micro-batch packs examples' tokens 0..n-2 (data.collate); the largest packs the batch_size longest.
-    lengths = sorted((len(ex.input_ids) - 1 for ex in train), reverse=True)
+        warnings.append(f"none of the {num_rows} rows has {usable} within max_seq_len={hp.max_seq_len}: the job would "
+                        "fail; raise max_seq_len or shorten the prompts")
+    lengths = sorted((tokens(ex) for ex in train), reverse=True)
     largest = sum(lengths[:hp.batch_size])
     checkpoints = -(-total // hp.checkpoint_every)  # every checkpoint_every steps, and the final step
     eval_passes = 0 if not held_out else -(-total // hp.eval_every) if hp.eval_every else checkpoints
@@ -160,17 +192,19 @@ def plan_sft(req: dict) -> dict:
     if total and hp.warmup_steps >= total:
         warnings.append(f"warmup_steps ({hp.warmup_steps}) >= total steps ({total}): the learning rate never "
                         "reaches its peak")
-    lora = LoraConfig(rank=hp.lora_rank, alpha=hp.lora_alpha, dropout=hp.lora_dropout,
-                      target_modules=hp.target_modules)
-    numbers = model_numbers(req["model_path"], lora, hp.seed)
+    adapter = LoraConfig(rank=hp.lora_rank, alpha=hp.lora_alpha, dropout=hp.lora_dropout,
+                         target_modules=hp.target_modules) if lora else None
+    numbers = model_numbers(req["model_path"], adapter, hp.seed)
     return {
         "dataset_rows": num_rows, "train_rows": len(train), "eval_rows": len(held_out), "skipped_rows": skipped,
-        "tokens_per_epoch": sum(lengths), "target_tokens_per_epoch": sum(num_targets(ex) for ex in train),
-        "eval_target_tokens": sum(num_targets(ex) for ex in held_out), "steps_per_epoch": steps_per_epoch,
+        "tokens_per_epoch": sum(lengths), "target_tokens_per_epoch": sum(targets(ex) for ex in train),
+        "eval_target_tokens": sum(targets(ex) for ex in held_out), "steps_per_epoch": steps_per_epoch,
         "total_steps": total, "epochs": total / steps_per_epoch if steps_per_epoch else 0.0,
         "checkpoints": checkpoints, "eval_passes": eval_passes, "trainable_parameters": numbers["trainable"],
         "base_parameters": numbers["base"], "largest_micro_batch_tokens": largest,
-        "memory": memory_estimate(numbers, largest, lengths[0] if lengths else 0), "warnings": warnings,
+        "memory": memory_estimate(numbers, largest, max((longest(ex) for ex in train), default=0),
+                                  full_parameter=not lora),
+        "warnings": warnings,
     }
 
 
@@ -210,7 +244,7 @@ def plan_rft(req: dict) -> dict:
     }
 
 
-PLANNERS = {"sft": plan_sft, "rft": plan_rft}
+PLANNERS = {"sft": plan_sft, "dpo": plan_dpo, "rft": plan_rft}
 
 
 def main() -> None:

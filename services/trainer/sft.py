@@ -284,9 +284,13 @@ class _SftRun:
             "metrics": metrics,
         }
         self.engine.save(root, base_model=self.base_name, progress=progress)
+        self._save_more_state(root / STATE_DIR)
         yield Checkpoint(SftCheckpoint(step=self.step, root=root), final, metrics)
         if self.rank0:  # rank 0's caller has persisted it; a long run must not fill the worker's disk
             shutil.rmtree(root)
+
+    def _save_more_state(self, state_dir: Path) -> None:
+        """Files a method adds to a checkpoint's state/ beside the engine's (DPO: its reference logprobs); none."""
 
     def restore(self, ckpt: SftCheckpoint) -> None:
         """Load the adapter, optimizer, RNG state and step of a checkpoint: everything checked first."""

@@ -31,8 +31,31 @@ def serve_metrics(**_) -> None:
         metrics.serve(settings.host, settings.metrics_port)
 
 
+@signals.worker_init.connect
+def register_inventory(**_) -> None:
+    """This machine's devices into the inventory at start, kept live by a beat while the worker idles too."""
+    import threading
+
+    from services.common.db import Database
+    from services.common.resources import Inventory
+    from services.worker.job import register_devices
+
+    db = Database(settings.database_url)
+    register_devices(db, settings)
+
+    def beat() -> None:
+        while True:
+            threading.Event().wait(settings.heartbeat_s)
+            try:
+                Inventory(db).heartbeat(settings.machine())
+            except Exception:  # noqa: BLE001 - a database blip; the next beat retries
+                pass
+
+    threading.Thread(target=beat, daemon=True, name="inventory-heartbeat").start()
+
+
 @app.task(name=RUN_JOB)
 def run_job(job_id: str) -> None:
-    from services.worker.job import run_managed_job
+    from services.worker.job import run_queue
 
-    run_managed_job(job_id, settings)
+    run_queue(job_id, settings)

@@ -60,12 +60,19 @@ class JobError(Exception):
     """The job's own error, raised on rank 0 (its exception type and message)."""
 
 
-def group_events(spec: GroupSpec, nproc: int, *, stop: StopFlag, poll_s: float) -> Iterator[SftEvent]:
+def group_events(spec: GroupSpec, nproc: int, *, stop: StopFlag, poll_s: float,
+                 gpus: list[int] | None = None) -> Iterator[SftEvent]:
+    """gpus: the GPUs the job holds (docs/resources.md), one per rank, made the group's CUDA_VISIBLE_DEVICES; None
+    (or a count other than nproc): the group sees what the worker sees."""
     group = Path(spec.group_dir)
     group.mkdir(parents=True)
     spec_path = spec.write(group / "spec.json")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(_PROJECT_ROOT),
                                                                     os.environ.get("PYTHONPATH", "")) if p)}
+    if gpus and len(gpus) == nproc:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # our indices count within the worker's own visible set
+        names = visible.split(",") if visible else None
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(names[i] if names and i < len(names) else str(i) for i in gpus)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "--max-restarts", "0", "-m", "services.trainer.sft_group", str(spec_path)]
     with open(group / "torchrun.log", "ab") as log:

@@ -9,6 +9,8 @@ named (e.g. "managed_parallel.cp").
 """
 from __future__ import annotations
 
+import socket
+
 from pydantic import Field, model_validator
 
 from services.common.errors import InvalidArgument
@@ -24,6 +26,13 @@ class WorkerSettings(JobQueueSettings, EvaluatorSettings):
     managed_parallel: dict[str, int] = Field(default_factory=dict)
     # How often the worker looks at the group's events and its job's stop flag while the group trains.
     managed_poll_s: float = Field(default=0.1, gt=0)
+    # The device inventory (services/common/resources.py): the machine's name in it (its workers share its devices;
+    # default: the host name) and, on a machine without GPUs, how many CPU slots it offers jobs.
+    worker_host: str = ""
+    cpu_slots: int = Field(default=4, ge=1, le=1024)
+
+    def machine(self) -> str:
+        return self.worker_host or socket.gethostname()
 
     @model_validator(mode="after")
     def _check_parallel(self) -> "WorkerSettings":

@@ -3,7 +3,8 @@
 Every string field of every request message is classified here, as a reference (of a kind world.Account.refs
 holds) or as plain text; test_isolation.py fails on a field that is neither, so a new RPC or field is classified
 before it ships. Kinds: api_key, model, model_path, dataset, job, checkpoint, deployment (id or name),
-deployment_id, deployment_name, session, lineage, version, state_path, weights_path; sample_model is what
+deployment_id, deployment_name, session, lineage, version, state_path, weights_path, evaluator (id, name or
+name@N); sample_model is what
 SampleRequest.model takes (a deployment name, a saved-weights path or a model name).
 """
 from __future__ import annotations
@@ -33,6 +34,7 @@ BY_FIELD = {
     "LoadStateRequest.path": "state_path",
     "SampleRequest.model": "sample_model",
     "GetVersionRequest.id": "version", "FetchVersionRequest.id": "version",
+    "EvaluatorGetRequest.evaluator": "evaluator", "EvaluatorTestRequest.evaluator": "evaluator",
 }
 # Strings that name something new, or are data rather than a reference.
 PLAIN = {
@@ -42,6 +44,8 @@ PLAIN = {
     "SaveWeightsRequest.name", "SaveStateRequest.name", "SampleRequest.text", "SamplingParams.stop",
     "ChatMessage.role", "ChatMessage.content", "FileChunk.path", "FileChunk.sha256", "WeightFile.path",
     "WeightFile.sha256", "FetchVersionRequest.from_path",
+    "EvaluatorUploadRequest.name", "EvaluatorUploadRequest.filename", "EvaluatorListRequest.name",
+    "EvaluatorTestRequest.rows", "EvaluatorTestRequest.completions",
 }
 UNIONS = {"sample_model": ("deployment_name", "weights_path", "model")}
 

@@ -59,6 +59,10 @@ class Requests:
             "WeightSyncService.PublishVersion": self._publish,
             "WeightSyncService.FetchVersion": lambda: wpb.FetchVersionRequest(id=owner.refs["version"][3],
                                                                               base_version_id=owner.refs["version"][2]),
+            "EvaluatorService.UploadEvaluator": lambda: spb.EvaluatorUploadRequest(
+                name=_unique("ev"), content=b"def reward_fn(completion, row):\n    return 1.0\n"),
+            "EvaluatorService.TestEvaluator": lambda: spb.EvaluatorTestRequest(
+                evaluator=owner.refs["evaluator"][0], dataset_id=owner.refs["dataset"][0], num_rows=1),
             "WeightSyncService.Rollback": lambda: wpb.RollbackRequest(lineage=owner.refs["lineage"][0],
                                                                       version_id=owner.refs["version"][0]),
         }

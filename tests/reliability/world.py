@@ -116,6 +116,9 @@ def build_account(stack, stubs: Stubs, label: str) -> Account:
         acct.dataset_bytes = jsonl(rows)
         ds, _ = c.upload_dataset(acct.dataset_bytes, name=f"{name}-data")
         acct.add("dataset", ds.id)
+        reward = f"def reward_fn(completion, row):\n    return float({name!r} in completion)\n".encode()
+        ev = c.upload_evaluator(reward, name=f"{name}-reward")
+        acct.add("evaluator", ev.id, ev.name, f"{ev.name}@{ev.version}")
         job = c.create_sft_job(BASE, ds.id, f"{name}-job", max_steps=4, checkpoint_every=2, learning_rate=3e-3,
                                batch_size=4, eval_fraction=0.2)
         done = c.wait_job(job.id, timeout_s=300)

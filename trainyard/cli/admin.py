@@ -115,3 +115,31 @@ def admin_fsck(quarantine):
         click.echo(f"moved {len(report.quarantined)} to {store.quarantine_dir}")
     if report.damage:
         sys.exit(1)
+
+
+@admin.command("set-quota")
+@click.argument("account")
+@click.option("--max-devices", type=int, default=None,
+              help="Devices the account's running jobs may hold at once (0 = no limit); a job over it waits, queued.")
+@click.option("--max-queued-jobs", type=int, default=None,
+              help="Jobs the account may have queued at once (0 = no limit); CreateJob refuses one more.")
+@click.option("--clear", is_flag=True, help="Back to the defaults (TRAINYARD_MAX_DEVICES_PER_ACCOUNT, "
+                                            "TRAINYARD_MAX_QUEUED_JOBS_PER_ACCOUNT).")
+def admin_set_quota(account, max_devices, max_queued_jobs, clear):
+    """Set an account's device and queue quotas (options left out stay as they are)."""
+    from services.common.config import TrainyardSettings
+    from services.common.db import Database
+    from services.common.errors import TrainyardError as DomainError
+    from services.common.resources import set_quota
+
+    db = Database(TrainyardSettings().database_url)
+    try:
+        q = set_quota(db, account, max_devices=max_devices, max_queued_jobs=max_queued_jobs, clear=clear)
+    except DomainError as exc:
+        err_console.print(f"[bold red]error[/] {exc.message}")
+        sys.exit(1)
+    finally:
+        db.dispose()
+    show = lambda n: "default" if n is None else ("no limit" if n == 0 else str(n))  # noqa: E731
+    console.print(f"account [bold]{account}[/]: max_devices {show(q.max_devices)}, "
+                  f"max_queued_jobs {show(q.max_queued_jobs)}")

@@ -10,8 +10,16 @@ from google.protobuf import json_format
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
 
 from trainyard.cli.admin import admin
+from trainyard.cli.evaluators import evaluators
 from trainyard.cli.local import validate
-from trainyard.cli.method_flags import flag_of, job_target, method_options, plan_table, settings_from_flags
+from trainyard.cli.method_flags import (
+    flag_of,
+    job_target,
+    method_options,
+    plan_table,
+    resource_options,
+    settings_from_flags,
+)
 from trainyard.cli.render import (
     ascii_chart,
     console,
@@ -272,16 +280,20 @@ def jobs():
 @job_target
 @click.option("--name", "display_name", default="")
 @method_options
+@resource_options
 @click.option("--plan", "show_plan", is_flag=True, help="Print the plan (see `jobs plan`) before creating the job.")
 @click.option("--watch", is_flag=True, help="Follow the job until it ends.")
 @click.pass_context
-def jobs_create(ctx, base_model, dataset_id, display_name, method, show_plan, watch, **settings):
+def jobs_create(ctx, base_model, dataset_id, display_name, method, show_plan, watch, trainer_devices,
+                rollout_devices, priority, **settings):
     """Create a job (LoRA SFT by default). Flags left out take the server's defaults, shown in each flag's help."""
     m, given = settings_from_flags(method, settings)
     c = client(ctx)
     if show_plan:
         console.print(plan_table(c.plan_job(m.name, base_model, dataset_id, **given), given))
-    job = c.create_job(m.name, base_model, dataset_id, display_name, **given)
+    asked = {k: v for k, v in (("trainer_devices", trainer_devices), ("rollout_devices", rollout_devices),
+                               ("priority", priority or None)) if v is not None}  # left out: the server's defaults
+    job = c.create_job(m.name, base_model, dataset_id, display_name, **asked, **given)
     console.print(f"job [bold]{job.id}[/] queued")
     if watch:
         _watch(c, job.id)
@@ -446,6 +458,34 @@ def deployments_delete(ctx, name):
     console.print(f"deleted deployment {d.name}")
 
 
+# -- resources ------------------------------------------------------------------------------------------------------
+@cli.command()
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def resources(ctx, as_json):
+    """The worker machines' devices (free, or which of your jobs holds each), your quota and your queued jobs."""
+    r = client(ctx).list_devices()
+    if as_json:
+        out_json(r)
+        return
+    from rich.table import Table
+
+    t = Table(title="devices")
+    for col in ("device", "name", "memory", "state", "job", "role"):
+        t.add_column(col)
+    for d in r.devices:
+        state = "free" if d.free else ("held (another account)" if d.held_by_other_account else "held")
+        t.add_row(d.id, d.name, human_bytes(d.memory_bytes) if d.memory_bytes else "",
+                  state if d.live else f"{state}, machine silent", d.job_id, d.role)
+    console.print(t)
+    q = r.quota
+    limit = lambda n: str(n) if n else "no limit"  # noqa: E731
+    console.print(f"devices in use {q.devices_in_use} (quota {limit(q.max_devices)}); jobs queued {q.queued_jobs} "
+                  f"(quota {limit(q.max_queued_jobs)})")
+    for e in r.queue:
+        console.print(f"  {e.job_id}  priority {e.priority}, {e.devices} device(s): {e.wait_reason or 'queued'}")
+
+
 # -- sampling -------------------------------------------------------------------------------------------------------
 @cli.command()
 @click.argument("model")
@@ -484,6 +524,7 @@ def demo(data_dir, steps):
 
 
 cli.add_command(admin)
+cli.add_command(evaluators)
 cli.add_command(validate)
 
 

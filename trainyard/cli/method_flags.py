@@ -9,13 +9,15 @@ import click
 from rich.table import Table
 
 from trainyard.cli.render import human_bytes
-from trainyard.methods import BY_PROTO, METHODS, Method
+from trainyard.methods import BY_PROTO, METHODS, PRIORITY_MAX, PRIORITY_MIN, Method
 from trainyard.methods.proto import read
 from trainyard.methods.spec import Field, format_value
 from trainyard.v1 import scheduler_pb2 as pb
 
 # Request fields outside the settings -> the flags of `trainyard jobs create` / `plan` that set them.
-SPEC_FLAGS = {"spec.method": "--method", "spec.base_model": "--model", "spec.dataset_id": "--dataset"}
+SPEC_FLAGS = {"spec.method": "--method", "spec.base_model": "--model", "spec.dataset_id": "--dataset",
+              "spec.resources.trainer_devices": "--trainer-devices",
+              "spec.resources.rollout_devices": "--rollout-devices", "spec.priority": "--priority"}
 
 
 def all_fields() -> dict[str, Field]:
@@ -60,6 +62,16 @@ def job_target(command: Callable) -> Callable:
                            help="Dataset id (see `trainyard datasets list`).")(command)
     return click.option(SPEC_FLAGS["spec.base_model"], "base_model", required=True,
                         help="Base model name (see `trainyard models list`).")(command)
+
+
+def resource_options(command: Callable) -> Callable:
+    """The devices a job asks for and its queue priority (docs/resources.md)."""
+    command = click.option(SPEC_FLAGS["spec.priority"], "priority", type=int, default=0, show_default=True,
+                           help=f"Queue priority, {PRIORITY_MIN}..{PRIORITY_MAX}: higher starts first.")(command)
+    command = click.option(SPEC_FLAGS["spec.resources.rollout_devices"], "rollout_devices", type=int, default=None,
+                           help="Devices the job samples on (default: the method's).")(command)
+    return click.option(SPEC_FLAGS["spec.resources.trainer_devices"], "trainer_devices", type=int, default=None,
+                        help="Devices the job trains on, on one worker (default: the method's).")(command)
 
 
 def settings_from_flags(method: str, values: dict) -> tuple[Method, dict]:

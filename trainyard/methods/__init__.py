@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainyard.methods.dpo import DpoSettings
+from trainyard.methods.evaluate import EvalSettings
 from trainyard.methods.lora import LORA_DEFAULTS, LoraSettings
 from trainyard.methods.rft import RftSettings
 from trainyard.methods.sft import SftSettings
@@ -25,6 +27,11 @@ class Method:
     settings: type  # the declared settings dataclass
     dataset_formats: tuple[str, ...]
     recipe: str
+    # The devices a job of this method holds on one worker unless its spec.resources says otherwise
+    # (docs/resources.md): trainer devices train, rollout devices sample (RFT: 1 + 1).
+    trainer_devices: int = 1
+    rollout_devices: int = 0
+    trains: bool = True  # False: the job trains nothing (an evaluation), so PlanJob has nothing to plan
 
     @property
     def prefix(self) -> str:
@@ -35,10 +42,20 @@ class Method:
         return declared(self.settings)
 
 
+# A job's queue priority (JobSpec.priority): higher starts first; 0 unless set.
+PRIORITY_MIN, PRIORITY_MAX = -10, 10
+
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("sft", "Supervised fine-tuning (LoRA)", pb.JOB_METHOD_SFT, "sft", SftSettings,
            ("sft_chat", "sft_prompt_completion"), "sft"),
-    Method("rft", "Reinforcement fine-tuning", pb.JOB_METHOD_RFT, "rft", RftSettings, ("rft",), "rft"),
+    Method("dpo", "Direct preference optimization (LoRA or full-parameter)", pb.JOB_METHOD_DPO, "dpo", DpoSettings,
+           ("dpo",), "dpo"),
+    # The trainer in the worker process, the rollout engine in a process of the job's own (services/trainer/rl/).
+    Method("rft", "Reinforcement fine-tuning (LoRA or full-parameter)", pb.JOB_METHOD_RFT, "rft", RftSettings,
+           ("rft",), "rft", trainer_devices=1, rollout_devices=1),
+    # Samples in the worker process (the rollout engine): one rollout device, no training.
+    Method("eval", "Evaluation of a checkpoint with an evaluator", pb.JOB_METHOD_EVAL, "eval", EvalSettings,
+           ("rft",), "evaluate", trainer_devices=0, rollout_devices=1, trains=False),
 )}
 BY_PROTO = {m.proto: m for m in METHODS.values()}
 
@@ -50,5 +67,5 @@ def method(name: str) -> Method:
     return METHODS[name]
 
 
-__all__ = ["BY_PROTO", "LORA_DEFAULTS", "METHODS", "LoraSettings", "Method", "Problem", "RftSettings", "SftSettings", "method",
-           "resolve"]
+__all__ = ["BY_PROTO", "DpoSettings", "EvalSettings", "LORA_DEFAULTS", "METHODS", "PRIORITY_MAX", "PRIORITY_MIN",
+           "LoraSettings", "Method", "Problem", "RftSettings", "SftSettings", "method", "resolve"]

@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from trainyard.methods.evaluate import EvalSettings
 from trainyard.methods.lora import LoraSettings, TrainingModeSettings
 from trainyard.methods.sft import MAX_STEPS, LoopSettings
 from trainyard.methods.spec import setting
@@ -16,9 +17,10 @@ from trainyard.methods.spec import setting
 LOSSES = ("grpo", "dapo", "gspo", "cispo", "dro", "dr_grpo")
 
 
-def _shared(name: str) -> Any:
-    """The supervised loop's declaration of a setting RFT has too (one flag, one default, one help)."""
-    f = LoopSettings.__dataclass_fields__[name]
+def _shared(name: str, owner: type = LoopSettings) -> Any:
+    """Another method's declaration of a setting RFT has too (one flag, one default, one help, as the CLI needs):
+    the supervised loop's, or the evaluation job's sampling and evaluator."""
+    f = owner.__dataclass_fields__[name]
     return dataclasses.field(default=f.default, metadata=f.metadata)
 
 
@@ -33,9 +35,8 @@ class RftSettings(TrainingModeSettings, LoraSettings):
     prompts_per_step: int = setting(8, label="Prompts per step", ge=1, le=4096, help="Prompts sampled for each step")
     group_size: int = setting(8, label="Group size", ge=2, le=64, unit="samples",
                               help="Samples per prompt; advantages are normalized within a prompt's group")
-    max_tokens: int = setting(256, label="Max tokens", ge=1, le=1 << 16, unit="tokens",
-                              help="Tokens sampled per completion at most")
-    temperature: float = setting(1.0, label="Temperature", gt=0, le=10, help="Sampling temperature of the rollout")
+    max_tokens: int = _shared("max_tokens", EvalSettings)
+    temperature: float = _shared("temperature", EvalSettings)  # 0 (greedy) makes every group constant: no signal
     loss: str = setting("grpo", label="Loss", choices=LOSSES,
                         help="Policy-gradient loss (the trainer's fused losses)")
     kl_coef: float = setting(0.0, label="KL coefficient", ge=0, le=100,
@@ -60,8 +61,7 @@ class RftSettings(TrainingModeSettings, LoraSettings):
         help="Async: samples in flight at a weight update continue on the new version instead of restarting")
     router_replay: bool = setting(False, label="Router replay", advanced=True,
                                   help="MoE models: replay the rollout's expert routes in the trainer's forward")
-    evaluator: str = setting("", label="Evaluator",
-                             help="The reward: an evaluator 'name' or 'name@version', or a built-in 'builtin:<name>'")
+    evaluator: str = _shared("evaluator", EvalSettings)  # here also a built-in reward, "builtin:<name>"
     checkpoint_every: int = _shared("checkpoint_every")
     seed: int = _shared("seed")
     max_grad_norm: float = _shared("max_grad_norm")

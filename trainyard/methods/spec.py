@@ -75,7 +75,7 @@ class Field:
     def describe(self) -> str:
         """Help with the default, bounds and unit, as the CLI and the dashboard show it."""
         s = self.setting
-        extra = [f"default {format_value(self.default)}"] if self.default not in ((), None) else []
+        extra = [f"default {format_value(self.default)}"] if self.default not in ((), None, "") else []
         if s.choices:
             extra.append("one of " + ", ".join(s.choices))
         elif s.bounds_text():

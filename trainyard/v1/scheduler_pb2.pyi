@@ -24,7 +24,9 @@ class JobMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     JOB_METHOD_UNSPECIFIED: _ClassVar[JobMethod]
     JOB_METHOD_SFT: _ClassVar[JobMethod]
+    JOB_METHOD_DPO: _ClassVar[JobMethod]
     JOB_METHOD_RFT: _ClassVar[JobMethod]
+    JOB_METHOD_EVAL: _ClassVar[JobMethod]
 
 class JobStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -85,7 +87,9 @@ DATASET_FORMAT_DPO: DatasetFormat
 DATASET_FORMAT_RFT: DatasetFormat
 JOB_METHOD_UNSPECIFIED: JobMethod
 JOB_METHOD_SFT: JobMethod
+JOB_METHOD_DPO: JobMethod
 JOB_METHOD_RFT: JobMethod
+JOB_METHOD_EVAL: JobMethod
 JOB_STATUS_UNSPECIFIED: JobStatus
 JOB_STATUS_QUEUED: JobStatus
 JOB_STATUS_RUNNING: JobStatus
@@ -379,6 +383,66 @@ class SftConfig(_message.Message):
     max_grad_norm: float
     def __init__(self, lora: _Optional[_Union[LoraConfig, _Mapping]] = ..., learning_rate: _Optional[float] = ..., epochs: _Optional[int] = ..., max_steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., gradient_accumulation_steps: _Optional[int] = ..., warmup_steps: _Optional[int] = ..., lr_scheduler: _Optional[_Union[LrScheduler, str]] = ..., weight_decay: _Optional[float] = ..., max_seq_len: _Optional[int] = ..., eval_fraction: _Optional[float] = ..., eval_every: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., seed: _Optional[int] = ..., max_grad_norm: _Optional[float] = ...) -> None: ...
 
+class DpoConfig(_message.Message):
+    __slots__ = ("lora", "learning_rate", "epochs", "max_steps", "batch_size", "gradient_accumulation_steps", "warmup_steps", "lr_scheduler", "weight_decay", "max_seq_len", "eval_fraction", "eval_every", "checkpoint_every", "seed", "max_grad_norm", "full_parameter", "beta", "label_smoothing")
+    LORA_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_ACCUMULATION_STEPS_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LR_SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    EVAL_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    EVAL_EVERY_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    FULL_PARAMETER_FIELD_NUMBER: _ClassVar[int]
+    BETA_FIELD_NUMBER: _ClassVar[int]
+    LABEL_SMOOTHING_FIELD_NUMBER: _ClassVar[int]
+    lora: LoraConfig
+    learning_rate: float
+    epochs: int
+    max_steps: int
+    batch_size: int
+    gradient_accumulation_steps: int
+    warmup_steps: int
+    lr_scheduler: LrScheduler
+    weight_decay: float
+    max_seq_len: int
+    eval_fraction: float
+    eval_every: int
+    checkpoint_every: int
+    seed: int
+    max_grad_norm: float
+    full_parameter: bool
+    beta: float
+    label_smoothing: float
+    def __init__(self, lora: _Optional[_Union[LoraConfig, _Mapping]] = ..., learning_rate: _Optional[float] = ..., epochs: _Optional[int] = ..., max_steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., gradient_accumulation_steps: _Optional[int] = ..., warmup_steps: _Optional[int] = ..., lr_scheduler: _Optional[_Union[LrScheduler, str]] = ..., weight_decay: _Optional[float] = ..., max_seq_len: _Optional[int] = ..., eval_fraction: _Optional[float] = ..., eval_every: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., seed: _Optional[int] = ..., max_grad_norm: _Optional[float] = ..., full_parameter: _Optional[bool] = ..., beta: _Optional[float] = ..., label_smoothing: _Optional[float] = ...) -> None: ...
+
+class EvalConfig(_message.Message):
+    __slots__ = ("evaluator", "checkpoint_id", "samples_per_row", "temperature", "max_tokens", "pass_threshold", "max_rows", "seed")
+    EVALUATOR_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_ROW_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PASS_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    evaluator: str
+    checkpoint_id: str
+    samples_per_row: int
+    temperature: float
+    max_tokens: int
+    pass_threshold: float
+    max_rows: int
+    seed: int
+    def __init__(self, evaluator: _Optional[str] = ..., checkpoint_id: _Optional[str] = ..., samples_per_row: _Optional[int] = ..., temperature: _Optional[float] = ..., max_tokens: _Optional[int] = ..., pass_threshold: _Optional[float] = ..., max_rows: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
 class RftConfig(_message.Message):
     __slots__ = ("lora", "full_parameter", "learning_rate", "steps", "prompts_per_step", "group_size", "max_tokens", "temperature", "loss", "kl_coef", "clip_low", "clip_high", "dynamic_sampling", "mode", "max_staleness", "tis", "tis_cap", "partial_rollouts", "router_replay", "evaluator", "checkpoint_every", "seed", "max_grad_norm", "weight_decay")
     LORA_FIELD_NUMBER: _ClassVar[int]
@@ -432,20 +496,36 @@ class RftConfig(_message.Message):
     def __init__(self, lora: _Optional[_Union[LoraConfig, _Mapping]] = ..., full_parameter: _Optional[bool] = ..., learning_rate: _Optional[float] = ..., steps: _Optional[int] = ..., prompts_per_step: _Optional[int] = ..., group_size: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., loss: _Optional[_Union[RftLoss, str]] = ..., kl_coef: _Optional[float] = ..., clip_low: _Optional[float] = ..., clip_high: _Optional[float] = ..., dynamic_sampling: _Optional[bool] = ..., mode: _Optional[_Union[RftMode, str]] = ..., max_staleness: _Optional[int] = ..., tis: _Optional[_Union[RftTis, str]] = ..., tis_cap: _Optional[float] = ..., partial_rollouts: _Optional[bool] = ..., router_replay: _Optional[bool] = ..., evaluator: _Optional[str] = ..., checkpoint_every: _Optional[int] = ..., seed: _Optional[int] = ..., max_grad_norm: _Optional[float] = ..., weight_decay: _Optional[float] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("method", "base_model", "dataset_id", "display_name", "sft", "rft")
+    __slots__ = ("method", "base_model", "dataset_id", "display_name", "sft", "dpo", "rft", "eval", "resources", "priority")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     DATASET_ID_FIELD_NUMBER: _ClassVar[int]
     DISPLAY_NAME_FIELD_NUMBER: _ClassVar[int]
     SFT_FIELD_NUMBER: _ClassVar[int]
+    DPO_FIELD_NUMBER: _ClassVar[int]
     RFT_FIELD_NUMBER: _ClassVar[int]
+    EVAL_FIELD_NUMBER: _ClassVar[int]
+    RESOURCES_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     method: JobMethod
     base_model: str
     dataset_id: str
     display_name: str
     sft: SftConfig
+    dpo: DpoConfig
     rft: RftConfig
-    def __init__(self, method: _Optional[_Union[JobMethod, str]] = ..., base_model: _Optional[str] = ..., dataset_id: _Optional[str] = ..., display_name: _Optional[str] = ..., sft: _Optional[_Union[SftConfig, _Mapping]] = ..., rft: _Optional[_Union[RftConfig, _Mapping]] = ...) -> None: ...
+    eval: EvalConfig
+    resources: ResourceRequest
+    priority: int
+    def __init__(self, method: _Optional[_Union[JobMethod, str]] = ..., base_model: _Optional[str] = ..., dataset_id: _Optional[str] = ..., display_name: _Optional[str] = ..., sft: _Optional[_Union[SftConfig, _Mapping]] = ..., dpo: _Optional[_Union[DpoConfig, _Mapping]] = ..., rft: _Optional[_Union[RftConfig, _Mapping]] = ..., eval: _Optional[_Union[EvalConfig, _Mapping]] = ..., resources: _Optional[_Union[ResourceRequest, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class ResourceRequest(_message.Message):
+    __slots__ = ("trainer_devices", "rollout_devices")
+    TRAINER_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    trainer_devices: int
+    rollout_devices: int
+    def __init__(self, trainer_devices: _Optional[int] = ..., rollout_devices: _Optional[int] = ...) -> None: ...
 
 class Job(_message.Message):
     __slots__ = ("id", "spec", "status", "created_at", "started_at", "finished_at", "error", "step", "total_steps", "attempts", "cancel_requested", "output_checkpoint_id", "latest_metrics")
@@ -785,6 +865,72 @@ class DeleteDeploymentRequest(_message.Message):
     ID_FIELD_NUMBER: _ClassVar[int]
     id: str
     def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class Device(_message.Message):
+    __slots__ = ("id", "host", "kind", "index", "name", "memory_bytes", "free", "job_id", "role", "held_by_other_account", "live", "heartbeat_at")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FREE_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    HELD_BY_OTHER_ACCOUNT_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_AT_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    host: str
+    kind: str
+    index: int
+    name: str
+    memory_bytes: int
+    free: bool
+    job_id: str
+    role: str
+    held_by_other_account: bool
+    live: bool
+    heartbeat_at: _timestamp_pb2.Timestamp
+    def __init__(self, id: _Optional[str] = ..., host: _Optional[str] = ..., kind: _Optional[str] = ..., index: _Optional[int] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., free: _Optional[bool] = ..., job_id: _Optional[str] = ..., role: _Optional[str] = ..., held_by_other_account: _Optional[bool] = ..., live: _Optional[bool] = ..., heartbeat_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class DeviceQuota(_message.Message):
+    __slots__ = ("max_devices", "devices_in_use", "max_queued_jobs", "queued_jobs")
+    MAX_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUED_JOBS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_JOBS_FIELD_NUMBER: _ClassVar[int]
+    max_devices: int
+    devices_in_use: int
+    max_queued_jobs: int
+    queued_jobs: int
+    def __init__(self, max_devices: _Optional[int] = ..., devices_in_use: _Optional[int] = ..., max_queued_jobs: _Optional[int] = ..., queued_jobs: _Optional[int] = ...) -> None: ...
+
+class DeviceQueueEntry(_message.Message):
+    __slots__ = ("job_id", "priority", "devices", "wait_reason")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    WAIT_REASON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    priority: int
+    devices: int
+    wait_reason: str
+    def __init__(self, job_id: _Optional[str] = ..., priority: _Optional[int] = ..., devices: _Optional[int] = ..., wait_reason: _Optional[str] = ...) -> None: ...
+
+class ListDevicesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListDevicesResponse(_message.Message):
+    __slots__ = ("devices", "quota", "queue")
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    devices: _containers.RepeatedCompositeFieldContainer[Device]
+    quota: DeviceQuota
+    queue: _containers.RepeatedCompositeFieldContainer[DeviceQueueEntry]
+    def __init__(self, devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., quota: _Optional[_Union[DeviceQuota, _Mapping]] = ..., queue: _Optional[_Iterable[_Union[DeviceQueueEntry, _Mapping]]] = ...) -> None: ...
 
 class Evaluator(_message.Message):
     __slots__ = ("id", "name", "version", "kind", "filename", "size_bytes", "sha256", "created_at")

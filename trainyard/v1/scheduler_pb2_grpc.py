@@ -1479,6 +1479,87 @@ class DeploymentService:
             _registered_method=True)
 
 
+class ResourceServiceStub:
+    """---------------------------------------------------------------------------------------------------------------
+    Resources: the worker machines' devices, which job holds each, and the caller's quota and queue.
+
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.ListDevices = channel.unary_unary(
+                '/trainyard.v1.ResourceService/ListDevices',
+                request_serializer=trainyard_dot_v1_dot_scheduler__pb2.ListDevicesRequest.SerializeToString,
+                response_deserializer=trainyard_dot_v1_dot_scheduler__pb2.ListDevicesResponse.FromString,
+                _registered_method=True)
+
+
+class ResourceServiceServicer:
+    """---------------------------------------------------------------------------------------------------------------
+    Resources: the worker machines' devices, which job holds each, and the caller's quota and queue.
+
+    """
+
+    def ListDevices(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ResourceServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'ListDevices': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListDevices,
+                    request_deserializer=trainyard_dot_v1_dot_scheduler__pb2.ListDevicesRequest.FromString,
+                    response_serializer=trainyard_dot_v1_dot_scheduler__pb2.ListDevicesResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'trainyard.v1.ResourceService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('trainyard.v1.ResourceService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class ResourceService:
+    """---------------------------------------------------------------------------------------------------------------
+    Resources: the worker machines' devices, which job holds each, and the caller's quota and queue.
+
+    """
+
+    @staticmethod
+    def ListDevices(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainyard.v1.ResourceService/ListDevices',
+            trainyard_dot_v1_dot_scheduler__pb2.ListDevicesRequest.SerializeToString,
+            trainyard_dot_v1_dot_scheduler__pb2.ListDevicesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class EvaluatorServiceStub:
     """---------------------------------------------------------------------------------------------------------------
     Evaluators: uploaded reward functions (reward_fn(completion, row) -> float) and multi-turn environments (class

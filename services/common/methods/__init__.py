@@ -4,7 +4,9 @@ max_seq_len checked against the model directory, JSON for the job row (resolved.
 name (trainyard.methods.METHODS) to the class the scheduler resolves a request into and the worker trains with."""
 from __future__ import annotations
 
+from services.common.methods.dpo import DpoHyperparams
+from services.common.methods.evaluate import EvalHyperparams
 from services.common.methods.rft import RftHyperparams
 from services.common.methods.sft import SftHyperparams
 
-HYPERPARAMS = {"sft": SftHyperparams, "rft": RftHyperparams}
+HYPERPARAMS = {"sft": SftHyperparams, "dpo": DpoHyperparams, "rft": RftHyperparams, "eval": EvalHyperparams}

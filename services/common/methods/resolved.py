@@ -39,10 +39,9 @@ class Resolved:
             raise InvalidArgument(violations=violations)
         return settings
 
-    def evaluator_refs(self) -> dict[str, str]:
-        """Uploaded evaluators the settings name, by setting name (RFT: its reward); the scheduler checks that the
-        account holds each one as a reward_fn. None by default."""
-        return {}
+    def job_violations(self, s, account_id: str, base_model: str) -> list[Violation]:
+        """The method's checks that need the database (s: a session), e.g. that a named object is the account's."""
+        return []
 
     def to_json(self) -> dict[str, Any]:
         return as_dict(self)

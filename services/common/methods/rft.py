@@ -1,7 +1,6 @@
 """Managed RFT's settings on the server: the declaration (trainyard/methods/rft.py) resolved (resolved.py), plus the
 checks that need more than one setting: an evaluator is required and a built-in one must exist (BUILTINS; their
-code is services/trainer/rl/rewards.py); the scheduler checks that an uploaded one (evaluator_refs) is the
-account's reward_fn.
+code is services/trainer/rl/rewards.py); job_violations checks that an uploaded one is the account's reward_fn.
 
 The scheduler validates a request with ``RftHyperparams.from_request`` (violations name the request field, e.g.
 "spec.rft.group_size") and stores ``to_json()``; the worker rebuilds it with ``from_json`` and the RL loop
@@ -12,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from services.common.errors import Violation
+from services.common.errors import InvalidArgument, NotFound, Violation
 from services.common.methods.resolved import Resolved
 from trainyard.methods import METHODS
 from trainyard.methods.rft import RftSettings
@@ -38,11 +37,22 @@ class RftHyperparams(Resolved, RftSettings):
                                                             f"{', '.join(BUILTINS)}"))
         return settings, violations
 
-    def evaluator_refs(self) -> dict[str, str]:
-        """The uploaded evaluator the job scores with, by setting name (none for a built-in one)."""
+    def job_violations(self, s, account_id: str, base_model: str) -> list[Violation]:
+        """An uploaded evaluator must be the account's, and a reward_fn (an Environment scores episodes, not single
+        completions); a built-in one was checked with the request."""
+        from services.common.evaluator_refs import find  # the reference rules (name, name@N, id)
+
         if not self.evaluator or self.evaluator.startswith(BUILTIN_PREFIX):
-            return {}
-        return {"evaluator": self.evaluator}
+            return []
+        field = self.request_prefix + "evaluator"
+        try:
+            row = find(s, account_id, self.evaluator)
+        except (InvalidArgument, NotFound) as exc:
+            return [Violation(field, f"{exc.message}: upload it first")]
+        if row.kind != "reward_fn":
+            return [Violation(field, f"evaluator {self.evaluator!r} is an Environment; an RFT job needs a "
+                                     "reward_fn(completion, row)")]
+        return []
 
     @property
     def dynamic(self) -> bool:

@@ -3,6 +3,8 @@
     TrainingEngine.load(model_dir, lora=..., ...)   build: load the weights (device, dtype: `training_dtype`), add a
                                                     LoRA adapter or make every weight trainable, AdamW over them
     engine.nll_sum(ids_BT, targets_BT)              forward to hidden states + the chunked logprob head (logprobs.py)
+    engine.sequence_logprobs(ids_BT, targets_BT,    the same forward, summed per packed sequence (DPO's logprobs)
+                             packing=...)
     engine.loss_call(req, ...)                      a micro-batched forward / backward of datums under a built-in
                                                     loss (forward_backward.py)
     engine.step(AdamW(...))                         clip / measure the gradient norm, AdamW step, clear gradients
@@ -48,7 +50,7 @@ from models.lora import LoraConfig, apply_lora, lora_state_dict, set_trainable
 from services.trainer.engine import checkpoint as ckpt_format
 from services.trainer.engine.checkpoint import EngineCheckpoint
 from services.trainer.engine.forward_backward import LossCall, LossRequest
-from services.trainer.engine.logprobs import target_nll_sum, token_logprobs
+from services.trainer.engine.logprobs import sequence_logprob_sums, target_nll_sum, token_logprobs
 from services.trainer.engine.optim import AdamW, make_optimizer, optimizer_step
 from services.trainer.engine.parallel.dims import ParallelDims
 
@@ -230,6 +232,15 @@ class TrainingEngine:
         hidden_BLD = self.model(tokens_BL, packing=layout, return_hidden=True)
         local = -token_logprobs(self.model, hidden_BLD.flatten(0, 1), targets_BL.flatten()).sum()
         return SumOverGroup.apply(local, cp.group)
+
+    def sequence_logprobs(self, input_ids_BT: torch.Tensor, targets_BT: torch.Tensor, *,
+                          packing: Packing) -> torch.Tensor:
+        """[S] float32: each packed sequence's summed target logprobs (logprobs.sequence_logprob_sums), inputs moved
+        to the engine's device. One process only (no mesh): managed DPO runs in one process."""
+        if self.mesh is not None:
+            raise NotImplementedError("per-sequence logprobs are computed on one process only (no device mesh)")
+        return sequence_logprob_sums(self.model, input_ids_BT.to(self.device), targets_BT.to(self.device),
+                                     packing=packing)
 
     def step(self, settings: AdamW) -> torch.Tensor:
         """One optimizer step over the accumulated gradients (optim.optimizer_step); the gradient norm."""

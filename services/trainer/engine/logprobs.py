@@ -8,6 +8,7 @@ C tokens per chunk.
   mode, or when LoRA wraps lm_head, each chunk is model.logits -> log_softmax -> gather, recomputed in backward).
   Training API calls and managed SFT both use it.
 - target_nll_sum: the summed NLL of a batch's target tokens (IGNORE_INDEX elsewhere): SFT's and validation's loss.
+- sequence_logprob_sums: each packed sequence's summed target logprobs: DPO's policy and reference logprobs.
 - target_logprobs: the reference formula (one forward to full logits, log_softmax in float32, gather). The rollout
   (services/rollout/runner.py) computes a sampled token's logprob the same way, so with deterministic=True
   (kernels.batch_invariant) a sequence's logprobs here are bitwise the rollout's deterministic-mode logprobs, whatever
@@ -59,6 +60,16 @@ def target_nll_sum(model: nn.Module, input_ids_BT: torch.Tensor, targets_BT: tor
     with IGNORE_INDEX."""
     hidden_BTD = model(input_ids_BT, packing=packing, return_hidden=True)
     return -token_logprobs(model, hidden_BTD.flatten(0, 1), targets_BT.flatten(), chunk_size=chunk_size).sum()
+
+
+def sequence_logprob_sums(model: nn.Module, input_ids_BT: torch.Tensor, targets_BT: torch.Tensor, *,
+                          packing: Packing, chunk_size: int | None = None) -> torch.Tensor:
+    """[S] float32: the summed logprobs of each packed sequence's target tokens (IGNORE_INDEX elsewhere), the row
+    (B = 1) holding S sequences back to back as packing says, through token_logprobs."""
+    hidden_BTD = model(input_ids_BT, packing=packing, return_hidden=True)
+    logprobs_N = token_logprobs(model, hidden_BTD.flatten(0, 1), targets_BT.flatten(), chunk_size=chunk_size)
+    doc_N = packing.doc_ids().to(logprobs_N.device)
+    return torch.zeros(len(packing.lengths), device=logprobs_N.device).index_add(0, doc_N, logprobs_N)
 
 
 def target_logprobs(model: nn.Module, tokens_BT: torch.Tensor, targets_BT: torch.Tensor, *,

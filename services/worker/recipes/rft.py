@@ -1,5 +1,5 @@
 """The managed RFT recipe: resume from the job's latest checkpoint if any, run the RL loop (services/trainer/rl/loop.py)
-with the job's evaluator as the reward, and record its events like every recipe (recipes/sft.py's record). The loop
+with the job's evaluator as the reward, and record its events like every recipe (recording.py). The loop
 samples from its own rollout process (services/trainer/rl/rollout.py); it runs in this worker process (one rank)."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from services.evaluators.store import load_evaluator
 from services.trainer.rl.loop import run_rft
 from services.trainer.rl.rewards import BUILTIN_PREFIX, BUILTINS, Reward, builtin
 from services.worker.job import JobContext, RecipeOutcome
-from services.worker.recipes.sft import dataset_file, record, resume_from
+from services.worker.recipes.recording import run_recorded
 
 
 def run(ctx: JobContext) -> RecipeOutcome:
@@ -20,10 +20,10 @@ def run(ctx: JobContext) -> RecipeOutcome:
     hp = RftHyperparams.from_json(job.config)
     with ExitStack() as stack:
         reward = evaluator(ctx, hp.evaluator, stack)
-        events = run_rft(Path(job.model_path), dataset_file(ctx), hp, reward=reward, stop=ctx.heartbeat.stop,
-                         resume=resume_from(ctx), base_model_name=job.base_model, work_dir=ctx.work,
-                         torch_threads=ctx.settings.torch_threads)
-        return record(ctx, events, kind="full" if hp.full_parameter else "lora_adapter")
+        return run_recorded(ctx, lambda data_path, resume: run_rft(
+            Path(job.model_path), data_path, hp, reward=reward, stop=ctx.heartbeat.stop, resume=resume,
+            base_model_name=job.base_model, work_dir=ctx.work, torch_threads=ctx.settings.torch_threads),
+            checkpoint_kind="full" if hp.full_parameter else "lora_adapter")
 
 
 def evaluator(ctx: JobContext, ref: str, stack: ExitStack) -> Reward:

@@ -1,6 +1,5 @@
 """The managed SFT recipe: resume from the job's latest checkpoint if any, drive the LoRA SFT run
-(services/trainer/sft.py, on the training engine) and record each of its events through the ledger (each write
-conditional on the lease) and the object store.
+(services/trainer/sft.py, on the training engine) and record each of its events (recording.py).
 
 The run is in this process (managed_nproc 1), or on a torchrun group of managed_nproc ranks laid out by
 managed_parallel (services/worker/group.py: rank 0's events come back as the same events, recorded alike)."""
@@ -9,71 +8,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from services.common import blobrefs
-from services.common.blobstore import StoredFile
 from services.common.methods.sft import SftHyperparams
-from services.common.schema import Dataset
 from services.trainer.engine.parallel.dims import KNOBS
-from services.trainer.sft import Checkpoint, Finished, Log, Metrics, SftCheckpoint, SftEvent, Started, run_sft
+from services.trainer.sft import SftCheckpoint, SftEvent, run_sft
 from services.trainer.sft_group import GroupSpec
 from services.worker.group import group_events
 from services.worker.job import JobContext, RecipeOutcome
+from services.worker.recipes.recording import run_recorded
 
 
 def run(ctx: JobContext) -> RecipeOutcome:
-    return record(ctx, _events(ctx, dataset_file(ctx), resume_from(ctx)))
-
-
-def dataset_file(ctx: JobContext) -> Path:
-    """The job's dataset laid out in the scratch directory. Every stored file is laid out verified against the
-    sha256 its row names: damage fails the job with DataLoss naming the object, instead of training on it."""
-    with ctx.db.session() as s:
-        dataset = s.get(Dataset, ctx.job.dataset_id)
-    return ctx.blobs.materialize([StoredFile("dataset.jsonl", dataset.sha256, dataset.size_bytes)],
-                                 ctx.work / "data", what=f"dataset {dataset.id}") / "dataset.jsonl"
-
-
-def resume_from(ctx: JobContext) -> SftCheckpoint | None:
-    """The job's latest checkpoint laid out in the scratch directory (None on a first attempt)."""
-    latest = ctx.latest_checkpoint
-    if latest is None:
-        return None
-    resume = SftCheckpoint(step=latest.step, root=ctx.work / "resume")
-    ctx.blobs.materialize([StoredFile.from_json(f) for f in latest.files], resume.weights_dir,
-                          what=f"checkpoint {latest.id}")
-    ctx.blobs.materialize([StoredFile.from_json(f) for f in latest.state], resume.state_dir,
-                          what=f"checkpoint {latest.id} state")
-    ctx.ledger.log(ctx.job.id, f"resuming from the checkpoint at step {latest.step} ({latest.id})")
-    return resume
-
-
-def record(ctx: JobContext, events: Iterator[SftEvent], *, kind: str = "lora_adapter") -> RecipeOutcome:
-    """Record a training run's events through the ledger (each write conditional on the lease) and the object
-    store: the loop every recipe shares. kind: the checkpoints' kind (lora_adapter or full)."""
-    job, blobs, ledger = ctx.job, ctx.blobs, ctx.ledger
-    final_checkpoint_id, finished = "", None
-    for event in events:
-        match event:
-            case Log(message, level):
-                ledger.log(job.id, message, level)
-            case Started(total_steps, info):
-                ledger.progress(job.id, ctx.worker_id, total_steps=total_steps)
-                details = ", ".join(f"{k} {v}" for k, v in info.items())
-                ledger.log(job.id, f"training: {total_steps} steps ({details})")
-            case Metrics(step, metrics):
-                ledger.progress(job.id, ctx.worker_id, step=step, metrics=metrics)
-            case Checkpoint(ckpt, final, metrics):
-                with blobs.saving(blobrefs.checker(ctx.db)) as save:  # a lost lease takes the new blobs back
-                    files = [f.to_json() for f in save.put_tree(ckpt.weights_dir)]
-                    state = [f.to_json() for f in save.put_tree(ckpt.state_dir)]
-                    row = ledger.add_checkpoint(job.id, ctx.worker_id, step=ckpt.step, files=files, state=state,
-                                                final=final, metrics=metrics, kind=kind)
-                if final:
-                    final_checkpoint_id = row.id
-            case Finished():
-                finished = event
-    assert finished is not None, "a training run always ends with Finished"
-    return RecipeOutcome(step=finished.step, stopped=finished.stopped, output_checkpoint_id=final_checkpoint_id)
+    return run_recorded(ctx, lambda data_path, resume: _events(ctx, data_path, resume))
 
 
 def _events(ctx: JobContext, data_path: Path, resume: SftCheckpoint | None) -> Iterator[SftEvent]:
@@ -86,7 +31,10 @@ def _events(ctx: JobContext, data_path: Path, resume: SftCheckpoint | None) -> I
     dims = settings.managed_dims()
     spec = GroupSpec(model_dir=job.model_path, dataset_path=str(data_path), hyperparams=hp.to_json(),
                      base_model_name=job.base_model, work_dir=str(ctx.work), group_dir=str(ctx.work / "group"),
-                     parallel={"field_prefix": dims.field_prefix, **{k: getattr(dims, k) for k in KNOBS}}, resume_step=resume.step if resume else 0,
-                     resume_root=str(resume.root) if resume else "", torch_threads=settings.torch_threads)
+                     parallel={"field_prefix": dims.field_prefix, **{k: getattr(dims, k) for k in KNOBS}},
+                     resume_step=resume.step if resume else 0, resume_root=str(resume.root) if resume else "",
+                     torch_threads=settings.torch_threads)
     ctx.ledger.log(job.id, f"training on {settings.managed_nproc} ranks ({dims.describe()})")
-    return group_events(spec, settings.managed_nproc, stop=ctx.heartbeat.stop, poll_s=settings.managed_poll_s)
+    gpus = [d.index for d in ctx.role_devices("trainer") if d.kind == "gpu"]
+    return group_events(spec, settings.managed_nproc, stop=ctx.heartbeat.stop, poll_s=settings.managed_poll_s,
+                        gpus=gpus)

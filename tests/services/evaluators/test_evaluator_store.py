@@ -11,7 +11,7 @@ import pytest
 from services.common import auth
 from services.common.blobstore import BlobStore
 from services.common.db import Database, migrate
-from services.common.errors import DataLoss, InvalidArgument, NotFound
+from services.common.errors import DataLoss, InvalidArgument, NotFound, ResourceExhausted
 from services.evaluators.sandbox import Limits
 from services.evaluators.store import EvaluatorStore, RowResult, load_evaluator
 
@@ -158,3 +158,13 @@ def test_damaged_bytes_are_refused_when_read(env, tmp_path, flip_byte):
     flip_byte(store.blobs.path(row.sha256), 5)
     with pytest.raises(DataLoss, match=f"evaluator {row.id}"):
         load_evaluator(store.db, store.blobs, alice, "exact", tmp_path / "laid")
+
+
+def test_the_version_quota(env):
+    store, alice, bob = env
+    store.max_per_account = 2
+    store.upload(alice, "a", "evaluator.py", EXACT)
+    store.upload(alice, "a", "evaluator.py", EXACT)
+    with pytest.raises(ResourceExhausted, match=r"quota max_evaluator_versions_per_account \(2\) reached"):
+        store.upload(alice, "b", "evaluator.py", EXACT)
+    assert store.upload(bob, "a", "evaluator.py", EXACT).version == 1  # another account's quota is its own

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
+import subprocess
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -36,15 +39,37 @@ def reward_fn(completion, row):
             os.fork()
     if completion == "allocate":
         return float(len(bytearray(10 * 2**30)))
-    if completion == "spin":
+    if completion == "spin in children":
+        for _ in range(3):
+            if os.fork() == 0:
+                while True:
+                    pass
+        os.wait()
+    if completion in ("spin", "spin past SIGXCPU", "print past SIGXCPU"):
+        if completion != "spin":
+            import resource, signal
+            signal.signal(signal.SIGXCPU, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_CPU, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
         while True:
-            pass
+            if completion == "print past SIGXCPU":
+                print("busy")
     if completion == "sleep":
         time.sleep(10**6)
     if completion == "raise":
         raise ValueError("no answer in " + repr(row["q"]))
     if completion == "environ":
         return float(len([k for k in row["names"] if k in os.environ]))
+    if completion == "forge":  # a reply of its own on every descriptor the worker holds open
+        import json, struct
+        body = json.dumps({"value": "abc"}).encode()
+        for fd in map(int, os.listdir("/proc/self/fd")):
+            try:
+                os.write(fd, struct.pack(">I", len(body)) + body) if fd > 2 else None
+            except OSError:
+                pass
+        return 1.0
+    if completion == "list":
+        return float(sum(len(os.listdir(p)) for p in row["paths"] if os.path.isdir(p)))
     if completion == "import":
         import numpy  # noqa: F401
     if completion in ("abc", "nan", "none"):
@@ -129,6 +154,11 @@ def test_a_busy_loop_is_killed_on_cpu_time(tmp_path_factory):
     limits = Limits(cpu_s=1, memory_mb=512, wall_s=60, max_processes=8)  # the wall clock far off, on a busy host too
     with Sandbox(_code(tmp_path_factory, "spin", ATTACKS), limits=limits) as sandbox:
         assert _attack(sandbox, "spin") == Score(None, "killed: CPU limit 1 s")
+        # Ignoring SIGXCPU and lifting its own soft limit leaves the parent's watch on its CPU time.
+        assert _attack(sandbox, "spin past SIGXCPU") == Score(None, "killed: CPU limit 1 s")
+        assert _attack(sandbox, "print past SIGXCPU") == Score(None, "killed: CPU limit 1 s")  # output flowing
+        # Children inherit the worker's soft limit, which counts from its own usage: the parent counts theirs too.
+        assert _attack(sandbox, "spin in children") == Score(None, "killed: CPU limit 1 s")
 
 
 def test_sleeping_forever_is_killed_on_the_wall_clock(sandbox):
@@ -151,10 +181,27 @@ def test_prints_do_not_corrupt_results_and_are_kept(sandbox):
     assert "noise from the evaluator hello" in sandbox.stderr_tail()
 
 
+def test_a_forged_reply_is_a_protocol_error_not_a_result(sandbox):
+    score = _attack(sandbox, "forge")
+    assert score.value is None and score.error.startswith("protocol error"), score
+
+
 def test_the_environment_is_empty(sandbox):
     host = [name for name in os.environ if name not in ("HOME", "TMPDIR", "LANG", "LC_CTYPE", "PWD")]
     assert "TRAINYARD_TEST_SECRET" in host and "PATH" in host
     assert _attack(sandbox, "environ", {"names": host}) == Score(0.0)
+
+
+def test_installed_packages_are_hidden(sandbox):
+    """The interpreter's site-packages and the system's dist-packages are empty inside, whatever sys.path says."""
+    import sys
+    import sysconfig
+
+    sites = {sysconfig.get_paths(vars={"base": sys.base_prefix, "platbase": sys.base_prefix})["purelib"],
+             *map(str, Path("/usr/lib").glob("python3*/dist-packages"))}
+    here = [p for p in sites if os.path.isdir(p) and os.listdir(p)]
+    assert here, "nothing installed on this host to hide"
+    assert _attack(sandbox, "list", {"paths": here}) == Score(0.0)
 
 
 def test_third_party_packages_are_not_importable(sandbox, tmp_path_factory):
@@ -258,3 +305,38 @@ def test_crashing_and_closing_its_own_output_are_per_row_errors(tmp_path_factory
             Score(None, "crashed: the evaluator process exited with code 3; its last output: going away"), Score(1.0)]
         # its prints now go nowhere; the protocol does not depend on them
         assert sandbox.score([("close", {}), ("fine", {})]) == [Score(1.0), Score(1.0)]
+
+
+NON_ROOT = '''\
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+from services.evaluators.sandbox import Limits, Sandbox
+with Sandbox(Path(sys.argv[2]), limits=Limits(cpu_s=1, memory_mb=512, wall_s=3, max_processes=8)) as s:
+    for c, row in [("read", {"path": "/etc/passwd"}), ("socket", {"port": 5432}), ("fork bomb", {}), ("allocate", {}),
+                   ("sleep", {}), ("fine", {})]:
+        print(c, "|", s.score([(c, row)])[0].error)
+'''
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("runuser") or not os.path.exists("/usr/bin/python3"),
+                    reason="needs root to switch to an unprivileged user, and a system interpreter it can run")
+def test_as_an_unprivileged_user_bwrap_uses_a_user_namespace(tmp_path_factory):
+    """Run by a non-root service user, the sandbox makes a user namespace instead of switching uid: the same
+    refusals and kills. (The package and the evaluator are copied where that user can read them.)"""
+    with tempfile.TemporaryDirectory() as tmp:  # pytest's own temp dirs are private to root
+        root, code = Path(tmp) / "lib", Path(tmp) / "code"
+        (root / "services" / "evaluators").mkdir(parents=True)
+        for name in ("__init__.py", "sandbox.py", "sandbox_worker.py"):
+            shutil.copy(ROOT / "services" / "evaluators" / name, root / "services" / "evaluators" / name)
+        shutil.copy(ROOT / "services" / "__init__.py", root / "services" / "__init__.py")
+        shutil.copytree(_code(tmp_path_factory, "non_root_code", ATTACKS), code)
+        subprocess.run(["chmod", "-R", "a+rX", tmp], check=True)
+        out = subprocess.run(["runuser", "-u", "nobody", "--", "/usr/bin/python3", "-c", NON_ROOT, str(root),
+                              str(code)], capture_output=True, text=True, timeout=120, cwd="/")
+    errors = dict(line.split(" | ", 1) for line in out.stdout.splitlines())
+    assert errors.keys() == {"read", "socket", "fork bomb", "allocate", "sleep", "fine"}, out.stdout + out.stderr
+    assert errors["read"].startswith("FileNotFoundError") and "Connection refused" in errors["socket"]
+    assert "Resource temporarily unavailable" in errors["fork bomb"]
+    assert (errors["allocate"], errors["sleep"], errors["fine"]) == (
+        "killed: memory limit 512 MB", "killed: wall-clock limit 3 s", "")

@@ -1,4 +1,5 @@
-"""Helpers shared by the trainer tests: small chat datasets and a recorder of a managed SFT run's events."""
+"""Helpers shared by the trainer tests: small chat and preference datasets and a recorder of a managed run's events
+(SFT's run_sft, or any run with its events: DPO's run_dpo)."""
 
 import json
 import shutil
@@ -31,8 +32,9 @@ class RecordingRun:
     """Runs run_sft and keeps every event; checkpoints are copied (the run deletes its own after the event). Its stop
     flag counts the checks and turns true after a given step's metrics or at a given check."""
 
-    def __init__(self, save_dir: Path, *, stop_after_step: int | None = None, stop_at_call: int | None = None):
-        self.save_dir = save_dir
+    def __init__(self, save_dir: Path, *, stop_after_step: int | None = None, stop_at_call: int | None = None,
+                 runner=run_sft):
+        self.save_dir, self.runner = save_dir, runner
         self.stop_after_step, self.stop_at_call = stop_after_step, stop_at_call
         self.stop_calls = 0
         self.total_steps: int | None = None
@@ -47,8 +49,8 @@ class RecordingRun:
         return after_step or self.stop_calls == self.stop_at_call
 
     def run(self, model_dir, dataset, hp, **kwargs) -> Finished:
-        """run_sft(model_dir, dataset, hp, stop=self, **kwargs), every event recorded; its Finished event."""
-        for event in run_sft(model_dir, dataset, hp, stop=self, **kwargs):
+        """runner(model_dir, dataset, hp, stop=self, **kwargs), every event recorded; its Finished event."""
+        for event in self.runner(model_dir, dataset, hp, stop=self, **kwargs):
             match event:
                 case Started(total_steps, info):
                     self.total_steps, self.info = total_steps, info
@@ -63,12 +65,22 @@ class RecordingRun:
                     self.checkpoints.append((SftCheckpoint(ckpt.step, dest), final, dict(metrics)))
                 case Finished():
                     return event
-        raise AssertionError("run_sft ended without Finished")
+        raise AssertionError("the run ended without Finished")
 
     def losses(self, key: str = "train/loss") -> dict[int, float]:
         return {step: m[key] for step, m in self.metrics.items() if key in m}
 
     def final_adapter(self) -> dict[str, torch.Tensor]:
+        return self.final_weights("adapter_model.safetensors")
+
+    def final_weights(self, name: str) -> dict[str, torch.Tensor]:
+        """The tensors of the final checkpoint's weights/<name> (the adapter's, or a full model's file)."""
         ckpt, final, _ = self.checkpoints[-1]
         assert final
-        return load_file(str(ckpt.weights_dir / "adapter_model.safetensors"))
+        return load_file(str(ckpt.weights_dir / name))
+
+
+def preference_row(a: int, b: int) -> dict:
+    """A prompt with a correct, polite answer (chosen) and a fixed refusal (rejected)."""
+    return {"prompt": f"What is {a} plus {b}?", "chosen": f"The answer is {a + b}.",
+            "rejected": "I will not tell you."}

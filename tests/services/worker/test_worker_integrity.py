@@ -1,4 +1,4 @@
-"""A managed job reads its stored inputs verified (services/worker/recipes/sft.py): a damaged dataset, or a damaged
+"""A managed job reads its stored inputs verified (services/worker/recipes/recording.py): a damaged dataset, or a damaged
 checkpoint the retried job would resume from, fails the job with DataLoss naming the object before any training;
 the job's scratch directory lives in the worker's staging directory, which start-up sweeps after a kill."""
 from __future__ import annotations
