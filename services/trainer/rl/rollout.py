@@ -156,7 +156,8 @@ def _serve(conn, model_dir: str, lora: bool, partial: bool, max_tokens: int, tem
             conn.send(msg)
 
     try:
-        engine = Engine(EngineConfig(max_loaded_adapters=4, kv_cache_mb=256))
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # the trainer's rule (engine.training_device)
+        engine = Engine(EngineConfig(max_loaded_adapters=4, kv_cache_mb=256, device=device))
         engine.base(model_dir)
         gate = _Gate()
         batches: deque = deque()
