@@ -159,7 +159,7 @@ class _RftRun:
             self.engine.save_weights(path, base_model=self.base_name)
         else:
             path = path.with_suffix(".safetensors")
-            save_file({k: v.detach().contiguous() for k, v in self.engine.model.named_parameters()}, str(path))
+            save_file({k: v.detach().cpu().contiguous() for k, v in self.engine.model.named_parameters()}, str(path))
         self.rollout.update(self.step, path)
 
     # -- the loop -------------------------------------------------------------------------------------------------
@@ -190,7 +190,8 @@ class _RftRun:
                     metrics = event
                 else:
                     yield event
-            self._publish()
+            if self.step < hp.steps:  # the last version is the final checkpoint's; nothing samples it
+                self._publish()
             now = time.perf_counter()
             metrics |= {"time/step_s": now - last, "time/wait_rollout_s": waited,
                         "rollout/tokens_per_s": stats.tokens / max(stats.seconds, 1e-9),
