@@ -124,34 +124,13 @@ def reward_fn(completion, row):
 '''
 
 
-def _upload(stack, api_key: str, name: str, source: bytes):
-    """The evaluator stored as UploadEvaluator stores it (EvaluatorStore.upload: checked, loaded in the sandbox),
-    from this process."""
-    from services.common.auth import hash_key
-    from services.common.blobstore import BlobStore
-    from services.common.config import TrainyardSettings
-    from services.common.db import Database
-    from services.common.schema import ApiKey
-    from services.evaluators.store import EvaluatorStore
-
-    env = stack.env_for("scheduler")
-    settings = TrainyardSettings(data_dir=env["TRAINYARD_DATA_DIR"], database_url=env["TRAINYARD_DATABASE_URL"])
-    db = Database(settings.database_url)
-    try:
-        with db.session() as s:
-            account_id = s.query(ApiKey).filter_by(key_hash=hash_key(api_key)).one().account_id
-        return EvaluatorStore(db, BlobStore(settings.blob_dir)).upload(account_id, name, "evaluator.py", source)
-    finally:
-        db.dispose()
-
-
-def test_rft_job_with_an_uploaded_evaluator_in_the_sandbox(stack, api_key, client, cli, dataset):
+def test_rft_job_with_an_uploaded_evaluator_in_the_sandbox(client, cli, dataset):
     """The reward of an uploaded evaluator runs in the sandbox in the worker; its per-row errors are logged and
     score 0, and the job succeeds. A reference the account does not hold is refused at creation, naming the field."""
     missing = cli("jobs", "create", "--method", "rft", "--dataset", dataset, "--model", "tiny-qwen3", "--evaluator",
                   "no-such-evaluator", ok=False)
     assert "INVALID_ARGUMENT" in missing.stderr and "spec.rft.evaluator" in missing.stderr, missing.stderr
-    uploaded = _upload(stack, api_key, "digits", DIGITS)
+    uploaded = client.upload_evaluator(DIGITS, name="digits", filename="evaluator.py")
     task = [a if a != "builtin:digit_share" else f"digits@{uploaded.version}" for a in TASK]
     created = cli("jobs", "create", "--method", "rft", "--dataset", dataset, *task, "--steps", "3", "--watch")
     assert "succeeded" in created.stdout, created.stdout
@@ -164,7 +143,7 @@ def test_rft_job_with_an_uploaded_evaluator_in_the_sandbox(stack, api_key, clien
     assert sum(m["reward/errors"] for m in steps) > 0 and "no reward for multiples of seven" in errors[0], logs
 
     # An Environment scores episodes, not completions: refused at creation (the SDK's keywords this time).
-    _upload(stack, api_key, "guess", ENVIRONMENT)
+    client.upload_evaluator(ENVIRONMENT, name="guess", filename="evaluator.py")
     with pytest.raises(TrainyardError) as exc:
         client.create_rft_job("tiny-qwen3", dataset, "guess", steps=2)
     assert exc.value.code == "INVALID_ARGUMENT" and "spec.rft.evaluator" in str(exc.value)
