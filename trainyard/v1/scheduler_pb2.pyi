@@ -26,6 +26,7 @@ class JobMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_METHOD_SFT: _ClassVar[JobMethod]
     JOB_METHOD_DPO: _ClassVar[JobMethod]
     JOB_METHOD_EVAL: _ClassVar[JobMethod]
+    JOB_METHOD_LOOP: _ClassVar[JobMethod]
 
 class JobStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -65,6 +66,7 @@ JOB_METHOD_UNSPECIFIED: JobMethod
 JOB_METHOD_SFT: JobMethod
 JOB_METHOD_DPO: JobMethod
 JOB_METHOD_EVAL: JobMethod
+JOB_METHOD_LOOP: JobMethod
 JOB_STATUS_UNSPECIFIED: JobStatus
 JOB_STATUS_QUEUED: JobStatus
 JOB_STATUS_RUNNING: JobStatus
@@ -404,8 +406,24 @@ class EvalConfig(_message.Message):
     seed: int
     def __init__(self, evaluator: _Optional[str] = ..., checkpoint_id: _Optional[str] = ..., samples_per_row: _Optional[int] = ..., temperature: _Optional[float] = ..., max_tokens: _Optional[int] = ..., pass_threshold: _Optional[float] = ..., max_rows: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
+class LoopConfig(_message.Message):
+    __slots__ = ("training_method", "training", "eval", "train_datasets", "deployment", "checkpoints_per_iteration")
+    TRAINING_METHOD_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_FIELD_NUMBER: _ClassVar[int]
+    EVAL_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_DATASETS_FIELD_NUMBER: _ClassVar[int]
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_PER_ITERATION_FIELD_NUMBER: _ClassVar[int]
+    training_method: str
+    training: DpoConfig
+    eval: EvalConfig
+    train_datasets: _containers.RepeatedScalarFieldContainer[str]
+    deployment: str
+    checkpoints_per_iteration: int
+    def __init__(self, training_method: _Optional[str] = ..., training: _Optional[_Union[DpoConfig, _Mapping]] = ..., eval: _Optional[_Union[EvalConfig, _Mapping]] = ..., train_datasets: _Optional[_Iterable[str]] = ..., deployment: _Optional[str] = ..., checkpoints_per_iteration: _Optional[int] = ...) -> None: ...
+
 class JobSpec(_message.Message):
-    __slots__ = ("method", "base_model", "dataset_id", "display_name", "sft", "dpo", "eval", "resources", "priority")
+    __slots__ = ("method", "base_model", "dataset_id", "display_name", "sft", "dpo", "eval", "loop", "resources", "priority")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     DATASET_ID_FIELD_NUMBER: _ClassVar[int]
@@ -413,6 +431,7 @@ class JobSpec(_message.Message):
     SFT_FIELD_NUMBER: _ClassVar[int]
     DPO_FIELD_NUMBER: _ClassVar[int]
     EVAL_FIELD_NUMBER: _ClassVar[int]
+    LOOP_FIELD_NUMBER: _ClassVar[int]
     RESOURCES_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     method: JobMethod
@@ -422,9 +441,10 @@ class JobSpec(_message.Message):
     sft: SftConfig
     dpo: DpoConfig
     eval: EvalConfig
+    loop: LoopConfig
     resources: ResourceRequest
     priority: int
-    def __init__(self, method: _Optional[_Union[JobMethod, str]] = ..., base_model: _Optional[str] = ..., dataset_id: _Optional[str] = ..., display_name: _Optional[str] = ..., sft: _Optional[_Union[SftConfig, _Mapping]] = ..., dpo: _Optional[_Union[DpoConfig, _Mapping]] = ..., eval: _Optional[_Union[EvalConfig, _Mapping]] = ..., resources: _Optional[_Union[ResourceRequest, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
+    def __init__(self, method: _Optional[_Union[JobMethod, str]] = ..., base_model: _Optional[str] = ..., dataset_id: _Optional[str] = ..., display_name: _Optional[str] = ..., sft: _Optional[_Union[SftConfig, _Mapping]] = ..., dpo: _Optional[_Union[DpoConfig, _Mapping]] = ..., eval: _Optional[_Union[EvalConfig, _Mapping]] = ..., loop: _Optional[_Union[LoopConfig, _Mapping]] = ..., resources: _Optional[_Union[ResourceRequest, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class ResourceRequest(_message.Message):
     __slots__ = ("trainer_devices", "rollout_devices")

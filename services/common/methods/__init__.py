@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from services.common.methods.dpo import DpoHyperparams
 from services.common.methods.evaluate import EvalHyperparams
+from services.common.methods.loop import LoopHyperparams
 from services.common.methods.sft import SftHyperparams
 
-HYPERPARAMS = {"sft": SftHyperparams, "dpo": DpoHyperparams, "eval": EvalHyperparams}
+HYPERPARAMS = {"sft": SftHyperparams, "dpo": DpoHyperparams, "eval": EvalHyperparams, "loop": LoopHyperparams}
