@@ -183,6 +183,12 @@ def _deployment_of_job(s, job: Job, name: str) -> bool:
         d.checkpoint_id is not None and _checkpoint_of_job(s, job, d.checkpoint_id))
 
 
+def _deployment_id_of_job(s, job: Job, deployment_id: str) -> bool:
+    d = s.get(Deployment, deployment_id) if deployment_id else None
+    return d is not None and d.account_id == job.account_id and d.deleted_at is None and _deployment_of_job(
+        s, job, d.name)
+
+
 def _publish(s, job: Job, request) -> bool:
     return request.WhichOneof("part") != "header" or job_lineage(job, request.header.lineage)
 
@@ -208,4 +214,7 @@ JOB_SCOPE = {
     _V1 + "WeightSyncService/WatchLineage": lambda s, job, r: job_lineage(job, r.lineage),
     _V1 + "RolloutService/Sample": lambda s, job, r: _deployment_of_job(s, job, r.model),
     _V1 + "RolloutService/SampleStream": lambda s, job, r: _deployment_of_job(s, job, r.model),
+    # A loop job deploys its best checkpoint (services/worker/recipes/loop.py): the rollout loads the deployment
+    # once it serves one of the job's checkpoints.
+    _V1 + "RolloutService/LoadDeployment": lambda s, job, r: _deployment_id_of_job(s, job, r.deployment_id),
 }
