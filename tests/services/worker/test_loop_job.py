@@ -106,7 +106,7 @@ def test_loop_requests_are_checked_by_field(platform):
             spec.loop.checkpoints_per_iteration, spec.loop.training_method) == (2, 0.01, 3, 1, "sft")
 
 
-def test_a_loop_trains_evaluates_deploys_the_best_and_continues_from_it(platform):
+def test_a_loop_trains_evaluates_deploys_the_best_and_continues_from_it(platform, flip_byte):
     from services.worker.job import run_managed_job
 
     alice = platform.accounts["alice"]
@@ -170,3 +170,20 @@ def test_a_loop_trains_evaluates_deploys_the_best_and_continues_from_it(platform
     # Iteration 0's checkpoint was unloaded when the new one was in: only iteration 1's best is laid out.
     laid_out = platform.root / "rollout" / "adapters" / dep.id
     assert [d.name for d in laid_out.iterdir() if not d.name.startswith(".")] == [best1.id]
+    # A re-point whose new checkpoint the rollout cannot load (its stored adapter is damaged) switches the row back:
+    # the deployment keeps serving iteration 1's best.
+    from services.common.errors import DataLoss
+    from services.scheduler.app import RolloutGateway
+    from services.scheduler.deployments import DeploymentCore
+
+    gateway = RolloutGateway(platform.url("rollout"), 64)
+    core = DeploymentCore(platform.db, gateway.load, gateway.unload)
+    adapter = next(f for f in best0.files if f["path"].endswith(".safetensors"))
+    flip_byte(BlobStore(platform.root / "blobs").path(adapter["sha256"]), 200)
+    with pytest.raises(DataLoss, match=f"still serves {best1.id}: the rollout service could not load {best0.id}"):
+        core.repoint(alice, platform.keys["alice"], "loop-best", best0.id)
+    gateway.channel.close()
+    assert core.get(alice, "loop-best").checkpoint_id == best1.id
+    again = rollout.Sample(rollout_pb2.SampleRequest(model="loop-best", text="1+2=", params=rollout_pb2.SamplingParams(
+        max_tokens=4, temperature=0.0)), metadata=platform.metadata())
+    assert list(again.sequences[0].tokens) == list(out.sequences[0].tokens)
