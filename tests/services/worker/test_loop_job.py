@@ -187,3 +187,35 @@ def test_a_loop_trains_evaluates_deploys_the_best_and_continues_from_it(platform
     again = rollout.Sample(rollout_pb2.SampleRequest(model="loop-best", text="1+2=", params=rollout_pb2.SamplingParams(
         max_tokens=4, temperature=0.0)), metadata=platform.metadata())
     assert list(again.sequences[0].tokens) == list(out.sequences[0].tokens)
+
+
+@pytest.mark.parametrize("method", ["sft", "dpo"])
+def test_a_run_starts_from_a_checkpoints_weights_with_a_fresh_optimizer_and_step(method, tmp_path, tiny_model_dir):
+    """The seam each iteration after the first trains through: start_from loads the adapter only (step 0, a fresh
+    optimizer): with a vanishing learning rate the new run's adapter is the starting one, not a fresh adapter."""
+    import torch
+
+    from services.common.methods.loop import TRAINING
+    from services.trainer.dpo import run_dpo
+    from services.trainer.sft import run_sft
+    from tests.services.trainer.trainer_helpers import PAIRS, RecordingRun, chat_row, preference_row, write_jsonl
+
+    rows = [chat_row(a, b) for a, b in PAIRS[:4]] if method == "sft" else [preference_row(a, b) for a, b in PAIRS[:4]]
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
+    runner = run_sft if method == "sft" else run_dpo
+    base = dict(max_steps=2, checkpoint_every=2, learning_rate=0.05, eval_fraction=0.0, lora_rank=4, max_seq_len=64)
+    first = RecordingRun(tmp_path / "first", runner=runner)
+    first.run(tiny_model_dir, data, TRAINING[method].from_json(base), work_dir=tmp_path / "w1")
+    started = first.checkpoints[-1][0]
+    slow = TRAINING[method].from_json(dict(base, max_steps=1, checkpoint_every=1, learning_rate=1e-12))
+    second = RecordingRun(tmp_path / "second", runner=runner)
+    second.run(tiny_model_dir, data, slow, work_dir=tmp_path / "w2", start_from=started)
+    fresh = RecordingRun(tmp_path / "fresh", runner=runner)
+    fresh.run(tiny_model_dir, data, slow, work_dir=tmp_path / "w3")
+    assert second.total_steps == 1 and [c.step for c, _, _ in second.checkpoints] == [1]
+    assert any("starting from the weights of a checkpoint at step 2" in m for _, m in second.logs)
+    a, b, c = first.final_adapter(), second.final_adapter(), fresh.final_adapter()
+    assert a.keys() == b.keys()
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
+    assert max((a[k] - c[k]).abs().max().item() for k in a) > 1e-3  # a fresh adapter is far from the trained one
+    assert all(torch.isfinite(t).all() for t in b.values())
