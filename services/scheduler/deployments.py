@@ -113,8 +113,9 @@ class DeploymentCore:
                 raise not_found("deployment", name)
             dep = s.get(Deployment, found.id, with_for_update=True)  # one re-point of a deployment at a time
             if dep.lineage or dep.status != "ready":
-                raise FailedPrecondition(f"deployment '{dep.name}' is {'a lineage deployment' if dep.lineage else dep.status}"
-                                         "; only a ready checkpoint deployment can be re-pointed")
+                what = "a lineage deployment" if dep.lineage else dep.status
+                raise FailedPrecondition(f"deployment '{dep.name}' is {what}; only a ready checkpoint deployment can "
+                                         "be re-pointed")
             ckpt = self._resolve_checkpoint(s, account_id, checkpoint_id, "")
             if ckpt.base_model != dep.base_model:
                 raise FailedPrecondition(f"checkpoint '{ckpt.id}' is of model '{ckpt.base_model}'; deployment "

@@ -26,7 +26,8 @@ def all_fields() -> dict[str, Field]:
     out: dict[str, Field] = {}
     for m in METHODS.values():
         for f in m.fields():
-            assert _flagged(out.setdefault(f.name, f)) == _flagged(f), f"{f.name} is declared differently by two methods"
+            known = out.setdefault(f.name, f)
+            assert _flagged(known) == _flagged(f), f"{f.name} is declared differently by two methods"
     return out
 
 

@@ -143,11 +143,16 @@ def run(ctx: JobContext) -> RecipeOutcome:
         ledger.log(job.id, f"evaluating {what} on {len(rows)} rows, {cfg.samples_per_row} samples each, with "
                            f"evaluator {evaluator.name}@{evaluator.version} ({evaluator.id})")
         ledger.progress(job.id, ctx.worker_id, total_steps=len(rows))
+        scored = [0]  # rows done
+
+        def on_row(done: int) -> None:
+            scored[0] = done
+            ledger.progress(job.id, ctx.worker_id, step=done)
+
         with Sandbox(code_dir, limits=ctx.settings.evaluator_limits()) as sandbox:
-            results = score_rows(ctx, engine, sandbox, model_dir, adapter, rows, cfg,
-                                 lambda done: ledger.progress(job.id, ctx.worker_id, step=done))
+            results = score_rows(ctx, engine, sandbox, model_dir, adapter, rows, cfg, on_row)
         if results is None:
-            return RecipeOutcome(step=0, stopped=True)
+            return RecipeOutcome(step=scored[0], stopped=True)
     finally:
         engine.close()
     metrics = summarize(results, cfg.samples_per_row)
