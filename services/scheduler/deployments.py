@@ -13,7 +13,6 @@ served even if the unload call below does not reach the rollout), then rollout.U
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable
 
 import grpc
@@ -36,7 +35,7 @@ from services.common.methods.evaluate import RESULT_KIND
 from services.common.schema import Account, Checkpoint, Deployment, Job, WeightLineage, new_id, utcnow
 
 log = logging.getLogger("trainyard.deployments")
-NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+NAME_RE = registry.DEPLOYMENT_NAME_RE
 
 # The rollout's refusals keep their meaning (DATA_LOSS: the deployment's stored files failed verification);
 # anything else (unreachable, internal) is reported as unavailable.

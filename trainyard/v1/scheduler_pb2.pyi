@@ -769,6 +769,14 @@ class CreateDeploymentRequest(_message.Message):
     lineage: str
     def __init__(self, name: _Optional[str] = ..., checkpoint_id: _Optional[str] = ..., job_id: _Optional[str] = ..., lineage: _Optional[str] = ...) -> None: ...
 
+class RepointDeploymentRequest(_message.Message):
+    __slots__ = ("id", "checkpoint_id")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    checkpoint_id: str
+    def __init__(self, id: _Optional[str] = ..., checkpoint_id: _Optional[str] = ...) -> None: ...
+
 class ListDeploymentsRequest(_message.Message):
     __slots__ = ("include_deleted",)
     INCLUDE_DELETED_FIELD_NUMBER: _ClassVar[int]

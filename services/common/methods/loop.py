@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from services.common.errors import Violation
+from services.common.registry import DEPLOYMENT_NAME_RE
 from services.common.methods.dpo import DpoHyperparams
 from services.common.methods.evaluate import EvalHyperparams, evaluation_violations
 from services.common.methods.resolved import Resolved
@@ -41,13 +42,11 @@ class LoopHyperparams(Resolved, LoopSettings):
         return EvalHyperparams.from_json({f.name: values[f.name] for f in declared(EvalSettings)})
 
     def job_violations(self, s, account_id: str, base_model: str) -> list[Violation]:
-        from services.scheduler.deployments import NAME_RE  # the deployments' own naming rule
-
         out = evaluation_violations(self, s, account_id, base_model, self.request_prefix)
         if self.checkpoint_id:
             out = [v for v in out if v.field != self.field("checkpoint_id")]
             out.append(Violation(self.field("checkpoint_id"), "a loop evaluates its own checkpoints; leave it unset"))
-        if not NAME_RE.fullmatch(self.deployment):
+        if not DEPLOYMENT_NAME_RE.fullmatch(self.deployment):
             out.append(Violation(self.field("deployment"), "required: 1-128 letters, digits, '.', '_' or '-', "
                                                            "starting with a letter or digit"))
         if not self.train_datasets:

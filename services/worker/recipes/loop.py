@@ -24,14 +24,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import grpc
 from sqlalchemy import select
 
+from services.common import channels, registry
 from services.common.methods.loop import LoopHyperparams
 from services.common.schema import Checkpoint, JobMetric
-from services.scheduler.deployments import DeploymentCore
 from services.worker.job import JobContext, RecipeOutcome
 from services.worker.recipes.evaluate import read_rows, rollout_engine, score_rows, summarize, weights
 from services.worker.recipes.recording import laid_out, run_recorded
+from trainyard.v1 import scheduler_pb2 as pb
+from trainyard.v1 import scheduler_pb2_grpc as rpc
 
 
 class LoopStopped(Exception):
@@ -140,24 +143,31 @@ def _evaluate(ctx: JobContext, cfg: LoopHyperparams, i: int, chosen: list[Checkp
     return scores
 
 
-def _deploy(ctx: JobContext, name: str, checkpoint_id: str):
-    """Serve the checkpoint under the stable name: create the deployment, or re-point the live one of that name.
-    The rollout is called with the attempt's job-scoped key."""
-    from services.common import registry
+class DeployFailed(RuntimeError):
+    """The scheduler refused to deploy or re-point (its reason is the message): the job fails with it."""
 
-    from services.scheduler.app import RolloutGateway  # the scheduler's own calls to the rollout
 
+def _deploy(ctx: JobContext, name: str, checkpoint_id: str) -> pb.Deployment:
+    """Serve the checkpoint under the stable name: CreateDeployment, or RepointDeployment of the live deployment of
+    that name, called on the scheduler with the attempt's job-scoped key (which may deploy the job's checkpoints and
+    re-point a deployment serving one of them: docs/resources.md)."""
     st = ctx.settings
-    gateway = RolloutGateway(st.rollout_url, st.grpc_max_message_mb, st.channel_credentials())
-    core = DeploymentCore(ctx.db, gateway.load, gateway.unload)
+    with ctx.db.session() as s:
+        live = registry.find_deployment(s, ctx.job.account_id, name)
+    channel = channels.open_channel(st.scheduler_url, st.grpc_max_message_mb, st.channel_credentials())
     try:
-        with ctx.db.session() as s:
-            live = registry.find_deployment(s, ctx.job.account_id, name)
+        stub = rpc.DeploymentServiceStub(channel)
+        kw = dict(metadata=channels.auth_metadata(ctx.credential), timeout=600)
+        channels.ready(channel, timeout_s=10)
         if live is None:
-            return core.create(ctx.job.account_id, ctx.credential, name, checkpoint_id, "")
-        return core.repoint(ctx.job.account_id, ctx.credential, name, checkpoint_id)
+            return stub.CreateDeployment(pb.CreateDeploymentRequest(name=name, checkpoint_id=checkpoint_id), **kw)
+        return stub.RepointDeployment(pb.RepointDeploymentRequest(id=live.id, checkpoint_id=checkpoint_id), **kw)
+    except grpc.RpcError as exc:
+        what = "create" if live is None else "re-point"
+        raise DeployFailed(f"could not {what} deployment '{name}' to checkpoint {checkpoint_id}: "
+                           f"{exc.code().name}: {exc.details()}") from None
     finally:
-        gateway.channel.close()
+        channel.close()
 
 
 # ---- what was recorded (resume) ------------------------------------------------------------------------------------

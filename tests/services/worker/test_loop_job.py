@@ -20,7 +20,7 @@ from services.evaluators.store import EvaluatorStore
 from services.scheduler.datasets import DatasetStore, UploadHeader
 from services.scheduler.jobs import JobCore, NewJob
 from tests.services.common.inprocess import Platform
-from trainyard import Client
+from trainyard import Client, TrainyardError
 from trainyard.v1 import rollout_pb2, rollout_pb2_grpc
 from trainyard.v1 import scheduler_pb2 as pb
 
@@ -61,7 +61,7 @@ def _worker(platform, host: str):
 
     return WorkerSettings(data_dir=platform.root, database_url=f"sqlite:///{platform.root / 'trainyard.db'}",
                           heartbeat_s=0.2, torch_threads=1, worker_host=host, cpu_slots=2,
-                          rollout_url=platform.url("rollout"))
+                          scheduler_url=platform.url("scheduler"), rollout_url=platform.url("rollout"))
 
 
 def _points(platform, job_id: str) -> list[JobMetric]:
@@ -172,18 +172,14 @@ def test_a_loop_trains_evaluates_deploys_the_best_and_continues_from_it(platform
     assert [d.name for d in laid_out.iterdir() if not d.name.startswith(".")] == [best1.id]
     # A re-point whose new checkpoint the rollout cannot load (its stored adapter is damaged) switches the row back:
     # the deployment keeps serving iteration 1's best.
-    from services.common.errors import DataLoss
-    from services.scheduler.app import RolloutGateway
-    from services.scheduler.deployments import DeploymentCore
-
-    gateway = RolloutGateway(platform.url("rollout"), 64)
-    core = DeploymentCore(platform.db, gateway.load, gateway.unload)
     adapter = next(f for f in best0.files if f["path"].endswith(".safetensors"))
     flip_byte(BlobStore(platform.root / "blobs").path(adapter["sha256"]), 200)
-    with pytest.raises(DataLoss, match=f"still serves {best1.id}: the rollout service could not load {best0.id}"):
-        core.repoint(alice, platform.keys["alice"], "loop-best", best0.id)
-    gateway.channel.close()
-    assert core.get(alice, "loop-best").checkpoint_id == best1.id
+    with Client(url=platform.url("scheduler"), api_key=platform.keys["alice"]) as c:
+        with pytest.raises(TrainyardError, match=f"still serves {best1.id}: the rollout service could not load "
+                                                 f"{best0.id}") as err:
+            c.repoint_deployment("loop-best", best0.id)
+        assert err.value.code == "DATA_LOSS"
+        assert c.get_deployment("loop-best").checkpoint_id == best1.id
     again = rollout.Sample(rollout_pb2.SampleRequest(model="loop-best", text="1+2=", params=rollout_pb2.SamplingParams(
         max_tokens=4, temperature=0.0)), metadata=platform.metadata())
     assert list(again.sequences[0].tokens) == list(out.sequences[0].tokens)
