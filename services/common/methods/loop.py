@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from services.common.errors import Violation
-from services.common.registry import DEPLOYMENT_NAME_RE
+from services.common.registry import DEPLOYMENT_NAME_RE, find_deployment
 from services.common.methods.dpo import DpoHyperparams
 from services.common.methods.evaluate import EvalHyperparams, evaluation_violations
 from services.common.methods.resolved import Resolved
@@ -49,6 +49,9 @@ class LoopHyperparams(Resolved, LoopSettings):
         if not DEPLOYMENT_NAME_RE.fullmatch(self.deployment):
             out.append(Violation(self.field("deployment"), "required: 1-128 letters, digits, '.', '_' or '-', "
                                                            "starting with a letter or digit"))
+        elif find_deployment(s, account_id, self.deployment) is not None:
+            out.append(Violation(self.field("deployment"), f"a deployment named '{self.deployment}' exists; the loop "
+                                                           "creates its own (delete that one or choose another name)"))
         if not self.train_datasets:
             out.append(Violation(self.field("train_datasets"), "required: one dataset id per iteration"))
         formats = METHODS[self.training_method].dataset_formats

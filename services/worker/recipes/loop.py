@@ -97,6 +97,7 @@ def _train(ctx: JobContext, cfg: LoopHyperparams, i: int, offset: int, best: Che
         from services.trainer.dpo import run_dpo as train
     else:
         from services.trainer.sft import run_sft as train
+
     def events(data_path, resume):
         return train(Path(ctx.job.model_path), data_path, hp, stop=ctx.heartbeat.stop, resume=resume,
                      base_model_name=ctx.job.base_model, work_dir=ctx.work / f"train-{i}", start_from=start)

@@ -87,6 +87,9 @@ def test_loop_requests_are_checked_by_field(platform):
         "spec.loop.eval.checkpoint_id"}
     assert problems(dict(good, training_method="dpo")) == {"spec.loop.train_datasets[0]",
                                                            "spec.loop.train_datasets[1]"}  # chat rows, not pairs
+    with platform.db.session() as s:  # a name in use (here by a lineage deployment) is not the loop's to take
+        s.add(Deployment(id="dep_taken", account_id=alice, name="taken", lineage="some-session", base_model="tiny"))
+    assert problems(dict(good, deployment="taken")) == {"spec.loop.deployment"}
     job = platform.core.create(alice, NewJob("loop", "tiny", platform.rft, "", good))
     assert (job.trainer_devices, job.rollout_devices) == (1, 1)
 
