@@ -218,3 +218,54 @@ def test_a_run_starts_from_a_checkpoints_weights_with_a_fresh_optimizer_and_step
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
     assert max((a[k] - c[k]).abs().max().item() for k in a) > 1e-3  # a fresh adapter is far from the trained one
     assert all(torch.isfinite(t).all() for t in b.values())
+
+
+def test_a_job_scoped_key_deploys_only_its_own_checkpoints(platform):
+    """What the loop's worker may do with its attempt's key: deploy one of the job's checkpoints, re-point a deployment
+    serving one of them to another, have the rollout load such a deployment; nothing on other jobs' checkpoints."""
+    from services.common import auth
+    from services.common.errors import PermissionDenied
+    from services.common.schema import new_id
+
+    alice = platform.accounts["alice"]
+    jobs = [platform.core.create(alice, NewJob("sft", "tiny", platform.train[0], "", {"max_steps": 1}))
+            for _ in range(2)]
+    ledger = Ledger(platform.db)
+    own, other = [], []
+    for job, into in zip(jobs, (own, other)):
+        ledger.claim(job.id, "w")
+        into += [ledger.add_checkpoint(job.id, "w", step=n, files=[], state=[], final=False, metrics={}).id
+                 for n in (1, 2)]
+    with platform.db.session() as s:
+        key = auth.issue_job_key(s, s.get(Job, jobs[0].id))
+        for name, ckpt in (("mine", own[0]), ("theirs", other[0])):
+            s.add(Deployment(id=new_id("dep"), account_id=alice, name=name, checkpoint_id=ckpt, base_model="tiny",
+                             status="ready"))
+    with platform.db.session() as s:
+        deps = {d.name: d.id for d in s.scalars(select(Deployment))}
+    keys = auth.KeyAuthenticator(platform.db)
+    caller = keys.authenticate(key)
+    v1 = "/trainyard.v1."
+
+    def allowed(method: str, request) -> bool:
+        try:
+            keys.authorize(caller, v1 + method, request)
+            return True
+        except PermissionDenied:
+            return False
+
+    assert allowed("DeploymentService/CreateDeployment", pb.CreateDeploymentRequest(name="n", checkpoint_id=own[1]))
+    assert not allowed("DeploymentService/CreateDeployment", pb.CreateDeploymentRequest(name="n",
+                                                                                         checkpoint_id=other[1]))
+    assert not allowed("DeploymentService/CreateDeployment", pb.CreateDeploymentRequest(name="n", job_id=jobs[0].id))
+    assert allowed("DeploymentService/RepointDeployment", pb.RepointDeploymentRequest(id="mine", checkpoint_id=own[1]))
+    assert allowed("DeploymentService/RepointDeployment", pb.RepointDeploymentRequest(id=deps["mine"],
+                                                                                       checkpoint_id=own[1]))
+    assert not allowed("DeploymentService/RepointDeployment", pb.RepointDeploymentRequest(id="mine",
+                                                                                           checkpoint_id=other[1]))
+    assert not allowed("DeploymentService/RepointDeployment", pb.RepointDeploymentRequest(id="theirs",
+                                                                                           checkpoint_id=own[1]))
+    assert not allowed("DeploymentService/DeleteDeployment", pb.DeleteDeploymentRequest(id="mine"))
+    assert allowed("RolloutService/LoadDeployment", rollout_pb2.LoadDeploymentRequest(deployment_id=deps["mine"]))
+    assert not allowed("RolloutService/LoadDeployment", rollout_pb2.LoadDeploymentRequest(
+        deployment_id=deps["theirs"]))
