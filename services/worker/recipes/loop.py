@@ -92,7 +92,9 @@ def _iteration(ctx: JobContext, cfg: LoopHyperparams, i: int, offset: int,
 def _train(ctx: JobContext, cfg: LoopHyperparams, i: int, offset: int, best: Checkpoint | None,
            resume_from: Checkpoint | None) -> RecipeOutcome:
     hp = cfg.training()
-    start = laid_out(ctx, best, ctx.work / f"start-{i}", step=0) if best is not None and resume_from is None else None
+    start = None
+    if best is not None and resume_from is None:  # a new iteration: the best adapter so far, its weights only
+        start = laid_out(ctx, best, ctx.work / f"start-{i}", step=best.step)
     if cfg.training_method == "dpo":
         from services.trainer.dpo import run_dpo as train
     else:

@@ -269,3 +269,31 @@ def test_a_job_scoped_key_deploys_only_its_own_checkpoints(platform):
     assert allowed("RolloutService/LoadDeployment", rollout_pb2.LoadDeploymentRequest(deployment_id=deps["mine"]))
     assert not allowed("RolloutService/LoadDeployment", rollout_pb2.LoadDeploymentRequest(
         deployment_id=deps["theirs"]))
+
+
+def test_a_dpo_loop_continues_from_its_best_adapter(platform):
+    """The same loop with DPO on preference pairs: the last checkpoint of each iteration evaluated, iteration 1
+    started from iteration 0's best adapter, the deployment re-pointed to iteration 1's."""
+    from services.worker.job import run_managed_job
+    from tests.services.trainer.trainer_helpers import PAIRS, preference_row
+
+    store = DatasetStore(platform.db, BlobStore(platform.root / "blobs"), 1 << 20)
+    pairs = [store.upload(platform.accounts["alice"], UploadHeader(f"pairs-{n}", "dpo", ""), iter(
+        [json.dumps(preference_row(a, b)).encode() + b"\n" for a, b in PAIRS[n * 4:n * 4 + 4]]))[0].id for n in (0, 1)]
+    with Client(url=platform.url("scheduler"), api_key=platform.keys["alice"]) as c:
+        job = c.create_job("loop", "tiny", platform.rft, train_datasets=pairs, **dict(
+            LOOP, training_method="dpo", beta=0.2, max_steps=1, max_seq_len=64, checkpoints_per_iteration=1,
+            deployment="dpo-best"))
+        run_managed_job(job.id, _worker(platform, "loop-dpo"))
+        done = c.get_job(job.id)
+        logs = [e.message for e in c.job_logs(job.id)]
+        dep = c.get_deployment("dpo-best")
+    assert done.status == pb.JOB_STATUS_SUCCEEDED, (done.error, logs)
+    with platform.db.session() as s:
+        ckpts = list(s.scalars(select(Checkpoint).where(Checkpoint.job_id == job.id).order_by(Checkpoint.step)))
+    assert [c.step for c in ckpts] == [1, 2]
+    m = dict(done.latest_metrics)
+    assert (m["iteration/0/best_step"], m["iteration/1/best_step"], m["loop/iterations_done"]) == (1.0, 2.0, 2.0)
+    assert dep.checkpoint_id == ckpts[1].id == done.output_checkpoint_id
+    assert any("starting from the weights of a checkpoint at step 1" in e for e in logs), logs
+    assert any(e.startswith(f"iteration 0 of 2: best checkpoint {ckpts[0].id}") and dep.id in e for e in logs), logs
