@@ -162,6 +162,7 @@ def test_a_loop_trains_evaluates_deploys_the_best_and_continues_from_it(platform
     assert any(f"iteration 1 of 2: training (sft) on dataset {platform.train[1]}, from checkpoint {best0.id}" in e
                for e in logs), logs
     assert any(f"iteration 1 of 2: best checkpoint {best1.id}" in e and dep.id in e for e in logs)
+    assert any(f"starting from the weights of a checkpoint at step {best0.step}" in e for e in logs), logs
     # The rollout serves the re-pointed deployment from iteration 1's best checkpoint, and sampling it works.
     rollout = rollout_pb2_grpc.RolloutServiceStub(platform.channel("rollout"))
     loaded = {x.name: x for x in rollout.ListLoaded(rollout_pb2.ListLoadedRequest(),
