@@ -442,6 +442,12 @@ class Client:
 
     # -- deployments ---------------------------------------------------------------------------------------------
     @translate
+    def repoint_deployment(self, ident: str, checkpoint_id: str) -> pb.Deployment:
+        """Serve another checkpoint under a ready checkpoint deployment (by id or name), keeping its id and name."""
+        return self.deployments.RepointDeployment(
+            pb.RepointDeploymentRequest(id=ident, checkpoint_id=checkpoint_id), **self._kw(600))
+
+    @translate
     def create_deployment(self, name: str, *, job_id: str = "", checkpoint_id: str = "",
                           lineage: str = "") -> pb.Deployment:
         """Serve a job's final checkpoint, a checkpoint, or the current version of a weight lineage (hot-loaded as

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import select, update
 
+from services.common import registry
 from services.common.db import Database
 from services.common.errors import AlreadyExists, InvalidArgument, PermissionDenied, Unauthenticated
 from services.common.schema import Account, ApiKey, Checkpoint, Deployment, Job, WeightVersion, new_id, utcnow
@@ -183,6 +184,24 @@ def _deployment_of_job(s, job: Job, name: str) -> bool:
         d.checkpoint_id is not None and _checkpoint_of_job(s, job, d.checkpoint_id))
 
 
+def _deployment_id_of_job(s, job: Job, deployment_id: str) -> bool:
+    d = s.get(Deployment, deployment_id) if deployment_id else None
+    return d is not None and d.account_id == job.account_id and d.deleted_at is None and _deployment_of_job(
+        s, job, d.name)
+
+
+def _deploys_job_checkpoint(s, job: Job, r) -> bool:
+    """CreateDeployment of one of the job's checkpoints (by checkpoint_id)."""
+    return not r.job_id and not r.lineage and _checkpoint_of_job(s, job, r.checkpoint_id)
+
+
+def _repoints_to_job_checkpoint(s, job: Job, r) -> bool:
+    """RepointDeployment of a deployment that serves one of the job's checkpoints, to another of them."""
+    d = registry.find_deployment(s, job.account_id, r.id) if r.id else None
+    return d is not None and d.checkpoint_id is not None and _checkpoint_of_job(s, job, d.checkpoint_id) and \
+        _checkpoint_of_job(s, job, r.checkpoint_id)
+
+
 def _publish(s, job: Job, request) -> bool:
     return request.WhichOneof("part") != "header" or job_lineage(job, request.header.lineage)
 
@@ -208,4 +227,9 @@ JOB_SCOPE = {
     _V1 + "WeightSyncService/WatchLineage": lambda s, job, r: job_lineage(job, r.lineage),
     _V1 + "RolloutService/Sample": lambda s, job, r: _deployment_of_job(s, job, r.model),
     _V1 + "RolloutService/SampleStream": lambda s, job, r: _deployment_of_job(s, job, r.model),
+    # A loop job deploys its best checkpoint (services/worker/recipes/loop.py): it creates a deployment of one of
+    # its checkpoints and re-points it to others, and the rollout loads it on its behalf.
+    _V1 + "DeploymentService/CreateDeployment": _deploys_job_checkpoint,
+    _V1 + "DeploymentService/RepointDeployment": _repoints_to_job_checkpoint,
+    _V1 + "RolloutService/LoadDeployment": lambda s, job, r: _deployment_id_of_job(s, job, r.deployment_id),
 }

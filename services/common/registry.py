@@ -98,6 +98,10 @@ def imported_elsewhere(s: Session, account_id: str, directory: Path) -> bool:
     return any(directory.is_relative_to(p) or Path(p).is_relative_to(directory) for p in paths)
 
 
+# A deployment's name: unique among the account's live deployments (services/scheduler/deployments.py).
+DEPLOYMENT_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
 def find_deployment(s: Session, account_id: str, ident: str) -> Deployment | None:
     """A live deployment by id or name."""
     return s.scalar(select(Deployment).where(

@@ -247,6 +247,11 @@ class Engine:
             self._cv.notify_all()
         return True
 
+    def known_adapters(self) -> list[str]:
+        """Ids of every adapter known (loaded now or on first use), in no particular order."""
+        with self._cv:
+            return list(self._adapters)
+
     def loaded_adapters(self) -> list[str]:
         """Ids of the adapters whose weights are loaded now, least recently used first."""
         with self._cv:

@@ -44,6 +44,9 @@ from services.rollout.weights import WeightFollower
 log = logging.getLogger("trainyard.rollout")
 
 SERVABLE_STATUSES = ("ready", "deploying")
+# A checkpoint deployment's adapter id in the engine: "<deployment id>@<checkpoint id>", so a re-pointed deployment
+# (DeploymentCore.repoint) loads its new checkpoint beside the old one, which is unloaded once the new one is in.
+ADAPTER_SEP = "@"
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -163,8 +166,21 @@ class SamplingCore:
             raise
         if target.adapter_files:
             self.engine.load_adapter(target.adapter_id, target.model_dir, self._adapter_dir(target))
+            self._forget_other_checkpoints(dep.id, keep=target.adapter_id)
         log.info("deployment %s (%s) loaded on %s", dep.id, dep.name, target.model_dir)
         return target.info
+
+    def _forget_other_checkpoints(self, dep_id: str, keep: str = "") -> bool:
+        """Unload the adapters (and files) of a checkpoint deployment's other checkpoints: after a re-point, the one
+        it served before (requests already running on it finish first: the engine frees weights once unused)."""
+        forgotten = False
+        for adapter_id in self.engine.known_adapters():
+            if adapter_id.startswith(dep_id + ADAPTER_SEP) and adapter_id != keep:
+                forgotten = self.engine.unload_adapter(adapter_id) or forgotten
+                with self._materialize_lock:
+                    shutil.rmtree(self.adapters_dir / dep_id / adapter_id.split(ADAPTER_SEP, 1)[1],
+                                  ignore_errors=True)
+        return forgotten
 
     def unload_deployment(self, account_id: str, deployment_id: str) -> bool:
         """Free a deployment's weights and files. Deleted deployments count: the scheduler unloads after deleting."""
@@ -174,14 +190,14 @@ class SamplingCore:
                 raise not_found("deployment", deployment_id)
         if dep.lineage:
             return self.follower is not None and self.follower.forget(dep.id)
-        unloaded = self.engine.unload_adapter(dep.id)
+        unloaded = self._forget_other_checkpoints(dep.id)
         with self._materialize_lock:
             shutil.rmtree(self.adapters_dir / dep.id, ignore_errors=True)
         return unloaded
 
     def list_loaded(self, account_id: str) -> list[LoadedInfo]:
         """The account's live deployments whose weights are loaded, then loaded base models it can see."""
-        adapter_ids = self.engine.loaded_adapters()
+        adapter_ids = {a.split(ADAPTER_SEP, 1)[0] for a in self.engine.loaded_adapters()}  # their deployments
         model_dirs = set(self.engine.loaded_models())
         with self.db.session() as s:
             deps = s.scalars(select(Deployment).where(
@@ -293,21 +309,23 @@ class SamplingCore:
                                          "registered")
             model_dir = base.path
         info = LoadedInfo(name=dep.name, base_model=dep.base_model, deployment_id=dep.id, checkpoint_id=ckpt.id)
-        return _Target(info=info, model_dir=model_dir, adapter_id=dep.id,
+        return _Target(info=info, model_dir=model_dir, adapter_id=dep.id + ADAPTER_SEP + ckpt.id,
                        adapter_files=tuple(StoredFile.from_json(f) for f in ckpt.files))
 
     def _adapter_dir(self, target: _Target) -> Path:
         """The deployment's files on disk, laid out once: a directory that exists is complete (renamed into place)."""
-        dest = self.adapters_dir / target.info.deployment_id
+        dest = self.adapters_dir / target.info.deployment_id / target.info.checkpoint_id
         with self._materialize_lock:
             if not dest.is_dir():
-                self.adapters_dir.mkdir(parents=True, exist_ok=True)
-                tmp = Path(tempfile.mkdtemp(dir=self.adapters_dir, prefix=f".{dest.name}-"))
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}-"))
                 try:  # verified on the way: damaged or missing files are DataLoss, and nothing is loaded
                     self.blobs.materialize(target.adapter_files, tmp, what=f"deployment '{target.info.name}': "
                                                                          f"checkpoint {target.info.checkpoint_id}")
                 except BaseException:
                     shutil.rmtree(tmp, ignore_errors=True)
+                    with contextlib.suppress(OSError):  # the deployment's directory, unless another checkpoint's
+                        dest.parent.rmdir()
                     raise
                 tmp.rename(dest)
         return dest

@@ -2,13 +2,17 @@
 rollout service under a name of the account's choosing.
 
 Create: validate -> row (deploying) -> rollout.LoadDeployment on the caller's behalf -> ready | failed.
+Re-point (a loop job's best checkpoint so far, docs/loop.md): the live checkpoint deployment of that name, same id
+and name, switched to another checkpoint of its base model: the row switches in one update (each Sample resolves the
+row once, so a request is served wholly by the old checkpoint or wholly by the new one), then rollout.LoadDeployment
+loads the new checkpoint (requests arriving before it is in load it on first use) and unloads the old one once the
+requests running on it finish. A load that fails switches the row back.
 Delete: row marked deleted first (the rollout re-checks the row on every Sample, so a deleted deployment is never
 served even if the unload call below does not reach the rollout), then rollout.UnloadDeployment.
 """
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable
 
 import grpc
@@ -31,7 +35,7 @@ from services.common.methods.evaluate import RESULT_KIND
 from services.common.schema import Account, Checkpoint, Deployment, Job, WeightLineage, new_id, utcnow
 
 log = logging.getLogger("trainyard.deployments")
-NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+NAME_RE = registry.DEPLOYMENT_NAME_RE
 
 # The rollout's refusals keep their meaning (DATA_LOSS: the deployment's stored files failed verification);
 # anything else (unreachable, internal) is reported as unavailable.
@@ -98,6 +102,39 @@ class DeploymentCore:
                 return dep
         self._unload_quietly(api_key, dep.id)  # deleted while it was loading: do not leave it loaded
         return dep
+
+    def repoint(self, account_id: str, api_key: str, name: str, checkpoint_id: str) -> Deployment:
+        """Serve another checkpoint under a live checkpoint deployment (its id and name kept); see the module
+        docstring. FailedPrecondition for a lineage deployment, one not ready, or a checkpoint of another model."""
+        with self.db.session() as s:
+            found = registry.find_deployment(s, account_id, name) if name else None
+            if found is None:
+                raise not_found("deployment", name)
+            dep = s.get(Deployment, found.id, with_for_update=True)  # one re-point of a deployment at a time
+            if dep.lineage or dep.status != "ready":
+                what = "a lineage deployment" if dep.lineage else dep.status
+                raise FailedPrecondition(f"deployment '{dep.name}' is {what}; only a ready checkpoint deployment can "
+                                         "be re-pointed")
+            ckpt = self._resolve_checkpoint(s, account_id, checkpoint_id, "")
+            if ckpt.base_model != dep.base_model:
+                raise FailedPrecondition(f"checkpoint '{ckpt.id}' is of model '{ckpt.base_model}'; deployment "
+                                         f"'{dep.name}' serves '{dep.base_model}'")
+            old = dep.checkpoint_id
+            if old == ckpt.id:
+                return dep
+            dep.checkpoint_id, dep.updated_at = ckpt.id, utcnow()
+        try:
+            self.load(api_key, dep.id)
+        except grpc.RpcError as exc:
+            with self.db.session() as s:
+                row = s.get(Deployment, dep.id, with_for_update=True)
+                if row.checkpoint_id == ckpt.id and row.deleted_at is None:
+                    row.checkpoint_id, row.updated_at = old, utcnow()
+            raise ROLLOUT_ERRORS.get(exc.code(), Unavailable)(
+                f"deployment '{dep.name}' still serves {old}: the rollout service could not load {ckpt.id}: "
+                f"{exc.details()}") from None
+        log.info("deployment %s (%s) re-pointed from %s to %s", dep.id, dep.name, old, ckpt.id)
+        return self.get(account_id, dep.id)
 
     def _resolve_checkpoint(self, s, account_id: str, checkpoint_id: str, job_id: str) -> Checkpoint:
         if job_id:

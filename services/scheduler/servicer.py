@@ -217,6 +217,11 @@ class DeploymentServicer(rpc.DeploymentServiceServicer):
         dep = self.core.get(current_caller().account_id, request.id)
         return convert.deployment(dep, self.core.job_of(dep))
 
+    def RepointDeployment(self, request, context):
+        caller = current_caller()
+        dep = self.core.repoint(caller.account_id, caller.api_key, request.id, request.checkpoint_id)
+        return convert.deployment(dep, self.core.job_of(dep))
+
     def DeleteDeployment(self, request, context):
         caller = current_caller()
         dep = self.core.delete(caller.account_id, caller.api_key, request.id)

@@ -108,9 +108,10 @@ def reference_logprobs(engine: TrainingEngine, pairs: list[PreferencePair], batc
 
 def run_dpo(model_dir: Path, dataset_path: Path, hp: DpoHyperparams, *, stop: StopFlag,
             resume: SftCheckpoint | None = None, base_model_name: str = "",
-            work_dir: Path) -> Iterator[SftEvent]:
+            work_dir: Path, start_from: SftCheckpoint | None = None) -> Iterator[SftEvent]:
     """Train with DPO on the JSONL preference pairs (a LoRA adapter, or every weight with hp.full_parameter); the
-    events and their order are run_sft's (services/trainer/sft.py)."""
+    events and their order are run_sft's (services/trainer/sft.py). start_from: run_sft's (weights only), loaded
+    before the reference logprobs are computed (LoRA: the reference stays the base model, adapter off)."""
     tokenizer = load_tokenizer(model_dir)
     data = load_preference_data(Path(dataset_path), tokenizer, max_seq_len=hp.max_seq_len,
                                 eval_fraction=hp.eval_fraction, seed=hp.seed)
@@ -123,6 +124,9 @@ def run_dpo(model_dir: Path, dataset_path: Path, hp: DpoHyperparams, *, stop: St
         yield Log(f"resumed at step {run.step} of {run.total_steps} (reference logprobs from the checkpoint)")
     else:
         torch.manual_seed(hp.seed)
+        if start_from is not None:
+            run.start_from(start_from)
+            yield Log(f"starting from the weights of a checkpoint at step {start_from.step}")
         start = time.perf_counter()
         if not run.compute_reference():
             yield Finished(step=0, stopped=True, metrics={})

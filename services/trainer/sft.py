@@ -121,9 +121,11 @@ SftEvent = Log | Started | Metrics | Checkpoint | Finished
 
 def run_sft(model_dir: Path, dataset_path: Path, hp: SftHyperparams, *, stop: StopFlag,
             resume: SftCheckpoint | None = None, base_model_name: str = "", work_dir: Path,
-            parallel: ParallelDims | None = None) -> Iterator[SftEvent]:
+            parallel: ParallelDims | None = None, start_from: SftCheckpoint | None = None) -> Iterator[SftEvent]:
     """Train a LoRA adapter on the JSONL dataset; see the module docstring for the events and their order.
-    parallel: run as one rank of the current torch.distributed group (module docstring), every rank alike."""
+    parallel: run as one rank of the current torch.distributed group (module docstring), every rank alike.
+    start_from: a checkpoint (of another run, e.g. the previous iteration of a loop job) whose adapter this run
+    starts from instead of a fresh one: its weights only (a fresh optimizer, step 0; resume takes precedence)."""
     tokenizer = load_tokenizer(model_dir)
     data = load_sft_data(
         Path(dataset_path), tokenizer, max_seq_len=hp.max_seq_len, eval_fraction=hp.eval_fraction, seed=hp.seed
@@ -137,6 +139,9 @@ def run_sft(model_dir: Path, dataset_path: Path, hp: SftHyperparams, *, stop: St
         yield Log(f"resumed at step {run.step} of {run.total_steps}")
     else:
         torch.manual_seed(hp.seed)
+        if start_from is not None:
+            run.start_from(start_from)
+            yield Log(f"starting from the weights of a checkpoint at step {start_from.step}")
     yield Started(run.total_steps, {"train examples": len(data.train), "eval examples": len(data.eval),
                                     "trainable params": run.num_trainable})
     yield from run.train()
@@ -291,6 +296,24 @@ class _SftRun:
 
     def _save_more_state(self, state_dir: Path) -> None:
         """Files a method adds to a checkpoint's state/ beside the engine's (DPO: its reference logprobs); none."""
+
+    def start_from(self, ckpt: SftCheckpoint) -> None:
+        """Load a checkpoint's weights only (the adapter, or every weight): no optimizer state, RNG or step."""
+        try:
+            saved = read_checkpoint(Path(ckpt.root))
+        except CheckpointMismatch as exc:
+            raise ValueError(f"The checkpoint at step {ckpt.step} cannot be started from: {exc}") from None
+        if self.lora_cfg is None:
+            if saved.lora is not None:
+                raise ValueError(f"The checkpoint at step {ckpt.step} is a LoRA one; this run is full-parameter")
+        elif saved.lora is None or (saved.lora.rank, saved.lora.target_modules) != (self.lora_cfg.rank,
+                                                                                  self.lora_cfg.target_modules):
+            raise ValueError(f"The checkpoint at step {ckpt.step} does not match this run's LoRA layout (lora rank, "
+                             "target_modules or base model)")
+        try:
+            self.engine.restore(saved, weights=True, optimizer=False, rng=False)
+        except CheckpointMismatch as exc:
+            raise ValueError(f"The checkpoint at step {ckpt.step} does not fit this run: {exc}") from None
 
     def restore(self, ckpt: SftCheckpoint) -> None:
         """Load the adapter, optimizer, RNG state and step of a checkpoint: everything checked first."""

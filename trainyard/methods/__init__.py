@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from trainyard.methods.dpo import DpoSettings
 from trainyard.methods.evaluate import EvalSettings
 from trainyard.methods.lora import LORA_DEFAULTS, LoraSettings
+from trainyard.methods.loop import LoopSettings
 from trainyard.methods.rft import RftSettings
 from trainyard.methods.sft import SftSettings
 from trainyard.methods.spec import Field, Problem, declared, resolve
@@ -56,6 +57,10 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     # Samples in the worker process (the rollout engine): one rollout device, no training.
     Method("eval", "Evaluation of a checkpoint with an evaluator", pb.JOB_METHOD_EVAL, "eval", EvalSettings,
            ("rft",), "evaluate", trainer_devices=0, rollout_devices=1, trains=False),
+    # Trains and samples in the worker process, one iteration after another (docs/loop.md); its dataset is the
+    # held-out rft set, the training datasets are in its settings. PlanJob does not plan a loop.
+    Method("loop", "Loop: train, evaluate, deploy the best, continue on new data", pb.JOB_METHOD_LOOP, "loop",
+           LoopSettings, ("rft",), "loop", trainer_devices=1, rollout_devices=1, trains=False),
 )}
 BY_PROTO = {m.proto: m for m in METHODS.values()}
 
@@ -68,4 +73,4 @@ def method(name: str) -> Method:
 
 
 __all__ = ["BY_PROTO", "DpoSettings", "EvalSettings", "LORA_DEFAULTS", "METHODS", "PRIORITY_MAX", "PRIORITY_MIN",
-           "LoraSettings", "Method", "Problem", "RftSettings", "SftSettings", "method", "resolve"]
+           "LoopSettings", "LoraSettings", "Method", "Problem", "RftSettings", "SftSettings", "method", "resolve"]

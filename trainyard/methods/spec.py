@@ -94,11 +94,15 @@ def format_value(value: Any) -> str:
 
 
 def declared(cls: type) -> tuple[Field, ...]:
-    """The declared settings of a settings dataclass, in field order."""
+    """The declared settings of a settings dataclass, in field order. A class may carry the settings of others in
+    nested proto messages: `proto_nesting = {"training.": DpoSettings}` (a ClassVar) prefixes the proto field of
+    every setting it has from DpoSettings with "training." (the loop job's settings reuse the training method's)."""
     cached = cls.__dict__.get("_declared")
     if cached is not None:
         return cached
     hints = typing.get_type_hints(cls)
+    nesting = {f.name: prefix for prefix, inner in getattr(cls, "proto_nesting", {}).items()
+               for f in declared(inner)}
     out = []
     for f in dataclasses.fields(cls):
         meta: Setting | None = f.metadata.get(KEY)
@@ -108,7 +112,7 @@ def declared(cls: type) -> tuple[Field, ...]:
         if isinstance(hint, types.UnionType):  # `int | None`: an optional setting of type int
             (hint,) = (a for a in typing.get_args(hint) if a is not type(None))
         kind = typing.get_origin(hint) or hint
-        meta = dataclasses.replace(meta, proto=meta.proto or f.name,
+        meta = dataclasses.replace(meta, proto=nesting.get(f.name, "") + (meta.proto or f.name),
                                    flag=meta.flag or "--" + f.name.replace("_", "-"))
         out.append(Field(f.name, kind, f.default, meta))
     fields = tuple(out)

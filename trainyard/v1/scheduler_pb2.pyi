@@ -27,6 +27,7 @@ class JobMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_METHOD_DPO: _ClassVar[JobMethod]
     JOB_METHOD_RFT: _ClassVar[JobMethod]
     JOB_METHOD_EVAL: _ClassVar[JobMethod]
+    JOB_METHOD_LOOP: _ClassVar[JobMethod]
 
 class JobStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -90,6 +91,7 @@ JOB_METHOD_SFT: JobMethod
 JOB_METHOD_DPO: JobMethod
 JOB_METHOD_RFT: JobMethod
 JOB_METHOD_EVAL: JobMethod
+JOB_METHOD_LOOP: JobMethod
 JOB_STATUS_UNSPECIFIED: JobStatus
 JOB_STATUS_QUEUED: JobStatus
 JOB_STATUS_RUNNING: JobStatus
@@ -443,6 +445,22 @@ class EvalConfig(_message.Message):
     seed: int
     def __init__(self, evaluator: _Optional[str] = ..., checkpoint_id: _Optional[str] = ..., samples_per_row: _Optional[int] = ..., temperature: _Optional[float] = ..., max_tokens: _Optional[int] = ..., pass_threshold: _Optional[float] = ..., max_rows: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
+class LoopConfig(_message.Message):
+    __slots__ = ("training_method", "training", "eval", "train_datasets", "deployment", "checkpoints_per_iteration")
+    TRAINING_METHOD_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_FIELD_NUMBER: _ClassVar[int]
+    EVAL_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_DATASETS_FIELD_NUMBER: _ClassVar[int]
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_PER_ITERATION_FIELD_NUMBER: _ClassVar[int]
+    training_method: str
+    training: DpoConfig
+    eval: EvalConfig
+    train_datasets: _containers.RepeatedScalarFieldContainer[str]
+    deployment: str
+    checkpoints_per_iteration: int
+    def __init__(self, training_method: _Optional[str] = ..., training: _Optional[_Union[DpoConfig, _Mapping]] = ..., eval: _Optional[_Union[EvalConfig, _Mapping]] = ..., train_datasets: _Optional[_Iterable[str]] = ..., deployment: _Optional[str] = ..., checkpoints_per_iteration: _Optional[int] = ...) -> None: ...
+
 class RftConfig(_message.Message):
     __slots__ = ("lora", "full_parameter", "learning_rate", "steps", "prompts_per_step", "group_size", "max_tokens", "temperature", "loss", "kl_coef", "clip_low", "clip_high", "dynamic_sampling", "mode", "max_staleness", "tis", "tis_cap", "partial_rollouts", "router_replay", "evaluator", "checkpoint_every", "seed", "max_grad_norm", "weight_decay")
     LORA_FIELD_NUMBER: _ClassVar[int]
@@ -496,7 +514,7 @@ class RftConfig(_message.Message):
     def __init__(self, lora: _Optional[_Union[LoraConfig, _Mapping]] = ..., full_parameter: _Optional[bool] = ..., learning_rate: _Optional[float] = ..., steps: _Optional[int] = ..., prompts_per_step: _Optional[int] = ..., group_size: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., loss: _Optional[_Union[RftLoss, str]] = ..., kl_coef: _Optional[float] = ..., clip_low: _Optional[float] = ..., clip_high: _Optional[float] = ..., dynamic_sampling: _Optional[bool] = ..., mode: _Optional[_Union[RftMode, str]] = ..., max_staleness: _Optional[int] = ..., tis: _Optional[_Union[RftTis, str]] = ..., tis_cap: _Optional[float] = ..., partial_rollouts: _Optional[bool] = ..., router_replay: _Optional[bool] = ..., evaluator: _Optional[str] = ..., checkpoint_every: _Optional[int] = ..., seed: _Optional[int] = ..., max_grad_norm: _Optional[float] = ..., weight_decay: _Optional[float] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("method", "base_model", "dataset_id", "display_name", "sft", "dpo", "rft", "eval", "resources", "priority")
+    __slots__ = ("method", "base_model", "dataset_id", "display_name", "sft", "dpo", "rft", "eval", "loop", "resources", "priority")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     DATASET_ID_FIELD_NUMBER: _ClassVar[int]
@@ -505,6 +523,7 @@ class JobSpec(_message.Message):
     DPO_FIELD_NUMBER: _ClassVar[int]
     RFT_FIELD_NUMBER: _ClassVar[int]
     EVAL_FIELD_NUMBER: _ClassVar[int]
+    LOOP_FIELD_NUMBER: _ClassVar[int]
     RESOURCES_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     method: JobMethod
@@ -515,9 +534,10 @@ class JobSpec(_message.Message):
     dpo: DpoConfig
     rft: RftConfig
     eval: EvalConfig
+    loop: LoopConfig
     resources: ResourceRequest
     priority: int
-    def __init__(self, method: _Optional[_Union[JobMethod, str]] = ..., base_model: _Optional[str] = ..., dataset_id: _Optional[str] = ..., display_name: _Optional[str] = ..., sft: _Optional[_Union[SftConfig, _Mapping]] = ..., dpo: _Optional[_Union[DpoConfig, _Mapping]] = ..., rft: _Optional[_Union[RftConfig, _Mapping]] = ..., eval: _Optional[_Union[EvalConfig, _Mapping]] = ..., resources: _Optional[_Union[ResourceRequest, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
+    def __init__(self, method: _Optional[_Union[JobMethod, str]] = ..., base_model: _Optional[str] = ..., dataset_id: _Optional[str] = ..., display_name: _Optional[str] = ..., sft: _Optional[_Union[SftConfig, _Mapping]] = ..., dpo: _Optional[_Union[DpoConfig, _Mapping]] = ..., rft: _Optional[_Union[RftConfig, _Mapping]] = ..., eval: _Optional[_Union[EvalConfig, _Mapping]] = ..., loop: _Optional[_Union[LoopConfig, _Mapping]] = ..., resources: _Optional[_Union[ResourceRequest, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class ResourceRequest(_message.Message):
     __slots__ = ("trainer_devices", "rollout_devices")
@@ -841,6 +861,14 @@ class CreateDeploymentRequest(_message.Message):
     job_id: str
     lineage: str
     def __init__(self, name: _Optional[str] = ..., checkpoint_id: _Optional[str] = ..., job_id: _Optional[str] = ..., lineage: _Optional[str] = ...) -> None: ...
+
+class RepointDeploymentRequest(_message.Message):
+    __slots__ = ("id", "checkpoint_id")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    checkpoint_id: str
+    def __init__(self, id: _Optional[str] = ..., checkpoint_id: _Optional[str] = ...) -> None: ...
 
 class ListDeploymentsRequest(_message.Message):
     __slots__ = ("include_deleted",)

@@ -1299,6 +1299,11 @@ class DeploymentServiceStub:
                 request_serializer=trainyard_dot_v1_dot_scheduler__pb2.DeleteDeploymentRequest.SerializeToString,
                 response_deserializer=trainyard_dot_v1_dot_scheduler__pb2.Deployment.FromString,
                 _registered_method=True)
+        self.RepointDeployment = channel.unary_unary(
+                '/trainyard.v1.DeploymentService/RepointDeployment',
+                request_serializer=trainyard_dot_v1_dot_scheduler__pb2.RepointDeploymentRequest.SerializeToString,
+                response_deserializer=trainyard_dot_v1_dot_scheduler__pb2.Deployment.FromString,
+                _registered_method=True)
 
 
 class DeploymentServiceServicer:
@@ -1332,6 +1337,14 @@ class DeploymentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RepointDeployment(self, request, context):
+        """Serve another checkpoint (of the same base model) under a ready checkpoint deployment, keeping its id and name:
+        each Sample is served wholly by the old or wholly by the new checkpoint; a load that fails keeps the old one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DeploymentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1353,6 +1366,11 @@ def add_DeploymentServiceServicer_to_server(servicer, server):
             'DeleteDeployment': grpc.unary_unary_rpc_method_handler(
                     servicer.DeleteDeployment,
                     request_deserializer=trainyard_dot_v1_dot_scheduler__pb2.DeleteDeploymentRequest.FromString,
+                    response_serializer=trainyard_dot_v1_dot_scheduler__pb2.Deployment.SerializeToString,
+            ),
+            'RepointDeployment': grpc.unary_unary_rpc_method_handler(
+                    servicer.RepointDeployment,
+                    request_deserializer=trainyard_dot_v1_dot_scheduler__pb2.RepointDeploymentRequest.FromString,
                     response_serializer=trainyard_dot_v1_dot_scheduler__pb2.Deployment.SerializeToString,
             ),
     }
@@ -1467,6 +1485,33 @@ class DeploymentService:
             target,
             '/trainyard.v1.DeploymentService/DeleteDeployment',
             trainyard_dot_v1_dot_scheduler__pb2.DeleteDeploymentRequest.SerializeToString,
+            trainyard_dot_v1_dot_scheduler__pb2.Deployment.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RepointDeployment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainyard.v1.DeploymentService/RepointDeployment',
+            trainyard_dot_v1_dot_scheduler__pb2.RepointDeploymentRequest.SerializeToString,
             trainyard_dot_v1_dot_scheduler__pb2.Deployment.FromString,
             options,
             channel_credentials,

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from services.common.methods.dpo import DpoHyperparams
 from services.common.methods.evaluate import EvalHyperparams
+from services.common.methods.loop import LoopHyperparams
 from services.common.methods.rft import RftHyperparams
 from services.common.methods.sft import SftHyperparams
 
-HYPERPARAMS = {"sft": SftHyperparams, "dpo": DpoHyperparams, "rft": RftHyperparams, "eval": EvalHyperparams}
+HYPERPARAMS = {"sft": SftHyperparams, "dpo": DpoHyperparams, "rft": RftHyperparams, "eval": EvalHyperparams,
+               "loop": LoopHyperparams}

@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
+
 from services.common import blobrefs
 from services.common.blobstore import StoredFile
 from services.common.methods.evaluate import RESULT_KIND, EvalHyperparams
 from services.common.schema import Checkpoint, Dataset
 from services.worker.job import JobContext, RecipeOutcome
+from trainyard.methods.evaluate import EvalSettings
 
 MAX_LOGGED_ERRORS = 20  # per-completion evaluator errors written to the job log (all are in the results file)
 
@@ -47,72 +50,109 @@ def summarize(results: list[dict], k: int) -> dict[str, float]:
     }
 
 
-def run(ctx: JobContext) -> RecipeOutcome:
+def read_rows(ctx: JobContext, dataset_id: str, max_rows: int | None) -> list[dict]:
+    """The first max_rows rows of a dataset, laid out verified against its sha256."""
+    from services.trainer.data import read_jsonl
+
+    with ctx.db.session() as s:
+        dataset = s.get(Dataset, dataset_id)
+    data_path = ctx.blobs.materialize([StoredFile("dataset.jsonl", dataset.sha256, dataset.size_bytes)],
+                                      ctx.work / "data" / dataset.id, what=f"dataset {dataset.id}") / "dataset.jsonl"
+    return read_jsonl(data_path)[:max_rows]
+
+
+def rollout_engine(ctx: JobContext):
+    """A rollout engine in this process, on the job's rollout GPU if it holds one."""
     import torch
 
+    from services.rollout.engine import Engine, EngineConfig
+
+    rollout = [d for d in ctx.devices if d.role == "rollout" and d.kind == "gpu"]
+    device = f"cuda:{rollout[0].index}" if rollout else ("cuda" if torch.cuda.is_available() else "cpu")
+    return Engine(EngineConfig(device=device, dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32,
+                               kv_cache_mb=256, max_loaded_adapters=1))
+
+
+def weights(ctx: JobContext, engine, ckpt: Checkpoint | None) -> tuple[str, str | None]:
+    """(model directory, adapter id or None) to sample a checkpoint (None: the base model) with: its files laid out
+    verified, a LoRA adapter loaded into the engine under the checkpoint's id."""
+    model_dir, adapter = ctx.job.model_path, None
+    if ckpt is not None:
+        target = ctx.work / "checkpoint" / ckpt.id
+        ctx.blobs.materialize([StoredFile.from_json(f) for f in ckpt.files], target, what=f"checkpoint {ckpt.id}")
+        if ckpt.kind == "full":
+            model_dir = str(target)
+        else:
+            adapter = ckpt.id
+            engine.load_adapter(adapter, model_dir, target)
+    return model_dir, adapter
+
+
+def score_rows(ctx: JobContext, engine, sandbox, model_dir: str, adapter: str | None, rows: list[dict],
+               cfg: EvalSettings, on_row: Callable[[int], None] = lambda done: None,
+               what: str = "") -> list[dict] | None:
+    """Sample cfg.samples_per_row completions per row (all rows submitted at once) and score each in the sandbox;
+    the per-row results, or None when the job's stop flag ended it (between rows). on_row(rows done) after each."""
     from models.chat import encode_chat_prompt
+    from services.rollout.sampling import SamplingParams
+
+    tokenizer = engine.base(model_dir).tokenizer
+    handles = []
+    for i, row in enumerate(rows):
+        ids = (encode_chat_prompt(tokenizer, row["messages"]) if "messages" in row
+               else tokenizer.encode(row["prompt"], add_special_tokens=True))
+        params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens, n=cfg.samples_per_row,
+                                seed=cfg.sampling_seed + i)
+        handles.append(engine.submit(model_dir, adapter, ids, params))
+    results, logged = [], 0
+    for i, (row, handle) in enumerate(zip(rows, handles)):
+        if ctx.heartbeat.stop.is_set():
+            for h in handles[i:]:
+                h.cancel()
+            return None
+        completions = [seq.text for seq in handle.result().sequences]
+        scores = sandbox.score([(c, row) for c in completions])
+        rewards = [s.value for s in scores]
+        errors = [s.error if s.value is None else "" for s in scores]
+        passed = sum(r is not None and r >= cfg.pass_threshold for r in rewards)
+        results.append({"row": i, "completions": completions, "rewards": rewards, "errors": errors,
+                        "passed": passed})
+        for j, e in enumerate(errors):
+            if e and logged < MAX_LOGGED_ERRORS:
+                logged += 1
+                ctx.ledger.log(ctx.job.id, f"{what}row {i} completion {j}: the evaluator failed: {e}", "warning")
+        on_row(i + 1)
+    return results
+
+
+def run(ctx: JobContext) -> RecipeOutcome:
     from services.evaluators.sandbox import Sandbox
     from services.evaluators.store import load_evaluator
-    from services.rollout.engine import Engine, EngineConfig
-    from services.rollout.sampling import SamplingParams
-    from services.trainer.data import read_jsonl
 
     job, blobs, ledger = ctx.job, ctx.blobs, ctx.ledger
     cfg = EvalHyperparams.from_json(job.config)
     with ctx.db.session() as s:
-        dataset = s.get(Dataset, job.dataset_id)
         ckpt = s.get(Checkpoint, cfg.checkpoint_id) if cfg.checkpoint_id else None
-    data_path = blobs.materialize([StoredFile("dataset.jsonl", dataset.sha256, dataset.size_bytes)],
-                                  ctx.work / "data", what=f"dataset {dataset.id}") / "dataset.jsonl"
-    rows = read_jsonl(data_path)[:cfg.max_rows]
+    rows = read_rows(ctx, job.dataset_id, cfg.max_rows)
     code_dir = ctx.work / "evaluator"
     evaluator = load_evaluator(ctx.db, blobs, job.account_id, cfg.evaluator, code_dir)  # verified against its sha256
-
-    rollout = [d for d in ctx.devices if d.role == "rollout" and d.kind == "gpu"]
-    device = f"cuda:{rollout[0].index}" if rollout else ("cuda" if torch.cuda.is_available() else "cpu")
-    engine = Engine(EngineConfig(device=device, dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32,
-                                 kv_cache_mb=256, max_loaded_adapters=1))
+    engine = rollout_engine(ctx)
     try:
-        model_dir, adapter = job.model_path, None
-        if ckpt is not None:
-            target = ctx.work / "checkpoint"
-            blobs.materialize([StoredFile.from_json(f) for f in ckpt.files], target, what=f"checkpoint {ckpt.id}")
-            if ckpt.kind == "full":
-                model_dir = str(target)
-            else:
-                adapter = ckpt.id
-                engine.load_adapter(adapter, model_dir, target)
+        model_dir, adapter = weights(ctx, engine, ckpt)
         what = f"checkpoint {ckpt.id}" if ckpt is not None else f"the base model {job.base_model}"
         ledger.log(job.id, f"evaluating {what} on {len(rows)} rows, {cfg.samples_per_row} samples each, with "
                            f"evaluator {evaluator.name}@{evaluator.version} ({evaluator.id})")
         ledger.progress(job.id, ctx.worker_id, total_steps=len(rows))
-        tokenizer = engine.base(model_dir).tokenizer
-        handles = []
-        for i, row in enumerate(rows):
-            ids = (encode_chat_prompt(tokenizer, row["messages"]) if "messages" in row
-                   else tokenizer.encode(row["prompt"], add_special_tokens=True))
-            params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens, n=cfg.samples_per_row,
-                                    seed=cfg.sampling_seed + i)
-            handles.append(engine.submit(model_dir, adapter, ids, params))
-        results, logged = [], 0
+        scored = [0]  # rows done
+
+        def on_row(done: int) -> None:
+            scored[0] = done
+            ledger.progress(job.id, ctx.worker_id, step=done)
+
         with Sandbox(code_dir, limits=ctx.settings.evaluator_limits()) as sandbox:
-            for i, (row, handle) in enumerate(zip(rows, handles)):
-                if ctx.heartbeat.stop.is_set():
-                    for h in handles[i:]:
-                        h.cancel()
-                    return RecipeOutcome(step=i, stopped=True)
-                completions = [seq.text for seq in handle.result().sequences]
-                scores = sandbox.score([(c, row) for c in completions])
-                rewards = [s.value for s in scores]
-                errors = [s.error if s.value is None else "" for s in scores]
-                passed = sum(r is not None and r >= cfg.pass_threshold for r in rewards)
-                results.append({"row": i, "completions": completions, "rewards": rewards, "errors": errors,
-                                "passed": passed})
-                for j, e in enumerate(errors):
-                    if e and logged < MAX_LOGGED_ERRORS:
-                        logged += 1
-                        ledger.log(job.id, f"row {i} completion {j}: the evaluator failed: {e}", "warning")
-                ledger.progress(job.id, ctx.worker_id, step=i + 1)
+            results = score_rows(ctx, engine, sandbox, model_dir, adapter, rows, cfg, on_row)
+        if results is None:
+            return RecipeOutcome(step=scored[0], stopped=True)
     finally:
         engine.close()
     metrics = summarize(results, cfg.samples_per_row)

@@ -93,8 +93,9 @@ def test_sample_base_model_and_deployment(env):
     (b,), (d,) = base.sequences, dep.sequences
     assert len(b.tokens) == len(b.logprobs) and b.finish_reason in ("stop", "length")
     assert list(d.logprobs) != list(b.logprobs)  # the adapter is applied
-    # The deployment's files were laid out under <data_dir>/rollout/adapters/<deployment id>/.
-    assert (env.data_dir / "rollout" / "adapters" / env.deps["alice-dep"] / "adapter_config.json").is_file()
+    # The deployment's files were laid out under <data_dir>/rollout/adapters/<deployment id>/<checkpoint id>/.
+    (laid_out,) = (env.data_dir / "rollout" / "adapters" / env.deps["alice-dep"]).iterdir()
+    assert laid_out.name.startswith("ckpt") and (laid_out / "adapter_config.json").is_file()
 
 
 def test_prompt_forms_and_n(env):
