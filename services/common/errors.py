@@ -114,3 +114,10 @@ def log_internal(logger: logging.Logger, where: str, exc: BaseException) -> str:
 def not_found(kind: str, ident: str) -> NotFound:
     """The same message whether the object does not exist or belongs to another account."""
     return NotFound(f"{kind} '{ident}' not found")
+
+
+class AttemptLost(Exception):
+    """A process a managed job's attempt runs on died (a rank of its torchrun group, the job's rollout process): the
+    attempt failed, but another may not. The worker hands the job back (Ledger.abandon) and the scheduler's reaper
+    retries it from its latest checkpoint, as when the worker itself is lost. Not a gRPC error: it never leaves the
+    worker."""

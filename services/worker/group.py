@@ -35,6 +35,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from services.common.errors import AttemptLost
 from services.trainer.sft import Checkpoint, Finished, SftEvent, StopFlag
 from services.trainer.sft_group import EVENTS, STOP, GroupSpec, event_from_json
 
@@ -52,7 +53,7 @@ def _parent_death_signal():
     return lambda: prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-class GroupLost(Exception):
+class GroupLost(AttemptLost):
     """The group ended before the run finished: a rank died (or the group could not start)."""
 
 

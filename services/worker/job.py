@@ -7,8 +7,8 @@ heartbeat_s and turns a cancellation request (or a lost lease) into a stop flag 
 CancelJob takes effect within about heartbeat_s plus one step.
 
 A job may train on a torchrun group rather than in this process (WorkerSettings.managed_nproc > 1: the recipe starts
-one per attempt, services/worker/group.py). A rank that dies ends the group and the recipe raises GroupLost: the
-attempt failed, but another may not, so the job is handed back (Ledger.abandon: its lease expires at once) and the
+one per attempt, services/worker/group.py). A rank that dies ends the group and the recipe raises GroupLost (an RFT
+job's rollout process that dies: RolloutLost; both are AttemptLost): the attempt failed, but another may not, so the job is handed back (Ledger.abandon: its lease expires at once) and the
 scheduler's reaper retries it from its latest checkpoint, exactly as when the worker itself is lost (bounded by
 max_job_attempts).
 
@@ -35,10 +35,10 @@ from pathlib import Path
 from services.common import logs
 from services.common.blobstore import BlobStore
 from services.common.db import Database
+from services.common.errors import AttemptLost
 from services.common.resources import Inventory, detect_devices
 from services.common.schema import Checkpoint, Job
 from services.common.ledger import Claim, HeldDevice, Ledger, LeaseLost
-from services.worker.group import GroupLost
 from services.worker.settings import WorkerSettings
 
 log = logging.getLogger("trainyard.worker")
@@ -198,7 +198,7 @@ def _run(job, ledger: Ledger, blobs: BlobStore, db: Database, worker_id: str, hb
             log.info("job %s: succeeded after %d steps", job.id, outcome.step)
     except LeaseLost:
         log.warning("job %s: lease lost; stopping without further writes", job.id)
-    except GroupLost as exc:
+    except AttemptLost as exc:  # a rank or the job's rollout process died: hand the job back for a retry
         log.error("job %s: attempt %d failed, to be retried: %s", job.id, job.attempts, exc)
         hb.done.set()  # no beat may renew the lease after it is given up
         hb.join()

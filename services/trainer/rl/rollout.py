@@ -32,6 +32,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.errors import AttemptLost
+
 log = logging.getLogger("trainyard.rl.rollout")
 
 
@@ -79,6 +81,10 @@ class BatchStats:
     seconds: float  # from the batch's first request to its last sample
 
 
+class RolloutLost(AttemptLost):
+    """The job's rollout process died (killed, out of memory): the worker retries the job from its last checkpoint."""
+
+
 class RolloutProcess:
     def __init__(self, model_dir: str | Path, *, lora: bool, work_dir: Path, partial: bool, max_tokens: int,
                  temperature: float, router_ids: bool = False, torch_threads: int = 1):
@@ -95,20 +101,33 @@ class RolloutProcess:
 
     def submit(self, batch: int, requests: list[list[SampleRequest]]) -> None:
         """Queue a batch: per prompt, its group's requests."""
-        self.conn.send(("sample", batch, requests))
+        self._send(("sample", batch, requests))
 
     def update(self, version: int, weights: Path) -> None:
         """Hot-load a version (module docstring); weights is removed by the rollout once loaded."""
-        self.conn.send(("update", version, str(weights)))
+        self._send(("update", version, str(weights)))
         self.version = version
+
+    def _send(self, message: tuple) -> None:
+        try:
+            self.conn.send(message)
+        except (BrokenPipeError, ConnectionResetError, EOFError) as exc:
+            raise self._lost() from exc
+
+    def _lost(self) -> RolloutLost:
+        self.proc.join(5)
+        return RolloutLost(f"the rollout process exited (status {self.proc.exitcode})")
 
     def result(self, batch: int) -> tuple[list[list[Sample]], BatchStats]:
         while batch not in self._results:
             if not self.conn.poll(1.0):
                 if not self.proc.is_alive():
-                    raise RuntimeError(f"the rollout process exited (status {self.proc.exitcode})")
+                    raise self._lost()
                 continue
-            kind, *payload = self.conn.recv()
+            try:
+                kind, *payload = self.conn.recv()
+            except (EOFError, ConnectionResetError) as exc:
+                raise self._lost() from exc
             if kind == "error":
                 raise RuntimeError(f"the rollout process failed: {payload[0]}")
             b, samples, stats = payload
