@@ -56,14 +56,22 @@ def setting_input(container, f: Field):
     default = min(f.default, model.max_position_embeddings) if f.name == "max_seq_len" else f.default
     if s.choices:
         return container.selectbox(label, s.choices, index=s.choices.index(default), help=helptext)
+    if f.type is bool and default is None:  # unset: the method decides (e.g. dynamic sampling for dapo only)
+        choice = container.selectbox(label, ("default", "on", "off"), help=helptext)
+        return {"default": None, "on": True, "off": False}[choice]
     if f.type is bool:
         return container.checkbox(label, value=default, help=helptext)
     if f.is_list:
         text = container.text_input(label, value=format_value(default), help=helptext, placeholder="default")
         return logic.list_value(text)
+    if f.type is str:  # e.g. an evaluator reference; empty: left unset
+        return container.text_input(label, value=default or "", help=helptext).strip() or None
     if f.type is int:
         value = container.number_input(label, value=default, step=1, help=helptext, placeholder="unset")
         return None if value is None else int(value)  # None: left unset (max_steps), the method derives it
+    if default is None:  # unset unless given (e.g. a clip range: the loss's own default)
+        value = container.number_input(label, value=None, format="%g", help=helptext, placeholder="unset")
+        return None if value is None else float(value)
     return float(container.number_input(label, value=float(default), step=logic.float_step(default), format="%g",
                                         help=helptext))
 
@@ -90,9 +98,17 @@ def show_field_errors(exc: TrainyardError) -> None:
             slots[name].error("\n\n".join(logic.md_escape(r) for r in reasons))
 
 
+class _NothingToPlan(Exception):
+    pass
+
+
 st.subheader("Plan")
 try:
+    if not METHOD.trains:
+        raise _NothingToPlan
     plan = client.plan_job(METHOD.name, model_name, dataset_id, **values)
+except _NothingToPlan:
+    st.caption(f"{METHOD.title}: nothing is trained, so there is no plan; the settings are checked at launch.")
 except TrainyardError as exc:
     if exc.code == "INVALID_ARGUMENT":
         show_field_errors(exc)

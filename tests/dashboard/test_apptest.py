@@ -234,6 +234,22 @@ def test_train_page_shows_field_errors_then_launches(sdk, dataset):
     sdk.wait_job(job_id, timeout_s=300)
 
 
+def test_train_page_offers_every_method_with_its_settings(sdk, dataset):
+    """Every declared method opens on the Train page without an error: its settings as inputs (strings as text,
+    flags as checkboxes), and a plan where the method trains something."""
+    sdk.upload_dataset(jsonl([{"prompt": f"{a}+{b}=", "answer": a + b} for a in range(4) for b in range(4)]),
+                       name="sums")
+    sdk.upload_dataset(jsonl([{"prompt": f"{a}+1=", "chosen": str(a + 1), "rejected": str(a)} for a in range(8)]),
+                       name="prefs")
+    for name, method in METHODS.items():
+        at = open_app("pages_train.py")
+        next(s for s in at.selectbox if s.label == "Method").set_value(name).run()
+        assert_no_exception(at)
+        labels = {w.label for w in (*at.number_input, *at.selectbox, *at.text_input, *at.checkbox)}
+        missing = {f.setting.label for f in method.fields()} - labels
+        assert not missing, (name, missing)
+
+
 # -- jobs -----------------------------------------------------------------------------------------------------------
 def test_jobs_page_shows_status_progress_chart_and_log(sdk, finished_job):
     at = open_app("pages_jobs.py", job_id=finished_job.id)
