@@ -35,6 +35,9 @@ BY_FIELD = {
     "SampleRequest.model": "sample_model",
     "GetVersionRequest.id": "version", "FetchVersionRequest.id": "version",
     "EvaluatorGetRequest.evaluator": "evaluator", "EvaluatorTestRequest.evaluator": "evaluator",
+    "RftConfig.evaluator": "evaluator", "EvalConfig.evaluator": "evaluator",
+    "LoopConfig.train_datasets": "dataset",
+    "RepointDeploymentRequest.id": "deployment",
 }
 # Strings that name something new, or are data rather than a reference.
 PLAIN = {
@@ -46,7 +49,18 @@ PLAIN = {
     "WeightFile.sha256", "FetchVersionRequest.from_path",
     "EvaluatorUploadRequest.name", "EvaluatorUploadRequest.filename", "EvaluatorListRequest.name",
     "EvaluatorTestRequest.rows", "EvaluatorTestRequest.completions",
+    "LoopConfig.training_method", "LoopConfig.deployment",  # the loop creates its deployment under this new name
 }
+# Reference fields a request never looks up (message name -> path prefixes): a loop evaluates its own checkpoints and
+# refuses any checkpoint_id; PlanJob refuses a method that trains nothing before reading its settings.
+NOT_LOOKED_UP = {
+    "CreateJobRequest": (("spec", "loop", "eval", "checkpoint_id"),),
+    "PlanJobRequest": (("spec", "loop", "eval", "checkpoint_id"), ("spec", "eval"), ("spec", "loop")),
+}
+
+
+def looked_up(d: Descriptor, path: tuple[str, ...]) -> bool:
+    return not any(path[:len(prefix)] == prefix for prefix in NOT_LOOKED_UP.get(d.name, ()))
 UNIONS = {"sample_model": ("deployment_name", "weights_path", "model")}
 
 
@@ -89,7 +103,8 @@ def string_fields(d: Descriptor, path: tuple[str, ...] = (), *, through_lists: b
 
 
 def ref_fields(d: Descriptor) -> list[RefField]:
-    return [RefField(path, kind) for path, f in string_fields(d) if not f.is_repeated and (kind := kind_of(f))]
+    return [RefField(path, kind) for path, f in string_fields(d)
+            if not f.is_repeated and looked_up(d, path) and (kind := kind_of(f))]
 
 
 def values(refs: dict[str, list[str]], kind: str) -> list[str]:

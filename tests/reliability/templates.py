@@ -63,6 +63,8 @@ class Requests:
                 name=_unique("ev"), content=b"def reward_fn(completion, row):\n    return 1.0\n"),
             "EvaluatorService.TestEvaluator": lambda: spb.EvaluatorTestRequest(
                 evaluator=owner.refs["evaluator"][0], dataset_id=owner.refs["dataset"][0], num_rows=1),
+            "DeploymentService.RepointDeployment": lambda: spb.RepointDeploymentRequest(
+                id=owner.refs["deployment"][0], checkpoint_id=owner.refs["checkpoint"][0]),
             "WeightSyncService.Rollback": lambda: wpb.RollbackRequest(lineage=owner.refs["lineage"][0],
                                                                       version_id=owner.refs["version"][0]),
         }
@@ -71,7 +73,13 @@ class Requests:
         """The owner's valid request for rpc with overrides applied ({field path: value}; for a client stream, the
         paths are in its first message)."""
         builder = self.builders.get(rpc.full)
-        request = builder() if builder else rpc.request()
+        configs = {p[1] for p in overrides if len(p) > 2 and p[0] == "spec"}
+        if rpc.full in ("JobService.CreateJob", "JobService.PlanJob") and configs - {"sft"}:
+            (config,) = configs  # a reference in another method's settings: a valid job of that method
+            spec = self._spec(config)
+            request = spb.CreateJobRequest(spec=spec) if rpc.name == "CreateJob" else spb.PlanJobRequest(spec=spec)
+        else:
+            request = builder() if builder else rpc.request()
         first = request[0] if isinstance(request, list) else request
         for path, value in overrides.items():
             put(first, path, value)
@@ -121,8 +129,17 @@ class Requests:
     def _session(self) -> str:
         return self.owner.refs["session"][0]
 
-    def _spec(self) -> spb.JobSpec:
-        return job_spec("sft", self.owner.refs["model"][0], self.owner.refs["dataset"][0], max_steps=1)
+    def _spec(self, method: str = "sft") -> spb.JobSpec:
+        o = self.owner
+        model, evaluator = o.refs["model"][0], o.refs["evaluator"][1]
+        if method == "rft":
+            return job_spec("rft", model, o.prompts_dataset, evaluator=evaluator, steps=1)
+        if method == "eval":
+            return job_spec("eval", BASE, o.prompts_dataset, evaluator=evaluator)  # of the checkpoints' base model
+        if method == "loop":
+            return job_spec("loop", model, o.prompts_dataset, evaluator=evaluator, train_datasets=(o.refs["dataset"][0],),
+                            deployment=_unique("loop"))
+        return job_spec(method, model, o.refs["dataset"][0], max_steps=1)
 
     def _upload(self) -> list:
         return [spb.UploadDatasetRequest(header=spb.UploadDatasetHeader(name=_unique("up"))),

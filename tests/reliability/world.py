@@ -63,6 +63,7 @@ class Account:
     secrets: set[str] = field(default_factory=set)
     dataset_bytes: bytes = b""
     model_dir: str = ""
+    prompts_dataset: str = ""  # an rft dataset (prompts for rft, evaluation and loop jobs), also among refs["dataset"]
 
     @property
     def md(self):
@@ -116,6 +117,9 @@ def build_account(stack, stubs: Stubs, label: str) -> Account:
         acct.dataset_bytes = jsonl(rows)
         ds, _ = c.upload_dataset(acct.dataset_bytes, name=f"{name}-data")
         acct.add("dataset", ds.id)
+        prompts = jsonl([{"prompt": f"{name}: {a}+{a}=", "answer": 2 * a} for a in range(4)])
+        acct.prompts_dataset = c.upload_dataset(prompts, name=f"{name}-prompts")[0].id
+        acct.add("dataset", acct.prompts_dataset)
         reward = f"def reward_fn(completion, row):\n    return float({name!r} in completion)\n".encode()
         ev = c.upload_evaluator(reward, name=f"{name}-reward")
         acct.add("evaluator", ev.id, ev.name, f"{ev.name}@{ev.version}")
