@@ -13,7 +13,6 @@ from alembic import command
 from sqlalchemy import text
 
 from api_helpers import ADAM, grads, lora, random_tokens, same, sft_datum, weights
-from services.common.auth import create_account
 from services.common.blobstore import BlobStore
 from services.common.db import Database, alembic_config, migrate
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
@@ -241,8 +240,10 @@ def test_sessions_held_before_revision_0005_are_marked_lost(tmp_path):
     url = f"sqlite:///{tmp_path / 'old.db'}"
     command.upgrade(alembic_config(url), "0004")
     db = Database(url)
-    account = create_account(db, "alice")[0].id
-    with db.session() as s:  # a session row as revision 0004 has it
+    account = "acct_old"
+    with db.session() as s:  # an account and a session row as revision 0004 has them (the ORM is the newest schema)
+        s.execute(text("INSERT INTO accounts (id, name, created_at) VALUES (:a, 'alice', :t)"),
+                  {"a": account, "t": utcnow()})
         s.execute(text("INSERT INTO training_sessions (id, account_id, base_model, lora_rank, lora_alpha, "
                        "target_modules, seed, full_parameter, from_state, created_at) VALUES ('sess_old', :a, 'tiny', "
                        "4, 32.0, '[]', 0, false, '', :t)"), {"a": account, "t": utcnow()})

@@ -15,8 +15,8 @@ relative; each final adapter tensor within 1e-4 relative in norm (||got - want||
 divides each gradient element by its own running magnitude, so an element's rounding difference moves its update by
 the same relative amount however small the element, and a max-element measure would be dominated by such elements).
 Measured (printed with pytest -s): losses and norms <= 2.3e-7 relative; adapter 1.7e-6 (dp_shard 2), 7.6e-7 (uneven,
-and its checkpoint resumed on one process), 6.0e-8 (a one-process checkpoint continued on 2 ranks), 4.4e-5 (cp 2),
-4.4e-6 (qwen3_moe, dp_shard 2 x ep 2).
+and its checkpoint resumed on one process), 6.0e-8 (a one-process checkpoint continued on 2 ranks), 4.4e-5 / 1.1e-4
+(cp 2 on an Intel Xeon / an AMD EPYC: its bound is 5e-4, _CP_ADAPTER_RTOL), 4.4e-6 (qwen3_moe, dp_shard 2 x ep 2).
 """
 from __future__ import annotations
 
@@ -36,6 +36,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 BASE = dict(lora_rank=4, lora_alpha=8.0, max_seq_len=64, learning_rate=5e-3, max_steps=4, batch_size=2,
             eval_fraction=0.2, checkpoint_every=2, seed=5)
 _LOSS_RTOL, _ADAPTER_RTOL = 1e-6, 1e-4
+# cp reorders every attention row's sums (the ring's blocks merged by online softmax), so more gradient elements near
+# zero differ in their last bits, and AdamW turns each into a full-size update difference: which elements those are
+# depends on the CPU's kernels (measured 4.4e-5 on an Intel Xeon, 1.1e-4 on an AMD EPYC). Losses and grad norms stay
+# within _LOSS_RTOL; a wrong gradient would move the adapter by O(1).
+_CP_ADAPTER_RTOL = 5e-4
 
 
 class _Never:
@@ -77,7 +82,7 @@ def _rel(got: float, want: float) -> float:
     return abs(got - want) / max(abs(want), 1e-30)
 
 
-def _compare(got: dict, want: dict, what: str) -> dict[str, float]:
+def _compare(got: dict, want: dict, what: str, adapter_rtol: float = _ADAPTER_RTOL) -> dict[str, float]:
     """Everything within tolerance; the worst relative differences."""
     assert got["outcome"] == want["outcome"]
     assert sorted(got["metrics"]) == sorted(want["metrics"]), what
@@ -95,7 +100,7 @@ def _compare(got: dict, want: dict, what: str) -> dict[str, float]:
     for name, w in want["adapter"].items():
         rel = float((got["adapter"][name] - w).norm() / w.norm())
         worst["adapter"] = max(worst["adapter"], rel)
-        assert rel <= _ADAPTER_RTOL, (what, name, rel)
+        assert rel <= adapter_rtol, (what, name, rel)
     print(f"{what}: worst relative difference {worst}")
     return worst
 
@@ -144,4 +149,4 @@ def test_context_and_expert_parallel_layouts_train_like_one_process(family_dirs,
     want = _one_process(family_dirs[family], dataset, hp, tmp_path)
     got = run_ranks(_group_run, 2, str(family_dirs[family]), str(dataset), hp.to_json(), str(tmp_path / "work-2"),
                     str(tmp_path / "saved-2"), None, 0, layout=layout)[0]
-    _compare(got, want, f"{family} {layout} vs one process")
+    _compare(got, want, f"{family} {layout} vs one process", _CP_ADAPTER_RTOL if "cp" in layout else _ADAPTER_RTOL)
