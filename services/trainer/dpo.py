@@ -44,7 +44,7 @@ from services.common.methods.dpo import DpoHyperparams
 from services.trainer.data import (MicroBatch, PreferenceData, PreferencePair, StepSampler, batches, collate_pairs,
                                    load_preference_data)
 from services.trainer.engine import TrainingEngine
-from services.trainer.engine.checkpoint import STATE_DIR, CheckpointMismatch, read_checkpoint
+from services.trainer.engine.checkpoint import STATE_DIR
 from services.trainer.schedule import learning_rate
 from services.trainer.sft import Finished, Log, SftCheckpoint, SftEvent, Started, StopFlag, _SftRun
 
@@ -238,23 +238,13 @@ class _DpoRun(_SftRun):
     def restore(self, ckpt: SftCheckpoint) -> None:
         """Load the weights, optimizer, RNG state, step and reference logprobs of a checkpoint: everything checked
         first."""
-        try:
-            saved = read_checkpoint(Path(ckpt.root))
-        except CheckpointMismatch as exc:
-            raise ValueError(f"The checkpoint at step {ckpt.step} cannot be resumed: {exc}") from None
+        saved = self._read(ckpt, "resumed")
         counts = (saved.progress.get("train_examples"), saved.progress.get("eval_examples"))
         if counts != (len(self.data.train), len(self.data.eval)):
             raise ValueError(
                 f"The checkpoint at step {ckpt.step} was trained on {counts[0]} pairs ({counts[1]} held out) but this "
                 f"run has {len(self.data.train)} ({len(self.data.eval)}); resume with the same dataset, max_seq_len, "
                 "eval_fraction and seed")
-        if self.lora_cfg is None:
-            if saved.lora is not None:
-                raise ValueError(f"The checkpoint at step {ckpt.step} is a LoRA one; this run is full-parameter")
-        elif saved.lora is None or (saved.lora.rank, saved.lora.target_modules) != (self.lora_cfg.rank,
-                                                                                    self.lora_cfg.target_modules):
-            raise ValueError(f"The checkpoint at step {ckpt.step} does not match this run's LoRA layout (full-"
-                             "parameter or LoRA, lora rank, target_modules or base model)")
         path = Path(ckpt.root) / STATE_DIR / REFERENCE_FILE
         try:
             reference = torch.load(path, map_location="cpu", weights_only=True)
@@ -265,8 +255,5 @@ class _DpoRun(_SftRun):
         if shapes != {"train": (len(self.data.train), 2), "eval": (len(self.data.eval), 2)}:
             raise ValueError(f"The checkpoint at step {ckpt.step}'s reference logprobs have shapes {shapes}, not "
                              f"this run's pairs ({len(self.data.train)} train, {len(self.data.eval)} held out)")
-        try:
-            self.engine.restore(saved, weights=True, optimizer=True, rng=True)
-        except CheckpointMismatch as exc:
-            raise ValueError(f"The checkpoint at step {ckpt.step} does not fit this run: {exc}") from None
+        self._load(saved, ckpt, everything=True)  # the layout checked, then weights, optimizer, RNG and step
         self.reference = reference

@@ -299,10 +299,30 @@ class _SftRun:
 
     def start_from(self, ckpt: SftCheckpoint) -> None:
         """Load a checkpoint's weights only (the adapter, or every weight): no optimizer state, RNG or step."""
+        saved = self._read(ckpt, "started from")
+        self._load(saved, ckpt, everything=False)
+
+    def restore(self, ckpt: SftCheckpoint) -> None:
+        """Load the adapter, optimizer, RNG state and step of a checkpoint: everything checked first."""
+        saved = self._read(ckpt, "resumed")
+        trained_on = saved.progress.get("train_examples")
+        if trained_on != len(self.data.train):
+            raise ValueError(
+                f"The checkpoint at step {ckpt.step} was trained on {trained_on} examples but this run "
+                f"has {len(self.data.train)}; resume with the same dataset, max_seq_len, eval_fraction and seed"
+            )
+        self._load(saved, ckpt, everything=True)
+
+    @staticmethod
+    def _read(ckpt: SftCheckpoint, verb: str):
         try:
-            saved = read_checkpoint(Path(ckpt.root))
+            return read_checkpoint(Path(ckpt.root))
         except CheckpointMismatch as exc:
-            raise ValueError(f"The checkpoint at step {ckpt.step} cannot be started from: {exc}") from None
+            raise ValueError(f"The checkpoint at step {ckpt.step} cannot be {verb}: {exc}") from None
+
+    def _load(self, saved, ckpt: SftCheckpoint, *, everything: bool) -> None:
+        """The checkpoint's layout checked against this run's (LoRA rank and targets, or full-parameter), then its
+        weights (and, with everything, its optimizer state, RNG state and step) loaded into the engine."""
         if self.lora_cfg is None:
             if saved.lora is not None:
                 raise ValueError(f"The checkpoint at step {ckpt.step} is a LoRA one; this run is full-parameter")
@@ -311,27 +331,6 @@ class _SftRun:
             raise ValueError(f"The checkpoint at step {ckpt.step} does not match this run's LoRA layout (lora rank, "
                              "target_modules or base model)")
         try:
-            self.engine.restore(saved, weights=True, optimizer=False, rng=False)
-        except CheckpointMismatch as exc:
-            raise ValueError(f"The checkpoint at step {ckpt.step} does not fit this run: {exc}") from None
-
-    def restore(self, ckpt: SftCheckpoint) -> None:
-        """Load the adapter, optimizer, RNG state and step of a checkpoint: everything checked first."""
-        try:
-            saved = read_checkpoint(Path(ckpt.root))
-        except CheckpointMismatch as exc:
-            raise ValueError(f"The checkpoint at step {ckpt.step} cannot be resumed: {exc}") from None
-        trained_on = saved.progress.get("train_examples")
-        if trained_on != len(self.data.train):
-            raise ValueError(
-                f"The checkpoint at step {ckpt.step} was trained on {trained_on} examples but this run "
-                f"has {len(self.data.train)}; resume with the same dataset, max_seq_len, eval_fraction and seed"
-            )
-        if saved.lora is None or (saved.lora.rank, saved.lora.target_modules) != (self.lora_cfg.rank,
-                                                                                  self.lora_cfg.target_modules):
-            raise ValueError(f"The checkpoint at step {ckpt.step} does not match this run's LoRA layout (lora rank, "
-                             "target_modules or base model)")
-        try:
-            self.engine.restore(saved, weights=True, optimizer=True, rng=True)
+            self.engine.restore(saved, weights=True, optimizer=everything, rng=everything)
         except CheckpointMismatch as exc:
             raise ValueError(f"The checkpoint at step {ckpt.step} does not fit this run: {exc}") from None
