@@ -278,6 +278,9 @@ class _RftRun:
                "reward/errors": float(len(errors)), "staleness/mean": _mean(stale), "staleness/max": float(max(stale)),
                "samples/dropped_stale": float(fresh.count(False)), "samples/trained": float(len(datums)),
                "groups/dropped": float(dropped_groups)}
+        if self.env is not None:  # episodes: actions per episode, and the share the environment ended (done)
+            out["episode/turns_mean"] = _mean([len(s.turns) for _, s in flat])
+            out["episode/done"] = _mean([float(bool(s.turns) and bool(s.turns[-1].get("done"))) for _, s in flat])
         if kl_ref:
             out["kl/ref"] = float(torch.cat(kl_ref).mean())
         if tis_w:

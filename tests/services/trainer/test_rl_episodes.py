@@ -205,6 +205,8 @@ def test_a_loop_run_with_an_environment_trains_and_records_episodes(tiny_model_d
     metrics = [e.metrics for e in events if isinstance(e, Metrics)]
     assert len(metrics) == 3 and all("train/loss" in m and m["kl/ref"] >= 0 for m in metrics)
     assert all(m["staleness/max"] <= 1 and m["tis/weight_mean"] > 0 for m in metrics)
+    # two actions per episode (max_turns; the env's done would come at 3; the crash is at the second step)
+    assert all(m["episode/turns_mean"] == 2 and m["episode/done"] == 0 for m in metrics)
     (ckpt,) = [e for e in events if isinstance(e, Checkpoint)]
     samples = ckpt.samples
     assert len(samples) == 3 * 4 * 2
