@@ -238,3 +238,15 @@ def test_max_turns_is_checked_with_its_field():
         assert v.field == "spec.rft.max_turns" and reason in v.reason
     assert RftHyperparams.from_request({"evaluator": "env", "max_turns": 64}).max_turns == 64
     assert RftHyperparams.from_request({"evaluator": "builtin:digit_share"}).max_turns == 1
+
+
+def test_router_replay_covers_every_turn_of_an_episode(family_dirs, data, env_code, tmp_path):
+    """The last turn's request holds the whole episode (prompt, earlier actions and observations), so its routes
+    cover every position of the trained sequence: replayed, the trainer's logprobs of the actions match the
+    rollout's (as for single-turn samples, test_rl.py)."""
+    hp = _hp(steps=1, router_replay=True, max_tokens=3)
+    with Sandbox(env_code, limits=LIMITS) as env:
+        metrics = [e.metrics for e in run_rft(family_dirs["qwen3_moe"], data, hp, env=env, stop=threading.Event(),
+                                              work_dir=tmp_path, torch_threads=1) if isinstance(e, Metrics)]
+    assert len(metrics) == 1 and metrics[0]["episode/turns_mean"] == 2
+    assert metrics[0]["kl/k3_rollout_trainer"] < 1e-3
