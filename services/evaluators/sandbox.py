@@ -130,7 +130,8 @@ def _system_mounts(prefix: Path) -> list[str]:
 
 PROTOCOL_ERROR = "protocol error: a reply that is not the sandbox's (the evaluator wrote to the reply channel)"
 _REPLY_TYPES = {"score": {"value": float}, "reset": {"observation": str},
-                "step": {"observation": str, "reward": float, "done": bool}}
+                "step": {"observation": str, "reward": float, "done": bool}, "close": {}}
+MAX_EPISODES = 1024  # Environment instances open at once in one sandbox (episodes started with reset, not yet ended)
 
 
 def _well_formed(op: str, reply: dict) -> bool:
@@ -175,8 +176,9 @@ class Sandbox:
 
     Not thread-safe: one caller at a time (a recipe holds one Sandbox per worker thread)."""
 
-    def __init__(self, code_dir: Path, *, limits: Limits = Limits()) -> None:
+    def __init__(self, code_dir: Path, *, limits: Limits = Limits(), max_episodes: int = MAX_EPISODES) -> None:
         self.limits = limits
+        self.max_episodes = max_episodes
         self._root = Path(tempfile.mkdtemp(prefix="trainyard-evaluator-"))
         self._code = self._root / "code"
         shutil.copytree(code_dir, self._code, symlinks=False)
@@ -190,7 +192,7 @@ class Sandbox:
         self._load_error: EvaluatorError | None = None
         self._stderr = bytearray()  # the last STDERR_TAIL_BYTES the worker wrote, across restarts
         self._stderr_open = False
-        self._in_episode = False
+        self._episodes: set[str] = set()  # the Environment episodes in progress, by id ("" for the plain API's)
         self._cpu_deadline: float | None = None  # this call's, set by the CPU watch's first look (_check_cpu)
         self._cpu_check_at = 0.0
 
@@ -213,19 +215,44 @@ class Sandbox:
                 scores.append(Score(None, str(exc)))
         return scores
 
-    def reset(self, row: dict) -> str:
+    def reset(self, row: dict, episode: str = "") -> str:
+        """Start an episode: its first observation. Each episode id has an Environment instance of its own in the
+        worker (created here, freed when a step returns done or with close_episode), so episodes can be interleaved;
+        at most max_episodes are open at once. reset on an open id starts it again on the same instance. Without an
+        id, the one instance built when the evaluator loaded is used."""
         if self.kind != "environment":
             raise EvaluatorError("this evaluator defines reward_fn, not class Environment: use score")
-        self._in_episode = False
-        observation = self._env_call({"op": "reset", "row": row})["observation"]
-        self._in_episode = True
+        if episode not in self._episodes and len(self._episodes) >= self.max_episodes:
+            raise EvaluatorError(f"reset: {len(self._episodes)} episodes are open, the sandbox's cap "
+                                 f"(max_episodes {self.max_episodes}); end or close one first")
+        self._episodes.discard(episode)
+        observation = self._env_call({"op": "reset", "row": row, "episode": episode})["observation"]
+        self._episodes.add(episode)
         return observation
 
-    def step(self, action: str) -> tuple[str, float, bool]:
-        if not self._in_episode:
-            raise EvaluatorError("no episode in progress: call reset(row) first")
-        reply = self._env_call({"op": "step", "action": action})
+    def step(self, action: str, episode: str = "") -> tuple[str, float, bool]:
+        """(observation, reward, done) of an action in an episode in progress. A step that raises leaves the episode
+        open; one that returns done ends a keyed episode (its instance is freed); a kill of the worker ends every
+        episode in progress."""
+        if episode not in self._episodes:
+            what = f"episode {episode!r}" if episode else "episode"
+            raise EvaluatorError(f"no {what} in progress: call reset(row) first (a kill of the evaluator process "
+                                 "ends every episode in progress)")
+        reply = self._env_call({"op": "step", "action": action, "episode": episode})
+        if reply["done"] and episode:
+            self._episodes.discard(episode)
         return reply["observation"], reply["reward"], reply["done"]
+
+    def close_episode(self, episode: str) -> None:
+        """End an episode before it is done (its instance is freed); nothing when it is not in progress."""
+        if episode in self._episodes:
+            self._episodes.discard(episode)
+            if self._proc is not None:
+                self._env_call({"op": "close", "episode": episode})
+
+    @property
+    def open_episodes(self) -> int:
+        return len(self._episodes)
 
     def stderr_tail(self) -> str:
         """The last few KB the evaluator wrote to stdout/stderr (its prints), for a job's log."""
@@ -246,7 +273,7 @@ class Sandbox:
         try:
             return self._call(message)
         except _Died as exc:
-            self._in_episode = False
+            self._episodes.clear()  # the worker was killed: its instances with it
             raise EvaluatorError(f"{message['op']}: {exc}") from None
         except _CallError as exc:
             raise EvaluatorError(f"{message['op']}: {exc}") from None

@@ -2,7 +2,8 @@
 
 It drops to the sandbox's user id (when started as root), sets its limits (processes, address space, file size,
 open files, CPU), loads /evaluator/evaluator.py and
-answers length-prefixed JSON requests on its original stdin/stdout: `score`, `reset`, `step`. The evaluator's own
+answers length-prefixed JSON requests on its original stdin/stdout: `score`, `reset`, `step`, `close`. An
+Environment has one instance per episode id (the parent keys them and caps how many are open). The evaluator's own
 prints go to stderr, so they cannot corrupt the protocol. Every exception the evaluator raises and every value that is
 not a number becomes an error reply; the CPU limit is re-armed here
 before each call; memory, processes and the wall clock are enforced from outside.
@@ -64,21 +65,29 @@ class Worker:
             self.kind = "reward_fn"
         elif isinstance(environment, type):
             self.kind = "environment"
-            self.env = environment()
+            self.environment = environment
+            self.envs = {"": environment()}  # episode id -> its instance; "" is built at load (the plain API's)
         else:
             raise Unusable("evaluator.py defines neither reward_fn(completion, row) nor class Environment")
 
     def score(self, completion: str, row: dict) -> dict:
         return {"value": number(self.reward_fn(completion, row), "returned")}
 
-    def reset(self, row: dict) -> dict:
-        observation = self.env.reset(row)
+    def reset(self, row: dict, episode: str = "") -> dict:
+        if episode not in self.envs:
+            self.envs[episode] = self.environment()  # a new episode gets an instance of its own
+        observation = self.envs[episode].reset(row)
         if not isinstance(observation, str):
             raise Unusable(f"reset returned {shown(observation)} ({type(observation).__name__}), not a str")
         return {"observation": observation}
 
-    def step(self, action: str) -> dict:
-        out = self.env.step(action)
+    def close(self, episode: str) -> dict:
+        if episode:
+            self.envs.pop(episode, None)
+        return {}
+
+    def step(self, action: str, episode: str = "") -> dict:
+        out = self.envs[episode].step(action)
         if not isinstance(out, (tuple, list)) or len(out) != 3:
             raise Unusable(f"step returned {shown(out)}, not (observation, reward, done)")
         observation, reward, done = out
@@ -87,7 +96,10 @@ class Worker:
                             "not a str")
         if not isinstance(done, (bool, int)):
             raise Unusable(f"step returned done {shown(done)} ({type(done).__name__}), not a bool")
-        return {"observation": observation, "reward": number(reward, "step returned reward"), "done": bool(done)}
+        reward = number(reward, "step returned reward")
+        if done and episode:
+            del self.envs[episode]  # its episode is over: the instance is freed
+        return {"observation": observation, "reward": reward, "done": bool(done)}
 
 
 def main() -> None:

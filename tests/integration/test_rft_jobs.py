@@ -1,5 +1,6 @@
 """Managed RFT jobs through the CLI, the real scheduler, Celery worker (Redis broker) and Postgres: the reward rises in
-sync and in async mode (staleness within its bound), bad settings name their field, and a worker killed mid-job
+sync and in async mode (staleness within its bound), an Environment evaluator's multi-turn episodes train and are
+recorded, bad settings name their field, and a worker killed mid-job
 resumes from its last checkpoint with each step's metrics recorded once, and so does a job whose rollout process is
 killed."""
 from __future__ import annotations
@@ -140,11 +141,19 @@ def test_rft_rollout_killed_mid_job_the_job_resumes_from_its_checkpoint(stack, c
 
 ENVIRONMENT = b'''
 class Environment:
+    """Two turns with a tool: the reward of each answer is its share of digits; the tool fails on rows whose
+    first operand is even."""
+
     def reset(self, row):
-        return "guess"
+        self.row, self.turn = row, 0
+        return " tool:"
 
     def step(self, action):
-        return "done", 1.0, True
+        self.turn += 1
+        if int(self.row["prompt"].split("+")[0]) % 2 == 0:
+            raise RuntimeError("the tool is down")
+        reward = sum(c.isdigit() for c in action) / max(len(action), 1)
+        return " again:", reward, self.turn == 2
 '''
 
 DIGITS = b'''
@@ -173,12 +182,38 @@ def test_rft_job_with_an_uploaded_evaluator_in_the_sandbox(client, cli, dataset)
     errors = [m for m in logs if "reward error" in m]
     assert sum(m["reward/errors"] for m in steps) > 0 and "no reward for multiples of seven" in errors[0], logs
 
-    # An Environment scores episodes, not completions: refused at creation (the SDK's keywords this time).
-    client.upload_evaluator(ENVIRONMENT, name="guess", filename="evaluator.py")
+    # A reward_fn scores one completion: more turns are refused at creation (the SDK's keywords this time).
     with pytest.raises(TrainyardError) as exc:
-        client.create_rft_job("tiny-qwen3", dataset, "guess", steps=2)
-    assert exc.value.code == "INVALID_ARGUMENT" and "spec.rft.evaluator" in str(exc.value)
-    assert "is an Environment" in str(exc.value)
+        client.create_rft_job("tiny-qwen3", dataset, "digits", steps=2, max_turns=2)
+    assert exc.value.code == "INVALID_ARGUMENT" and "spec.rft.max_turns" in str(exc.value)
+    assert "need an Environment evaluator" in str(exc.value)
+
+
+def test_rft_job_with_a_multi_turn_environment(client, cli, dataset, tmp_path):
+    """An Environment evaluator uploaded with the CLI: each sample is an episode of two turns (the policy answers,
+    sees the tool's observation, answers again), its reward the sum of the steps'; the rows whose env crashes are
+    per-row errors scored 0, logged, and the job succeeds. (The samples record of the episodes:
+    tests/services/trainer/test_rl_episodes.py.)"""
+    (tmp_path / "evaluator.py").write_bytes(ENVIRONMENT)
+    uploaded = cli("evaluators", "upload", str(tmp_path / "evaluator.py"), "--name", "tool-env").stdout
+    assert "tool-env@1" in uploaded, uploaded
+    task = [a if a != "builtin:digit_share" else "tool-env" for a in TASK]
+    task[task.index("--prompts-per-step") + 1] = task[task.index("--group-size") + 1] = "4"
+    created = cli("jobs", "create", "--method", "rft", "--dataset", dataset, *task, "--steps", "2", "--max-turns",
+                  "2", "--mode", "async", "--watch")
+    assert "succeeded" in created.stdout, created.stdout
+    job_id = created.stdout.split("job ")[1].split()[0]
+    steps = _rewards(cli, job_id)
+    assert [m["step"] for m in steps] == [1, 2] and all("train/loss" in m for m in steps)
+    logs = [e.message for e in client.job_logs(job_id)]
+    assert any("Environment evaluator tool-env@1" in m and "up to 2 turns" in m for m in logs), logs
+    errors = [m for m in logs if "reward error" in m]
+    assert sum(m["reward/errors"] for m in steps) > 0 and "step: RuntimeError: the tool is down" in errors[0], logs
+    for m in steps:  # 16 episodes a step: the failing ones end after one action, the others after two (done)
+        failed = m["reward/errors"] / 16
+        assert m["episode/turns_mean"] == pytest.approx(2 - failed) and m["episode/done"] == pytest.approx(1 - failed)
+    job = json.loads(cli("jobs", "get", job_id).stdout)
+    assert job["spec"]["rft"]["max_turns"] == 2 and job["output_checkpoint_id"]
 
 
 def test_rft_job_cancelled_within_seconds(client, dataset):

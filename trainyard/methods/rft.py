@@ -62,6 +62,9 @@ class RftSettings(TrainingModeSettings, LoraSettings):
     router_replay: bool = setting(False, label="Router replay", advanced=True,
                                   help="MoE models: replay the rollout's expert routes in the trainer's forward")
     evaluator: str = _shared("evaluator", EvalSettings)  # here also a built-in reward, "builtin:<name>"
+    max_turns: int = setting(1, label="Max turns", ge=1, le=64, unit="turns",
+                             help="Environment evaluators: actions per episode (each up to max_tokens), observations "
+                                  "between them; 1 for a reward_fn")
     checkpoint_every: int = _shared("checkpoint_every")
     seed: int = _shared("seed")
     max_grad_norm: float = _shared("max_grad_norm")

@@ -462,7 +462,7 @@ class LoopConfig(_message.Message):
     def __init__(self, training_method: _Optional[str] = ..., training: _Optional[_Union[DpoConfig, _Mapping]] = ..., eval: _Optional[_Union[EvalConfig, _Mapping]] = ..., train_datasets: _Optional[_Iterable[str]] = ..., deployment: _Optional[str] = ..., checkpoints_per_iteration: _Optional[int] = ...) -> None: ...
 
 class RftConfig(_message.Message):
-    __slots__ = ("lora", "full_parameter", "learning_rate", "steps", "prompts_per_step", "group_size", "max_tokens", "temperature", "loss", "kl_coef", "clip_low", "clip_high", "dynamic_sampling", "mode", "max_staleness", "tis", "tis_cap", "partial_rollouts", "router_replay", "evaluator", "checkpoint_every", "seed", "max_grad_norm", "weight_decay")
+    __slots__ = ("lora", "full_parameter", "learning_rate", "steps", "prompts_per_step", "group_size", "max_tokens", "temperature", "loss", "kl_coef", "clip_low", "clip_high", "dynamic_sampling", "mode", "max_staleness", "tis", "tis_cap", "partial_rollouts", "router_replay", "evaluator", "checkpoint_every", "seed", "max_grad_norm", "weight_decay", "max_turns")
     LORA_FIELD_NUMBER: _ClassVar[int]
     FULL_PARAMETER_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
@@ -487,6 +487,7 @@ class RftConfig(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    MAX_TURNS_FIELD_NUMBER: _ClassVar[int]
     lora: LoraConfig
     full_parameter: bool
     learning_rate: float
@@ -511,7 +512,8 @@ class RftConfig(_message.Message):
     seed: int
     max_grad_norm: float
     weight_decay: float
-    def __init__(self, lora: _Optional[_Union[LoraConfig, _Mapping]] = ..., full_parameter: _Optional[bool] = ..., learning_rate: _Optional[float] = ..., steps: _Optional[int] = ..., prompts_per_step: _Optional[int] = ..., group_size: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., loss: _Optional[_Union[RftLoss, str]] = ..., kl_coef: _Optional[float] = ..., clip_low: _Optional[float] = ..., clip_high: _Optional[float] = ..., dynamic_sampling: _Optional[bool] = ..., mode: _Optional[_Union[RftMode, str]] = ..., max_staleness: _Optional[int] = ..., tis: _Optional[_Union[RftTis, str]] = ..., tis_cap: _Optional[float] = ..., partial_rollouts: _Optional[bool] = ..., router_replay: _Optional[bool] = ..., evaluator: _Optional[str] = ..., checkpoint_every: _Optional[int] = ..., seed: _Optional[int] = ..., max_grad_norm: _Optional[float] = ..., weight_decay: _Optional[float] = ...) -> None: ...
+    max_turns: int
+    def __init__(self, lora: _Optional[_Union[LoraConfig, _Mapping]] = ..., full_parameter: _Optional[bool] = ..., learning_rate: _Optional[float] = ..., steps: _Optional[int] = ..., prompts_per_step: _Optional[int] = ..., group_size: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., loss: _Optional[_Union[RftLoss, str]] = ..., kl_coef: _Optional[float] = ..., clip_low: _Optional[float] = ..., clip_high: _Optional[float] = ..., dynamic_sampling: _Optional[bool] = ..., mode: _Optional[_Union[RftMode, str]] = ..., max_staleness: _Optional[int] = ..., tis: _Optional[_Union[RftTis, str]] = ..., tis_cap: _Optional[float] = ..., partial_rollouts: _Optional[bool] = ..., router_replay: _Optional[bool] = ..., evaluator: _Optional[str] = ..., checkpoint_every: _Optional[int] = ..., seed: _Optional[int] = ..., max_grad_norm: _Optional[float] = ..., weight_decay: _Optional[float] = ..., max_turns: _Optional[int] = ...) -> None: ...
 
 class JobSpec(_message.Message):
     __slots__ = ("method", "base_model", "dataset_id", "display_name", "sft", "dpo", "rft", "eval", "loop", "resources", "priority")

@@ -1,6 +1,7 @@
 """Managed RFT's settings on the server: the declaration (trainyard/methods/rft.py) resolved (resolved.py), plus the
 checks that need more than one setting: an evaluator is required and a built-in one must exist (BUILTINS; their
-code is services/trainer/rl/rewards.py); job_violations checks that an uploaded one is the account's reward_fn.
+code is services/trainer/rl/rewards.py); job_violations checks that an uploaded one is the account's, and that
+max_turns > 1 comes with an Environment (multi-turn episodes), not a reward_fn.
 
 The scheduler validates a request with ``RftHyperparams.from_request`` (violations name the request field, e.g.
 "spec.rft.group_size") and stores ``to_json()``; the worker rebuilds it with ``from_json`` and the RL loop
@@ -35,11 +36,13 @@ class RftHyperparams(Resolved, RftSettings):
         elif settings.evaluator.startswith(BUILTIN_PREFIX) and settings.evaluator not in BUILTINS:
             violations.append(Violation(field=field, reason=f"no built-in evaluator {settings.evaluator!r}; known: "
                                                             f"{', '.join(BUILTINS)}"))
+        elif settings.evaluator.startswith(BUILTIN_PREFIX) and settings.max_turns > 1:
+            violations.append(_single_turn(cls.request_prefix if prefix is None else prefix, settings))
         return settings, violations
 
     def job_violations(self, s, account_id: str, base_model: str) -> list[Violation]:
-        """An uploaded evaluator must be the account's, and a reward_fn (an Environment scores episodes, not single
-        completions); a built-in one was checked with the request."""
+        """An uploaded evaluator must be the account's; a reward_fn scores one completion (max_turns 1), an
+        Environment runs episodes of up to max_turns actions. A built-in one was checked with the request."""
         from services.common.evaluator_refs import find  # the reference rules (name, name@N, id)
 
         if not self.evaluator or self.evaluator.startswith(BUILTIN_PREFIX):
@@ -49,12 +52,17 @@ class RftHyperparams(Resolved, RftSettings):
             row = find(s, account_id, self.evaluator)
         except (InvalidArgument, NotFound) as exc:
             return [Violation(field, f"{exc.message}: upload it first")]
-        if row.kind != "reward_fn":
-            return [Violation(field, f"evaluator {self.evaluator!r} is an Environment; an RFT job needs a "
-                                     "reward_fn(completion, row)")]
+        if row.kind == "reward_fn" and self.max_turns > 1:
+            return [_single_turn(self.request_prefix, self)]
         return []
 
     @property
     def dynamic(self) -> bool:
         """Whether constant-reward groups are dropped: the setting, or (unset) on for dapo only."""
         return self.loss == "dapo" if self.dynamic_sampling is None else self.dynamic_sampling
+
+
+def _single_turn(prefix: str, settings) -> Violation:
+    return Violation(prefix + "max_turns", f"{settings.max_turns} turns need an Environment evaluator (reset / step); "
+                                           f"{settings.evaluator!r} is a reward_fn, which scores one completion: "
+                                           "use max_turns 1")

@@ -15,14 +15,15 @@ cross_entropy        -sum_{t,k} w * lp                               1          
 importance_sampling  -sum_t r * A                                    1
 ppo                  -sum_t min(r * A, clip(r) * A)                  1                   lo 0.8, hi 1.2
 cispo                -sum_t sg(clip(r)) * lp * A                     1                   lo 0.0, hi 4.0
-dro                  -sum_t (lp * A - beta / 2 * (lp - q)^2)         1                   beta 0.05
+dro                  -sum_t m * (lp * A - beta / 2 * (lp - q)^2)     1                   beta 0.05
 gspo                 -(1/n_i) sum_t m * min(s_t * A, clip(s_t) * A)  1/G                 lo 1 - 3e-4, hi 1 + 4e-4
 grpo                 -(1/n_i) sum_t m * min(r * A, clip(r) * A)      1/G                 lo 0.8, hi 1.2
 dr_grpo              -sum_t m * min(r * A, clip(r) * A)              1/(G * max_tokens)  lo 0.8, hi 1.2, max_tokens 1024
 dapo                 -sum_t m * min(r * A, clip(r) * A)              1/(sum_i n_i)       lo 0.8, hi 1.28
 
 The first five are the Tinker API's definitions (plain sums; dro's beta has no documented default, 0.05 is the value
-its docs use). gspo is GSPO's token-level form: s_t = sg(s) * exp(lp_t - sg(lp_t)) with the sequence ratio
+its docs use; its optional mask, ones by default, keeps the quadratic term off positions that are not the policy's,
+such as an RL sample's prompt and observations, where A = 0 alone would not). gspo is GSPO's token-level form: s_t = sg(s) * exp(lp_t - sg(lp_t)) with the sequence ratio
 s = exp((1/n_i) sum_t m * (lp - q)), so s_t's value is s and its gradient w.r.t. lp_t is s. A datum with n_i = 0
 contributes 0 (and 1/n_i is taken as 1). The values and gradients are computed in float64 (they are O(T) elementwise
 ops) so long sequences lose no precision in the sums; gradients flow back to the float32 logprobs.
@@ -65,7 +66,7 @@ LOSS_FNS: dict[str, LossSpec] = {s.name: s for s in (
     LossSpec("importance_sampling", RL_INPUTS, (), {}),
     LossSpec("ppo", RL_INPUTS, (), _clip(0.8, 1.2)),
     LossSpec("cispo", RL_INPUTS, (), _clip(0.0, 4.0)),
-    LossSpec("dro", RL_INPUTS, (), {"beta": 0.05}),
+    LossSpec("dro", RL_INPUTS, ("mask",), {"beta": 0.05}),
     LossSpec("gspo", RL_INPUTS, ("mask",), _clip(1 - 3e-4, 1 + 4e-4)),
     LossSpec("grpo", RL_INPUTS, ("mask",), _clip(0.8, 1.2)),
     LossSpec("dr_grpo", RL_INPUTS, ("mask",), {**_clip(0.8, 1.2), "max_tokens": 1024.0}),
@@ -218,9 +219,9 @@ def _cispo(cfg, lp, inputs):
 
 
 def _dro(cfg, lp, inputs):
-    """-sum_t (lp * A - beta / 2 * (lp - q)^2) (Tinker's dro; beta 0.05)."""
-    q, adv, m, ratio = _rl(lp, inputs, mask=False)
-    return -(lp * adv - 0.5 * cfg["beta"] * (lp - q) ** 2).sum(), _rl_sums(lp, q, m, ratio)
+    """-sum_t m * (lp * A - beta / 2 * (lp - q)^2) (Tinker's dro; beta 0.05; mask ones by default)."""
+    q, adv, m, ratio = _rl(lp, inputs, mask=True)
+    return -(m * (lp * adv - 0.5 * cfg["beta"] * (lp - q) ** 2)).sum(), _rl_sums(lp, q, m, ratio)
 
 
 def _gspo(cfg, lp, inputs):

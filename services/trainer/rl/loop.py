@@ -27,6 +27,12 @@ w = min(exp(p - q), tis_cap) (token or sequence level), applied per token by sca
 tis off, the loss's `logprobs` is the rollout's q and its own ratio exp(lp - q) and clipping absorb the mismatch and
 the staleness.
 
+With an Environment evaluator (env), each sample is an episode (episodes.py: EpisodeRunner drives them over the
+rollout with the rollout's interface): its reward is the sum of its steps' rewards and its trajectory is prompt +
+action1 + obs1 + action2 + ...; the observation tokens are context only (advantage 0, mask 0, logprobs unused) and
+TIS weights, KL penalties and staleness are taken over the action tokens alone. A single-turn sample is the
+trajectory of one action, trained exactly as before.
+
 Per step, each sample is recorded (version ids of its tokens, staleness, reward, advantage, whether it trained) and
 the samples since the previous checkpoint are kept in that checkpoint's state/rl_samples.jsonl.
 
@@ -52,11 +58,12 @@ from models.chat import encode_chat_prompt
 from models.lora import LoraConfig
 from models.tokenizer import load_tokenizer
 from services.common.methods.rft import RftHyperparams
-from services.trainer.engine import AdamW, TrainingEngine
-from services.trainer.engine import losses
+from services.evaluators.sandbox import Sandbox
+from services.trainer.engine import AdamW, TrainingEngine, losses
 from services.trainer.engine.checkpoint import CheckpointMismatch, read_checkpoint
 from services.trainer.engine.forward_backward import Datum, LossCall, LossRequest, moe_layers, run_call
 from services.trainer.rl import algo
+from services.trainer.rl.episodes import EpisodeRunner, Trajectory, completion_text
 from services.trainer.rl.rewards import Reward
 from services.trainer.rl.rollout import RolloutProcess, Sample, SampleRequest
 from services.trainer.sft import Checkpoint, Finished, Log, Metrics, SftCheckpoint, Started, StopFlag
@@ -71,11 +78,14 @@ def load_rows(path: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def run_rft(model_dir: Path, dataset_path: Path, hp: RftHyperparams, *, reward: Reward, stop: StopFlag,
-            resume: SftCheckpoint | None = None, base_model_name: str = "", work_dir: Path,
-            torch_threads: int = 1) -> Iterator:
-    """Run the RL loop (module docstring); yields the events a recipe records."""
-    run = _RftRun(Path(model_dir), load_rows(Path(dataset_path)), hp, reward, stop,
+def run_rft(model_dir: Path, dataset_path: Path, hp: RftHyperparams, *, reward: Reward | None = None,
+            env: Sandbox | None = None, stop: StopFlag, resume: SftCheckpoint | None = None,
+            base_model_name: str = "", work_dir: Path, torch_threads: int = 1) -> Iterator:
+    """Run the RL loop (module docstring); yields the events a recipe records. The reward is a reward function over
+    completions, or env: an Environment evaluator's sandbox, whose episodes (episodes.py) give each sample."""
+    if (reward is None) == (env is None):
+        raise ValueError("run_rft needs a reward or an env, one of the two")
+    run = _RftRun(Path(model_dir), load_rows(Path(dataset_path)), hp, reward, env, stop,
                   base_model_name or str(model_dir), Path(work_dir), torch_threads)
     if resume is not None:
         run.restore(resume)
@@ -91,9 +101,9 @@ def run_rft(model_dir: Path, dataset_path: Path, hp: RftHyperparams, *, reward: 
 
 
 class _RftRun:
-    def __init__(self, model_dir: Path, rows: list[dict], hp: RftHyperparams, reward: Reward, stop: StopFlag,
-                 base_name: str, work_dir: Path, torch_threads: int):
-        self.model_dir, self.rows, self.hp, self.reward, self.stop = model_dir, rows, hp, reward, stop
+    def __init__(self, model_dir: Path, rows: list[dict], hp: RftHyperparams, reward: Reward | None,
+                 env: Sandbox | None, stop: StopFlag, base_name: str, work_dir: Path, torch_threads: int):
+        self.model_dir, self.rows, self.hp, self.reward, self.env, self.stop = model_dir, rows, hp, reward, env, stop
         self.base_name, self.work_dir, self.torch_threads = base_name, work_dir, torch_threads
         self.tokenizer = load_tokenizer(model_dir)
         self.prompts = [self._prompt(r, i) for i, r in enumerate(rows)]
@@ -109,6 +119,7 @@ class _RftRun:
             self.reference = load_pretrained(model_dir, dtype=torch.float32, device=self.engine.device).eval()
             self.reference.requires_grad_(False)
         self.rollout: RolloutProcess | None = None
+        self.sampler: RolloutProcess | EpisodeRunner | None = None  # the rollout, or the episodes over it
         self.records: list[dict] = []  # samples since the last checkpoint
         cfg = {}
         defaults = losses.LOSS_FNS[hp.loss].config_defaults
@@ -147,10 +158,18 @@ class _RftRun:
             out.append(order[i])
         return out
 
-    def _requests(self, batch: int) -> list[list[SampleRequest]]:
+    def _seeds(self, batch: int) -> list[list[tuple[int, int]]]:
+        """Per prompt of the batch, its samples' (row index, sampling seed)."""
         hp = self.hp
-        return [[SampleRequest(self.prompts[r], ((hp.seed * 1_000_003 + batch) * 4096 + p) * 64 + s)
-                 for s in range(hp.group_size)] for p, r in enumerate(self._batch_rows(batch))]
+        return [[(r, ((hp.seed * 1_000_003 + batch) * 4096 + p) * 64 + s) for s in range(hp.group_size)]
+                for p, r in enumerate(self._batch_rows(batch))]
+
+    def _submit(self, batch: int) -> None:
+        seeds = self._seeds(batch)
+        if isinstance(self.sampler, EpisodeRunner):
+            self.sampler.submit(batch, seeds)
+        else:
+            self.sampler.submit(batch, [[SampleRequest(self.prompts[r], seed) for r, seed in g] for g in seeds])
 
     def _publish(self) -> None:
         """Hand version `step` to the rollout."""
@@ -160,7 +179,7 @@ class _RftRun:
         else:
             path = path.with_suffix(".safetensors")
             save_file({k: v.detach().cpu().contiguous() for k, v in self.engine.model.named_parameters()}, str(path))
-        self.rollout.update(self.step, path)
+        self.sampler.update(self.step, path)
 
     # -- the loop -------------------------------------------------------------------------------------------------
     def train(self) -> Iterator:
@@ -170,6 +189,10 @@ class _RftRun:
                                       partial=hp.partial_rollouts, max_tokens=hp.max_tokens,
                                       temperature=hp.temperature, router_ids=hp.router_replay,
                                       torch_threads=self.torch_threads)
+        self.sampler = self.rollout
+        if self.env is not None:
+            self.sampler = EpisodeRunner(self.rollout, self.env, self.tokenizer, max_turns=hp.max_turns,
+                                         rows=self.rows, prompts=self.prompts)
         if self.step > 0:
             self._publish()  # the restored weights
         ahead = hp.max_staleness if hp.mode == "async" else 0
@@ -180,10 +203,10 @@ class _RftRun:
                 yield Finished(step=self.step, stopped=True, metrics=metrics)
                 return
             while next_batch <= min(self.step + ahead, hp.steps - 1):
-                self.rollout.submit(next_batch, self._requests(next_batch))
+                self._submit(next_batch)
                 next_batch += 1
             t0 = time.perf_counter()
-            samples, stats = self.rollout.result(self.step)
+            samples, stats = self.sampler.result(self.step)
             waited = time.perf_counter() - t0
             for event in self._train_step(samples):
                 if isinstance(event, dict):
@@ -205,13 +228,16 @@ class _RftRun:
             yield from self._checkpoint(True, metrics)
         yield Finished(step=self.step, stopped=False, metrics=metrics)
 
-    def _train_step(self, groups: list[list[Sample]]) -> Iterator:
+    def _train_step(self, groups: list[list[Sample | Trajectory]]) -> Iterator:
         """Train version k = step on its batch; yields Log events, then the step's metrics (a dict)."""
         hp, k = self.hp, self.step
         rows = self._batch_rows(k)
-        flat = [(g, s) for g, group in enumerate(groups) for s in group]
-        texts = [self._text(s) for _, s in flat]
-        scores = self.reward(texts, [self.rows[rows[g]] for g, _ in flat])
+        flat = [(g, self._trajectory(rows[g], s)) for g, group in enumerate(groups) for s in group]
+        texts = [s.text for _, s in flat]
+        if self.env is not None:  # an episode's reward: the sum of its steps' (episodes.py)
+            scores = [s.score for _, s in flat]
+        else:
+            scores = self.reward(texts, [self.rows[rows[g]] for g, _ in flat])
         errors = [(i, sc.error) for i, sc in enumerate(scores) if sc.value is None]
         for i, err in errors[:MAX_LOGGED_ERRORS]:
             yield Log(f"step {k + 1}: reward error on dataset row {rows[flat[i][0]] + 1} (scored 0): {err}", "warning")
@@ -221,9 +247,9 @@ class _RftRun:
         raw_rewards = list(rewards)
         kl_ref = []
         if self.reference is not None:
-            ref_lps = self._logprobs(self.reference, [self._datum(rows[g], s, 0.0) for g, s in flat])
+            ref_lps = self._logprobs(self.reference, [self._datum(s, 0.0) for _, s in flat])
             for i, ((_, s), ref) in enumerate(zip(flat, ref_lps)):
-                per_token = algo.k3(torch.tensor(s.logprobs, dtype=torch.float64), ref[-len(s.tokens):].double())
+                per_token = algo.k3(_action_q(s, torch.float64), _on_actions(s, ref).double())
                 kl_ref.append(per_token)
                 rewards[i] -= hp.kl_coef * float(per_token.sum())
         # groups -> advantages
@@ -237,22 +263,24 @@ class _RftRun:
                 continue
             advantages.update(zip(members, algo.group_advantages(rs, hp.loss)))
         chosen = sorted(advantages)
-        datums = [self._datum(rows[flat[i][0]], flat[i][1], advantages[i]) for i in chosen]
+        datums = [self._datum(flat[i][1], advantages[i]) for i in chosen]
         tis_w = {}
         if datums and hp.tis != "off":
             trainer_lps = self._logprobs(self.engine.model, datums)
             for i, d, p in zip(chosen, datums, trainer_lps):
                 s = flat[i][1]
-                n = len(s.tokens)
-                q = torch.tensor(s.logprobs, dtype=torch.float32)
-                w = algo.tis_weights(p[-n:], q, hp.tis, hp.tis_cap)
+                n, at = len(s.completion), torch.tensor(s.actions, dtype=torch.int64)  # observations: untouched
+                w = algo.tis_weights(_on_actions(s, p), _action_q(s, torch.float32), hp.tis, hp.tis_cap)
                 tis_w[i] = w
-                d.inputs["logprobs"][-n:] = p[-n:]
-                d.inputs["advantages"][-n:] *= w
+                d.inputs["logprobs"][-n:][at] = p[-n:][at]
+                d.inputs["advantages"][-n:][at] *= w
         out = {"reward/mean": _mean(raw_rewards), "reward/std": _std(raw_rewards),
                "reward/errors": float(len(errors)), "staleness/mean": _mean(stale), "staleness/max": float(max(stale)),
                "samples/dropped_stale": float(fresh.count(False)), "samples/trained": float(len(datums)),
                "groups/dropped": float(dropped_groups)}
+        if self.env is not None:  # episodes: actions per episode, and the share the environment ended (done)
+            out["episode/turns_mean"] = _mean([len(s.turns) for _, s in flat])
+            out["episode/done"] = _mean([float(bool(s.turns) and bool(s.turns[-1].get("done"))) for _, s in flat])
         if kl_ref:
             out["kl/ref"] = float(torch.cat(kl_ref).mean())
         if tis_w:
@@ -262,8 +290,7 @@ class _RftRun:
             call = self.engine.loss_call(self.loss, backward=True, deterministic=False, lock=contextlib.nullcontext)
             lps, m = run_call(call, datums)
             grad_norm = float(self.engine.step(self._adamw()))
-            k3s = [algo.k3(torch.tensor(flat[i][1].logprobs, dtype=torch.float64), lp[-len(flat[i][1].tokens):])
-                   for i, lp in zip(chosen, lps)]
+            k3s = [algo.k3(_action_q(flat[i][1], torch.float64), _on_actions(flat[i][1], lp)) for i, lp in zip(chosen, lps)]
             out |= {"train/loss": m["loss:mean"], "train/grad_norm": grad_norm,
                     "train/clip_fraction": m.get("clip_fraction:mean", 0.0),
                     "kl/k3_rollout_trainer": float(torch.cat(k3s).mean()),
@@ -272,30 +299,33 @@ class _RftRun:
             self.engine.steps += 1  # nothing to learn from: the version advances with the same weights
             yield Log(f"step {k + 1}: no group with a learning signal; the weights are unchanged")
         for i, ((g, s), text) in enumerate(zip(flat, texts)):
-            self.records.append({"step": k + 1, "trainer_version": k, "row": rows[g], "group": g,
-                                 "versions": s.versions, "token_versions": _runs(s.token_versions),
-                                 "staleness": stale[i], "reward": raw_rewards[i], "error": scores[i].error,
-                                 "trained": i in advantages, "advantage": advantages.get(i), "completion": text})
+            record = {"step": k + 1, "trainer_version": k, "row": rows[g], "group": g,
+                      "versions": s.versions, "token_versions": _runs(s.token_versions),
+                      "staleness": stale[i], "reward": raw_rewards[i], "error": scores[i].error,
+                      "trained": i in advantages, "advantage": advantages.get(i), "completion": text}
+            if s.turns is not None:  # an episode: reset's observation and each step's action, observation, reward
+                record |= {"observation": s.observation, "turns": s.turns}
+            self.records.append(record)
         yield out
 
-    def _text(self, s: Sample) -> str:
-        tokens = s.tokens
-        if s.finish_reason == "stop" and tokens:
-            tokens = tokens[:-1]
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+    def _trajectory(self, row: int, s: Sample | Trajectory) -> Trajectory:
+        if isinstance(s, Trajectory):
+            return s
+        return Trajectory.single(self.prompts[row], s, completion_text(self.tokenizer, s))
 
-    def _datum(self, row: int, s: Sample, advantage: float) -> Datum:
-        """A sample as a policy-gradient datum: the prompt's positions have advantage 0 and mask 0; with router
-        replay, the rollout's routes of every position (its last request's: a partial rollout's earlier tokens are
-        re-prefilled, and routed, by the version that finished it)."""
-        prompt, n = self.prompts[row], len(s.tokens)
+    def _datum(self, s: Trajectory, advantage: float) -> Datum:
+        """A trajectory as a policy-gradient datum: the prompt's and the observations' positions have advantage 0
+        and mask 0 (context only); the actions' carry the advantage and the rollout's logprobs. With router replay,
+        the rollout's routes of every position (its last request's: a partial rollout's earlier tokens, and an
+        episode's earlier turns, are re-prefilled, and routed, by the version that sampled its last tokens)."""
+        prompt, completion = s.prompt, s.completion
         pad = [0.0] * (len(prompt) - 1)
-        tokens = torch.tensor(prompt + s.tokens[:-1], dtype=torch.int64)
-        inputs = {"target_tokens": torch.tensor(prompt[1:] + s.tokens, dtype=torch.int64),
+        tokens = torch.tensor(prompt + completion[:-1], dtype=torch.int64)
+        inputs = {"target_tokens": torch.tensor(prompt[1:] + completion, dtype=torch.int64),
                   "logprobs": torch.tensor(pad + s.logprobs, dtype=torch.float32),
-                  "advantages": torch.tensor(pad + [advantage] * n, dtype=torch.float32)}
+                  "advantages": torch.tensor(pad + [advantage if m else 0.0 for m in s.mask], dtype=torch.float32)}
         if "mask" in losses.LOSS_FNS[self.hp.loss].optional_inputs:
-            inputs["mask"] = torch.tensor(pad + [1.0] * n, dtype=torch.float32)
+            inputs["mask"] = torch.tensor(pad + [float(m) for m in s.mask], dtype=torch.float32)
         routes = None
         if self.hp.router_replay:
             routes = torch.as_tensor(s.router_ids)
@@ -337,8 +367,13 @@ class _RftRun:
             raise ValueError(f"The checkpoint at step {ckpt.step} cannot be resumed: {exc}") from None
 
     def close(self) -> None:
+        episodes = self.sampler if isinstance(self.sampler, EpisodeRunner) else None
+        if episodes is not None:
+            episodes.close()
         if self.rollout is not None:
-            self.rollout.close()
+            self.rollout.close()  # ends a turn the episodes' thread waits on
+        if episodes is not None:
+            episodes.join()
 
 
 def _mean(xs) -> float:
@@ -348,6 +383,16 @@ def _mean(xs) -> float:
 def _std(xs) -> float:
     m = _mean(xs)
     return float((sum((x - m) ** 2 for x in xs) / len(xs)) ** 0.5) if xs else 0.0
+
+
+def _on_actions(s: Trajectory, lp: torch.Tensor) -> torch.Tensor:
+    """A datum's per-position values (targets order) at the trajectory's action tokens."""
+    return lp[-len(s.completion):][torch.tensor(s.actions, dtype=torch.int64)]
+
+
+def _action_q(s: Trajectory, dtype: torch.dtype) -> torch.Tensor:
+    """The rollout's logprobs of the action tokens."""
+    return torch.tensor([s.logprobs[i] for i in s.actions], dtype=dtype)
 
 
 def _runs(versions: list[int]) -> list[list[int]]:

@@ -1,5 +1,5 @@
 """The managed RFT recipe: resume from the job's latest checkpoint if any, run the RL loop (services/trainer/rl/loop.py)
-with the job's evaluator as the reward, and record its events like every recipe (recording.py). The loop
+with the job's evaluator as the reward (a reward_fn, or an Environment's episodes), and record its events like every recipe (recording.py). The loop
 samples from its own rollout process (services/trainer/rl/rollout.py); it runs in this worker process (one rank)."""
 from __future__ import annotations
 
@@ -19,26 +19,33 @@ def run(ctx: JobContext) -> RecipeOutcome:
     job = ctx.job
     hp = RftHyperparams.from_json(job.config)
     with ExitStack() as stack:
-        reward = evaluator(ctx, hp.evaluator, stack)
+        reward = evaluator(ctx, hp, stack)
+        scoring = {"env": reward} if isinstance(reward, Sandbox) else {"reward": reward}
         return run_recorded(ctx, lambda data_path, resume: run_rft(
-            Path(job.model_path), data_path, hp, reward=reward, stop=ctx.heartbeat.stop, resume=resume,
+            Path(job.model_path), data_path, hp, **scoring, stop=ctx.heartbeat.stop, resume=resume,
             base_model_name=job.base_model, work_dir=ctx.work, torch_threads=ctx.settings.torch_threads),
             checkpoint_kind="full" if hp.full_parameter else "lora_adapter")
 
 
-def evaluator(ctx: JobContext, ref: str, stack: ExitStack) -> Reward:
-    """The reward of an evaluator reference: a built-in one, or the account's uploaded evaluator (its reward_fn)
-    in a sandbox (services/evaluators/sandbox.py) closed with the stack. A user's error in it is a row's error
-    (scored 0, logged); one that stops it loading fails the job with the evaluator's message."""
+def evaluator(ctx: JobContext, hp: RftHyperparams, stack: ExitStack) -> Reward | Sandbox:
+    """The reward of the job's evaluator reference: a built-in one, or the account's uploaded evaluator in a sandbox
+    (services/evaluators/sandbox.py) closed with the stack: its reward_fn, or, for an Environment, the sandbox itself
+    (the loop runs its episodes, services/trainer/rl/episodes.py). A user's error in it is a row's error (scored 0,
+    logged); one that stops it loading fails the job with the evaluator's message."""
+    ref = hp.evaluator
     if ref.startswith(BUILTIN_PREFIX):
         if ref not in BUILTINS:
             raise ValueError(f"no built-in evaluator {ref!r}; known: {', '.join(BUILTINS)}")
         return builtin(ref)
     row = load_evaluator(ctx.db, ctx.blobs, ctx.job.account_id, ref, ctx.work / "evaluator")
     sandbox = stack.enter_context(Sandbox(ctx.work / "evaluator", limits=ctx.settings.evaluator_limits()))
-    if sandbox.kind != "reward_fn":
-        raise ValueError(f"evaluator {ref!r} defines an Environment (multi-turn episodes); an RFT job scores "
-                         "single completions with a reward_fn(completion, row)")
+    if sandbox.kind == "environment":
+        ctx.ledger.log(ctx.job.id, f"reward: Environment evaluator {row.name}@{row.version} ({row.id}) in the "
+                                   f"sandbox, episodes of up to {hp.max_turns} turns")
+        return sandbox
+    if hp.max_turns > 1:
+        raise ValueError(f"evaluator {ref!r} is a reward_fn, which scores one completion; max_turns "
+                         f"{hp.max_turns} needs an Environment")
     ctx.ledger.log(ctx.job.id, f"reward: evaluator {row.name}@{row.version} ({row.id}) in the sandbox")
 
     def reward(completions, rows):

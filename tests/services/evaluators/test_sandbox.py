@@ -270,6 +270,65 @@ def test_a_multi_turn_environment_episode(tmp_path_factory):
             sandbox.score([("a", {})])
 
 
+COUNTING_ENVIRONMENT = """\
+import time
+
+BUILT = []
+
+
+class Environment:
+    \"\"\"Sums the actions it is sent; 'sleep' outlives the wall clock. BUILT counts instances in the worker.\"\"\"
+
+    def __init__(self):
+        BUILT.append(1)
+
+    def reset(self, row):
+        self.total, self.turns = row["start"], row["turns"]
+        return f"start {self.total} ({len(BUILT)} built)"
+
+    def step(self, action):
+        if action == "sleep":
+            time.sleep(60)
+        self.total += int(action)
+        self.turns -= 1
+        return str(self.total), float(self.total), self.turns == 0
+"""
+
+
+def test_interleaved_episodes_each_have_an_instance(tmp_path_factory):
+    """Episodes keyed by id do not share state; done frees an instance, close ends one early, the cap refuses the
+    episode past it, and a kill ends every episode in progress while the sandbox goes on."""
+    code = _code(tmp_path_factory, "counting", COUNTING_ENVIRONMENT)
+    with Sandbox(code, limits=LIMITS, max_episodes=3) as sandbox:
+        assert sandbox.reset({"start": 0, "turns": 2}, episode="a") == "start 0 (2 built)"  # 1: built at load
+        assert sandbox.reset({"start": 100, "turns": 3}, episode="b") == "start 100 (3 built)"
+        assert sandbox.step("1", episode="a") == ("1", 1.0, False)
+        assert sandbox.step("5", episode="b") == ("105", 105.0, False)
+        assert sandbox.step("2", episode="a") == ("3", 3.0, True)  # done: a's instance is freed
+        assert sandbox.open_episodes == 1
+        with pytest.raises(EvaluatorError, match="no episode 'a' in progress"):
+            sandbox.step("1", episode="a")
+        assert sandbox.step("5", episode="b") == ("110", 110.0, False)  # b never saw a's actions
+        sandbox.reset({"start": 0, "turns": 9}, episode="c")
+        sandbox.reset({"start": 0, "turns": 9}, episode="d")
+        with pytest.raises(EvaluatorError, match=r"3 episodes are open, the sandbox's cap \(max_episodes 3\)"):
+            sandbox.reset({"start": 0, "turns": 9}, episode="e")
+        sandbox.close_episode("c")
+        assert sandbox.open_episodes == 2
+        with pytest.raises(EvaluatorError, match="no episode 'c' in progress"):
+            sandbox.step("1", episode="c")
+        assert sandbox.reset({"start": 7, "turns": 1}, episode="e") == "start 7 (6 built)"
+        with pytest.raises(EvaluatorError, match="step: killed: wall-clock limit 3 s"):
+            sandbox.step("sleep", episode="d")
+        assert sandbox.open_episodes == 0  # the kill took b, d and e with the process
+        with pytest.raises(EvaluatorError, match="no episode 'b' in progress"):
+            sandbox.step("1", episode="b")
+        assert sandbox.reset({"start": 1, "turns": 1}, episode="b") == "start 1 (2 built)"  # a fresh process
+        assert sandbox.step("1", episode="b") == ("2", 2.0, True)
+        assert sandbox.reset({"start": 4, "turns": 1}) == "start 4 (2 built)"  # the one built at load
+        assert sandbox.step("1") == ("5", 5.0, True)
+
+
 def test_without_bubblewrap_evaluators_are_refused(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path_factory.mktemp("empty")))
     with Sandbox(_code(tmp_path_factory, "plain", "def reward_fn(c, row):\n    return 1.0\n")) as sandbox:

@@ -36,7 +36,7 @@ def make_batch(loss_fn: str, seed: int, G: int = 5):
             delta = (-1e-3, 0.0, 1e-3, 1e-4, -2e-3)[i % 5] + 1e-4 * (torch.rand(T, generator=g) - 0.5)
         inputs = {"target_tokens": torch.randint(0, V, (T,), generator=g), "logprobs": q,
                   "advantages": torch.randn(T, generator=g)}
-        if loss_fn in MASKED:
+        if loss_fn in (*MASKED, "dro"):  # dro: its optional mask
             mask = (torch.rand(T, generator=g) < 0.7).float()
             mask[1] = 1.0
             inputs["mask"] = mask
@@ -102,6 +102,8 @@ def naive_rl(loss_fn: str, cfg: dict, raw: list[dict], lps: list[torch.Tensor]):
                 weight = m[t] / (G * cfg["max_tokens"])
             elif loss_fn == "dapo":
                 weight = m[t] / batch_tokens
+            elif loss_fn == "dro":  # its optional mask keeps both terms off masked positions
+                weight = m[t]
             else:
                 weight = 1.0
             total -= weight * obj
