@@ -41,7 +41,7 @@ import json
 import random
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -59,6 +59,7 @@ from services.trainer.engine.forward_backward import Datum, LossCall, LossReques
 from services.trainer.rl import algo
 from services.trainer.rl.rewards import Reward
 from services.trainer.rl.rollout import RolloutProcess, Sample, SampleRequest
+from services.trainer.rl.rollout_service import RolloutService
 from services.trainer.sft import Checkpoint, Finished, Log, Metrics, SftCheckpoint, Started, StopFlag
 
 MICRO_BATCH_TOKENS = 8192
@@ -73,10 +74,14 @@ def load_rows(path: Path) -> list[dict]:
 
 def run_rft(model_dir: Path, dataset_path: Path, hp: RftHyperparams, *, reward: Reward, stop: StopFlag,
             resume: SftCheckpoint | None = None, base_model_name: str = "", work_dir: Path,
-            torch_threads: int = 1) -> Iterator:
-    """Run the RL loop (module docstring); yields the events a recipe records."""
+            torch_threads: int = 1, rollout: Callable[..., RolloutProcess | RolloutService] = RolloutProcess
+            ) -> Iterator:
+    """Run the RL loop (module docstring); yields the events a recipe records. rollout: the backend, called with
+    RolloutProcess's arguments: the rollout process (rollout.py), or a deployment of the rollout service
+    (rollout_service.py)."""
     run = _RftRun(Path(model_dir), load_rows(Path(dataset_path)), hp, reward, stop,
                   base_model_name or str(model_dir), Path(work_dir), torch_threads)
+    run.rollout_backend = rollout
     if resume is not None:
         run.restore(resume)
         yield Log(f"resumed at step {run.step} of {hp.steps}")
@@ -108,7 +113,8 @@ class _RftRun:
         if hp.kl_coef > 0:  # the base policy, frozen, for the KL penalty
             self.reference = load_pretrained(model_dir, dtype=torch.float32, device=self.engine.device).eval()
             self.reference.requires_grad_(False)
-        self.rollout: RolloutProcess | None = None
+        self.rollout: RolloutProcess | RolloutService | None = None
+        self.rollout_backend: Callable[..., RolloutProcess | RolloutService] = RolloutProcess
         self.records: list[dict] = []  # samples since the last checkpoint
         cfg = {}
         defaults = losses.LOSS_FNS[hp.loss].config_defaults
@@ -155,7 +161,7 @@ class _RftRun:
     def _publish(self) -> None:
         """Hand version `step` to the rollout."""
         path = self.work_dir / "rollout" / f"v{self.step}"
-        if self.lora is not None:
+        if self.lora is not None or self.rollout.serves_lineage:
             self.engine.save_weights(path, base_model=self.base_name)
         else:
             path = path.with_suffix(".safetensors")
@@ -166,12 +172,12 @@ class _RftRun:
     def train(self) -> Iterator:
         hp = self.hp
         (self.work_dir / "rollout").mkdir(parents=True, exist_ok=True)
-        self.rollout = RolloutProcess(self.model_dir, lora=self.lora is not None, work_dir=self.work_dir / "rollout",
-                                      partial=hp.partial_rollouts, max_tokens=hp.max_tokens,
-                                      temperature=hp.temperature, router_ids=hp.router_replay,
-                                      torch_threads=self.torch_threads)
-        if self.step > 0:
-            self._publish()  # the restored weights
+        self.rollout = self.rollout_backend(self.model_dir, lora=self.lora is not None,
+                                            work_dir=self.work_dir / "rollout", partial=hp.partial_rollouts,
+                                            max_tokens=hp.max_tokens, temperature=hp.temperature,
+                                            router_ids=hp.router_replay, torch_threads=self.torch_threads)
+        if self.step > 0 or self.rollout.serves_lineage:
+            self._publish()  # the restored weights (or version 0, for a rollout that holds no weights yet)
         ahead = hp.max_staleness if hp.mode == "async" else 0
         next_batch, start, metrics = self.step, self.step, {}
         last = time.perf_counter()
@@ -190,8 +196,8 @@ class _RftRun:
                     metrics = event
                 else:
                     yield event
-            if self.step < hp.steps:  # the last version is the final checkpoint's; nothing samples it
-                self._publish()
+            if self.step < hp.steps or self.rollout.serves_lineage:  # nothing samples the last version: published
+                self._publish()  # only to a lineage, which keeps it for the user
             now = time.perf_counter()
             metrics |= {"time/step_s": now - last, "time/wait_rollout_s": waited,
                         "rollout/tokens_per_s": stats.tokens / max(stats.seconds, 1e-9),
@@ -274,6 +280,7 @@ class _RftRun:
         for i, ((g, s), text) in enumerate(zip(flat, texts)):
             self.records.append({"step": k + 1, "trainer_version": k, "row": rows[g], "group": g,
                                  "versions": s.versions, "token_versions": _runs(s.token_versions),
+                                 "weight_version_ids": s.version_ids,
                                  "staleness": stale[i], "reward": raw_rewards[i], "error": scores[i].error,
                                  "trained": i in advantages, "advantage": advantages.get(i), "completion": text})
         yield out
