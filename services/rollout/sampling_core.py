@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from models.chat import check_messages
 from services.common import registry
@@ -33,7 +33,7 @@ from services.common.blobstore import BlobStore, StoredFile
 from services.common.calls import NEVER, Cancellation
 from services.common.db import Database
 from services.common.errors import Cancelled, FailedPrecondition, InvalidArgument, NotFound, not_found
-from services.common.schema import Checkpoint, Deployment
+from services.common.schema import Checkpoint, Deployment, WeightVersion
 from services.rollout import sampling
 from services.rollout.engine import Engine, RequestHandle, RequestOutput
 from services.rollout.pinned import WEIGHTS_PREFIX, PinnedWeights
@@ -234,9 +234,15 @@ class SamplingCore:
         if min_weight_version:
             with self.db.session() as s:
                 dep = registry.find_deployment(s, account_id, name)
+                latest = s.scalar(select(func.max(WeightVersion.version)).where(
+                    WeightVersion.account_id == account_id, WeightVersion.lineage == dep.lineage)) \
+                    if dep is not None and dep.lineage else None
             if dep is None or not dep.lineage:
                 raise InvalidArgument(f"'{name}' is not a deployment that follows a weight lineage",
                                       field="min_weight_version")
+            if min_weight_version > (latest or 0):  # waiting could only end at the deadline
+                raise FailedPrecondition(f"min_weight_version {min_weight_version}: lineage '{dep.lineage}' has no "
+                                         f"such version yet (its latest is {latest or 0})")
             self._check_servable(dep)
             with self._lineage_target(account_id, dep, api_key, min_weight_version, wait_s, cancel) as target:
                 yield target
