@@ -10,11 +10,13 @@ import subprocess
 import sys
 import time
 
+import grpc
 import pytest
 
 from tests.integration.data import jsonl
+from services.common.channels import auth_metadata
 from trainyard import TrainyardError
-from trainyard.v1 import scheduler_pb2 as pb
+from trainyard.v1 import scheduler_pb2 as pb, weightsync_pb2, weightsync_pb2_grpc
 
 pytestmark = pytest.mark.integration
 
@@ -87,7 +89,7 @@ def test_rft_settings_are_checked_with_their_field(cli, dataset):
     assert "spec.rft.evaluator" in missing.stderr and "required" in missing.stderr
 
 
-def test_rft_worker_killed_mid_job_resumes_without_lost_or_duplicated_steps(stack, client, cli, dataset):
+def test_rft_worker_killed_mid_job_resumes_without_lost_or_duplicated_steps(stack, client, api_key, cli, dataset):
     created = cli("jobs", "create", "--method", "rft", "--dataset", dataset, *TASK, "--steps", "30", "--mode",
                   "async", "--max-staleness", "2", "--checkpoint-every", "5")
     job_id = created.stdout.split("job ")[1].split()[0]
@@ -106,6 +108,16 @@ def test_rft_worker_killed_mid_job_resumes_without_lost_or_duplicated_steps(stac
     resumed = [m for m in logs if m.startswith("resuming from the checkpoint at step")]
     assert resumed and int(resumed[0].split("step ")[1].split()[0]) >= 5, logs
     assert [m["step"] for m in _rewards(cli, job_id)] == list(range(1, 31))  # each step once
+    # The job's lineage (the rollout service's deployment followed it): the second attempt published its restored
+    # weights (step k) as the next version, then went on to the final 30.
+    k = int(resumed[0].split("step ")[1].split()[0])
+    ws = weightsync_pb2_grpc.WeightSyncServiceStub(grpc.insecure_channel(stack.url("weightsync")))
+    versions = ws.ListVersions(weightsync_pb2.ListVersionsRequest(lineage=job_id),
+                               metadata=auth_metadata(api_key)).versions
+    assert [v.version for v in versions] == list(range(1, len(versions) + 1))
+    policy = [int(v.metadata["policy_version"]) for v in versions]
+    second = len(policy) - 1 - policy[::-1].index(k)  # where the second attempt began
+    assert policy[second:] == list(range(k, 31)) and policy[:second] == list(range(second)), policy
 
 
 def test_rft_rollout_killed_mid_job_the_job_resumes_from_its_checkpoint(stack, client, cli, dataset):
