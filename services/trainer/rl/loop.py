@@ -3,7 +3,8 @@ Started, Metrics, Checkpoint, Finished), with checkpoints it resumes from.
 
 Versions: the policy after k optimizer steps is version k (version 0: the base model, or the base with a fresh LoRA
 adapter, which changes nothing). Batch j (prompts_per_step prompts x group_size samples) is trained by step j, at
-trainer version j, and the step publishes version j + 1 to the rollout (rollout.py: hot-loaded, never reloaded).
+trainer version j, and the step publishes version j + 1 to the rollout (rollout.py: hot-loaded, never reloaded; or,
+rollout_service.py, as the next version of the job's weight lineage, which a rollout deployment follows).
 
 sync mode, step k:  submit batch k (the rollout is at version k) -> wait for it -> train -> publish k + 1.
 async mode, step k: submit batches up to k + max_staleness (each as soon as the one before it was sent: the rollout

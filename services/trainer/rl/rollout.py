@@ -18,6 +18,7 @@ prompt alone (their tokens so far are discarded and counted). A sample's segment
 request submitted at version v runs on v until the next update aborts it.
 
 Each sample is its own request (n = 1) with seed = the request's seed: a sample's draws do not depend on the batch.
+The same interface over the platform's rollout and weight-sync services: rollout_service.py.
 """
 from __future__ import annotations
 
