@@ -81,8 +81,7 @@ def run_rft(model_dir: Path, dataset_path: Path, hp: RftHyperparams, *, reward: 
     RolloutProcess's arguments: the rollout process (rollout.py), or a deployment of the rollout service
     (rollout_service.py)."""
     run = _RftRun(Path(model_dir), load_rows(Path(dataset_path)), hp, reward, stop,
-                  base_model_name or str(model_dir), Path(work_dir), torch_threads)
-    run.rollout_backend = rollout
+                  base_model_name or str(model_dir), Path(work_dir), torch_threads, rollout)
     if resume is not None:
         run.restore(resume)
         yield Log(f"resumed at step {run.step} of {hp.steps}")
@@ -98,7 +97,8 @@ def run_rft(model_dir: Path, dataset_path: Path, hp: RftHyperparams, *, reward: 
 
 class _RftRun:
     def __init__(self, model_dir: Path, rows: list[dict], hp: RftHyperparams, reward: Reward, stop: StopFlag,
-                 base_name: str, work_dir: Path, torch_threads: int):
+                 base_name: str, work_dir: Path, torch_threads: int,
+                 rollout_backend: Callable[..., RolloutProcess | RolloutService] = RolloutProcess):
         self.model_dir, self.rows, self.hp, self.reward, self.stop = model_dir, rows, hp, reward, stop
         self.base_name, self.work_dir, self.torch_threads = base_name, work_dir, torch_threads
         self.tokenizer = load_tokenizer(model_dir)
@@ -115,7 +115,7 @@ class _RftRun:
             self.reference = load_pretrained(model_dir, dtype=torch.float32, device=self.engine.device).eval()
             self.reference.requires_grad_(False)
         self.rollout: RolloutProcess | RolloutService | None = None
-        self.rollout_backend: Callable[..., RolloutProcess | RolloutService] = RolloutProcess
+        self.rollout_backend = rollout_backend
         self.records: list[dict] = []  # samples since the last checkpoint
         cfg = {}
         defaults = losses.LOSS_FNS[hp.loss].config_defaults
@@ -197,8 +197,8 @@ class _RftRun:
                     metrics = event
                 else:
                     yield event
-            if self.step < hp.steps or self.rollout.serves_lineage:  # nothing samples the last version: published
-                self._publish()  # only to a lineage, which keeps it for the user
+            if self.step < hp.steps or self.rollout.serves_lineage:  # nothing samples the last version (the final
+                self._publish()  # checkpoint's), but a lineage keeps it for the user to deploy
             now = time.perf_counter()
             metrics |= {"time/step_s": now - last, "time/wait_rollout_s": waited,
                         "rollout/tokens_per_s": stats.tokens / max(stats.seconds, 1e-9),

@@ -54,7 +54,9 @@ from trainyard.v1 import weightsync_pb2_grpc
 log = logging.getLogger("trainyard.rl.rollout_service")
 
 STREAMS = 16  # sample requests in flight at once (below the rollout's max_concurrent_calls_per_account default)
-CALL_TIMEOUT_S = 600  # one sample request, including the wait for its weight version (min_weight_version)
+# One sample request, its wait for the weight version included (min_weight_version: a version that will not load,
+# e.g. damaged bytes, fails the job at this deadline); a generation must end within it.
+CALL_TIMEOUT_S = 3600
 LOST = (grpc.StatusCode.UNAVAILABLE,)
 
 
@@ -187,7 +189,7 @@ class RolloutService:
     def _deploy(self) -> None:
         request = scheduler_pb2.CreateDeploymentRequest(name=self.deployment, lineage=self.lineage)
         try:
-            self.deployments.CreateDeployment(request, metadata=self.md, timeout=CALL_TIMEOUT_S)
+            self.deployments.CreateDeployment(request, metadata=self.md, timeout=600)
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.ALREADY_EXISTS:  # else: an earlier attempt's, still following
                 raise _failure(exc, f"deploying lineage '{self.lineage}' as '{self.deployment}'") from None
