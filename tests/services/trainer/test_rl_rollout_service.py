@@ -20,7 +20,7 @@ from services.trainer.rl.rollout import SampleRequest
 from services.trainer.rl.rollout_service import Connection, RolloutService
 from services.trainer.sft import Checkpoint, Metrics
 from tests.services.common.inprocess import Platform
-from trainyard.v1 import scheduler_pb2, scheduler_pb2_grpc, weightsync_pb2, weightsync_pb2_grpc
+from trainyard.v1 import rollout_pb2, scheduler_pb2, scheduler_pb2_grpc, weightsync_pb2, weightsync_pb2_grpc
 
 
 def _connection(platform: Platform) -> Connection:
@@ -147,3 +147,33 @@ def test_lora_versions_are_published_and_sampled(tiny_model_dir, arithmetic, tmp
     for s in ckpt.samples:
         assert [policy[i] for i in s["weight_version_ids"]] == s["versions"]
         assert s["staleness"] <= 1
+
+
+def test_a_version_the_job_did_not_publish_fails_the_job_loudly(tiny_model_dir, tmp_path):
+    """Someone else publishes to the job's lineage: the deployment moves to that version, the stream names it, and
+    the backend refuses to label its tokens as the job's version."""
+    from services.weightsync.client import publish_dir
+
+    platform = Platform(tmp_path / "platform", tiny_model_dir)
+    rollout = RolloutService(_connection(platform), lineage="rl-other", deployment="rl-other-rollout",
+                             base_model="tiny", lora=False, partial=True, max_tokens=4, temperature=1.0)
+    try:
+        rollout.update(0, shutil.copytree(tiny_model_dir, tmp_path / "v0"))
+        ws = weightsync_pb2_grpc.WeightSyncServiceStub(platform.channel("weightsync"))
+        publish_dir(ws, platform.keys["alice"], lineage="rl-other", parent_id=rollout.published[0].id,
+                    kind=weightsync_pb2.WEIGHT_KIND_FULL, base_model="tiny", directory=tiny_model_dir)
+        deadline = time.monotonic() + 60
+        while True:  # the deployment has moved on to the foreign version
+            loaded = {m.name: m for m in rollout.rollout.ListLoaded(rollout_pb2.ListLoadedRequest(),
+                                                                    metadata=platform.metadata()).models}
+            if loaded["rl-other-rollout"].weight_version == 2:
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        rollout.submit(0, [[SampleRequest([5, 17, 42], seed=1)]])
+        with pytest.raises(RuntimeError, match=r"sampled weight version \S+, and the job expected \S+ \(policy "
+                                               r"version 0"):
+            rollout.result(0)
+    finally:
+        rollout.close()
+        platform.close()
