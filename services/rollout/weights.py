@@ -126,7 +126,10 @@ class WeightFollower:
         fires), else DeadlineExceeded. A caller that publishes version m and then asks for min_version m gets
         m (or a later one) exactly: the switch cannot happen while it holds the block."""
         served = self.serve(deployment_id, lineage, base_model_dir, api_key)
-        follow = self._follows[deployment_id]
+        with self._lock:
+            follow = self._follows.get(deployment_id)
+        if follow is None:
+            raise Unavailable(f"deployment {deployment_id} is being unloaded")
         deadline = None if wait_s is None else time.monotonic() + wait_s
         with follow.cv:
             while not follow.stopped and (follow.served is None or follow.served.version < min_version):
