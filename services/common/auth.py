@@ -8,9 +8,10 @@ Job-scoped keys. When a worker starts a job it gets a key of the job's account s
 for the job's background work (its rollout and weight-sync calls); it is revoked when the attempt ends (finished,
 handed back, or reaped). Such a key may only read the job's inputs (the job, its dataset, its base model, its
 checkpoints), write and read the job's weights (weight lineages named after the job: "<job id>" or
-"<job id>/<anything>") and sample the job's own deployments (a deployment of one of those lineages or of one of the
-job's checkpoints). `KeyAuthenticator.authorize` checks every call of such a key against JOB_SCOPE before it runs;
-any other method, or another object, is PERMISSION_DENIED.
+"<job id>/<anything>"), sample the job's own deployments (a deployment of one of those lineages or of one of the
+job's checkpoints), and create and delete a deployment of one of its lineages (an RFT job's rollout).
+`KeyAuthenticator.authorize` checks every call of such a key against JOB_SCOPE before it runs; any other method, or
+another object, is PERMISSION_DENIED.
 """
 from __future__ import annotations
 
@@ -191,8 +192,20 @@ def _deployment_id_of_job(s, job: Job, deployment_id: str) -> bool:
 
 
 def _deploys_job_checkpoint(s, job: Job, r) -> bool:
-    """CreateDeployment of one of the job's checkpoints (by checkpoint_id)."""
-    return not r.job_id and not r.lineage and _checkpoint_of_job(s, job, r.checkpoint_id)
+    """CreateDeployment of one of the job's checkpoints (by checkpoint_id), or of one of its weight lineages."""
+    if r.lineage:
+        return not r.job_id and not r.checkpoint_id and job_lineage(job, r.lineage)
+    return not r.job_id and _checkpoint_of_job(s, job, r.checkpoint_id)
+
+
+def _lineage_deployment_of_job(s, job: Job, ident: str, *, deleted: bool = False) -> bool:
+    """A deployment (by id, or by name among the live ones) that follows one of the job's lineages; deleted: a
+    deleted one counts too (the rollout unloads a deployment after the scheduler marked it deleted)."""
+    d = s.get(Deployment, ident) if ident else None
+    if d is None and ident:
+        d = registry.find_deployment(s, job.account_id, ident)
+    return d is not None and d.account_id == job.account_id and (deleted or d.deleted_at is None) and \
+        d.lineage is not None and job_lineage(job, d.lineage)
 
 
 def _repoints_to_job_checkpoint(s, job: Job, r) -> bool:
@@ -232,4 +245,9 @@ JOB_SCOPE = {
     _V1 + "DeploymentService/CreateDeployment": _deploys_job_checkpoint,
     _V1 + "DeploymentService/RepointDeployment": _repoints_to_job_checkpoint,
     _V1 + "RolloutService/LoadDeployment": lambda s, job, r: _deployment_id_of_job(s, job, r.deployment_id),
+    # An RFT job samples through a deployment of its lineage (services/trainer/rl/rollout_service.py) and deletes it
+    # when it ends; the scheduler then unloads it from the rollout on the job's behalf.
+    _V1 + "DeploymentService/DeleteDeployment": lambda s, job, r: _lineage_deployment_of_job(s, job, r.id),
+    _V1 + "RolloutService/UnloadDeployment": lambda s, job, r: _lineage_deployment_of_job(
+        s, job, r.deployment_id, deleted=True),
 }

@@ -89,6 +89,12 @@ class Aborted(TrainyardError):
     code = grpc.StatusCode.ABORTED
 
 
+class DeadlineExceeded(TrainyardError):
+    """What the call waited for did not happen before its deadline."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 class Cancelled(TrainyardError):
     """The client ended the call early (e.g. broke off a stream)."""
 

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from models.chat import check_messages
 from services.common import registry
@@ -33,7 +33,7 @@ from services.common.blobstore import BlobStore, StoredFile
 from services.common.calls import NEVER, Cancellation
 from services.common.db import Database
 from services.common.errors import Cancelled, FailedPrecondition, InvalidArgument, NotFound, not_found
-from services.common.schema import Checkpoint, Deployment
+from services.common.schema import Checkpoint, Deployment, WeightVersion
 from services.rollout import sampling
 from services.rollout.engine import Engine, RequestHandle, RequestOutput
 from services.rollout.pinned import WEIGHTS_PREFIX, PinnedWeights
@@ -126,10 +126,12 @@ class SamplingCore:
         self._materialize_lock = threading.Lock()
 
     def sample(self, account_id: str, model: str, prompt: Prompt, params: SamplingParams, api_key: str = "",
-               cancel: Cancellation = NEVER) -> SampleResult:
+               cancel: Cancellation = NEVER, *, min_weight_version: int = 0,
+               wait_s: float | None = None) -> SampleResult:
         """The whole result; when cancel fires (the client left) the engine drops the request and this raises
         Cancelled."""
-        stream = self.sample_stream(account_id, model, prompt, params, api_key)
+        stream = self.sample_stream(account_id, model, prompt, params, api_key,
+                                    min_weight_version=min_weight_version, wait_s=wait_s, cancel=cancel)
         cancel.add_callback(stream.handle.cancel)
         result = stream.handle.result()
         if cancel.cancelled:
@@ -139,11 +141,16 @@ class SamplingCore:
                             weight_version_id=stream.weight_version_id)
 
     def sample_stream(self, account_id: str, model: str, prompt: Prompt, params: SamplingParams,
-                      api_key: str = "") -> SampleStream:
+                      api_key: str = "", *, min_weight_version: int = 0, wait_s: float | None = None,
+                      cancel: Cancellation = NEVER) -> SampleStream:
         """Resolve, validate and submit; the request runs in the engine while the caller reads its outputs.
-        api_key: the caller's, for following a lineage deployment's weights on its behalf."""
+        api_key: the caller's, for following a lineage deployment's weights on its behalf. min_weight_version: a
+        lineage deployment first waits (up to wait_s, or until cancel fires) until it serves at least that version
+        (WeightFollower.using)."""
         sampling.validate_params(params)  # before anything is loaded for a request that cannot run
-        with self._resolved(account_id, model, api_key) as target:
+        if min_weight_version < 0:
+            raise InvalidArgument(f"must be >= 0, got {min_weight_version}", field="min_weight_version")
+        with self._resolved(account_id, model, api_key, min_weight_version, wait_s, cancel) as target:
             if target.adapter_files:
                 self.engine.load_adapter(target.adapter_id, target.model_dir, self._adapter_dir(target), eager=False)
             base = self.engine.base(target.model_dir)
@@ -219,10 +226,27 @@ class SamplingCore:
     # ---- resolution ---------------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _resolved(self, account_id: str, name: str, api_key: str) -> Iterator[_Target]:
+    def _resolved(self, account_id: str, name: str, api_key: str, min_weight_version: int = 0,
+                  wait_s: float | None = None, cancel: Cancellation = NEVER) -> Iterator[_Target]:
         """The weights a request names; for a lineage deployment the version cannot switch inside the block."""
         if not name:
             raise InvalidArgument("required: a deployment name or a base model name", field="model")
+        if min_weight_version:
+            with self.db.session() as s:
+                dep = registry.find_deployment(s, account_id, name)
+                latest = s.scalar(select(func.max(WeightVersion.version)).where(
+                    WeightVersion.account_id == account_id, WeightVersion.lineage == dep.lineage)) \
+                    if dep is not None and dep.lineage else None
+            if dep is None or not dep.lineage:
+                raise InvalidArgument(f"'{name}' is not a deployment that follows a weight lineage",
+                                      field="min_weight_version")
+            if min_weight_version > (latest or 0):  # waiting could only end at the deadline
+                raise FailedPrecondition(f"min_weight_version {min_weight_version}: lineage '{dep.lineage}' has no "
+                                         f"such version yet (its latest is {latest or 0})")
+            self._check_servable(dep)
+            with self._lineage_target(account_id, dep, api_key, min_weight_version, wait_s, cancel) as target:
+                yield target
+            return
         if name.startswith(WEIGHTS_PREFIX):
             with self._version_target(account_id, name, api_key) as target:
                 yield target
@@ -256,7 +280,8 @@ class SamplingCore:
             return self._checkpoint_target(s, account_id, dep)
 
     @contextlib.contextmanager
-    def _lineage_target(self, account_id: str, dep: Deployment, api_key: str) -> Iterator[_Target]:
+    def _lineage_target(self, account_id: str, dep: Deployment, api_key: str, min_version: int = 0,
+                        wait_s: float | None = None, cancel: Cancellation = NEVER) -> Iterator[_Target]:
         if self.follower is None:
             raise FailedPrecondition(f"deployment '{dep.name}' follows a weight lineage, and this rollout has no "
                                      "weight-sync service configured")
@@ -264,7 +289,8 @@ class SamplingCore:
             base = registry.find_model(s, account_id, dep.base_model)
         if base is None:
             raise FailedPrecondition(f"deployment '{dep.name}': its base model '{dep.base_model}' is not registered")
-        with self.follower.using(dep.id, dep.lineage, base.path, api_key) as served:
+        with self.follower.using(dep.id, dep.lineage, base.path, api_key, min_version=min_version, wait_s=wait_s,
+                                 cancel=cancel) as served:
             yield _Target(info=self._lineage_info(dep, served, ""), model_dir=served.model_dir,
                           adapter_id=served.adapter_id)
 

@@ -71,7 +71,8 @@ class RolloutServicer(rpc.RolloutServiceServicer):
     def Sample(self, request, context):
         caller = current_caller()
         result = self.core.sample(caller.account_id, request.model, prompt(request), sampling_params(request.params),
-                                  caller.api_key, calls.current())
+                                  caller.api_key, calls.current(), min_weight_version=request.min_weight_version,
+                                  wait_s=context.time_remaining())
         return pb.SampleResponse(model=result.model, prompt_tokens=result.prompt_tokens,
                                  sequences=[sampled_sequence(s, result.router_layers) for s in result.sequences],
                                  prompt_logprobs=result.prompt_logprobs or [],
@@ -80,7 +81,9 @@ class RolloutServicer(rpc.RolloutServiceServicer):
     def SampleStream(self, request, context):
         caller = current_caller()
         stream = self.core.sample_stream(caller.account_id, request.model, prompt(request),
-                                         sampling_params(request.params), caller.api_key)
+                                         sampling_params(request.params), caller.api_key,
+                                         min_weight_version=request.min_weight_version,
+                                         wait_s=context.time_remaining(), cancel=calls.current())
         first = True
         with contextlib.closing(stream.outputs()) as outputs:  # closing early (client gone) aborts the request
             for out in outputs:

@@ -46,7 +46,8 @@ from models.families import family_for_config
 from models.model_dir import read_config
 from services.common import metrics
 from services.common.channels import auth_metadata, open_aio_channel, open_channel
-from services.common.errors import DataLoss, FailedPrecondition, Unavailable
+from services.common.calls import NEVER, Cancellation
+from services.common.errors import DataLoss, DeadlineExceeded, FailedPrecondition, Unavailable
 from services.weightsync.client import fetch_delta, fetch_version
 from services.weightsync.codec import apply_delta
 from trainyard.v1 import weightsync_pb2 as wpb
@@ -117,13 +118,32 @@ class WeightFollower:
     # ---- what requests use -------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def using(self, deployment_id: str, lineage: str, base_model_dir: str, api_key: str) -> Iterator[Served]:
+    def using(self, deployment_id: str, lineage: str, base_model_dir: str, api_key: str, *, min_version: int = 0,
+              wait_s: float | None = None, cancel: Cancellation = NEVER) -> Iterator[Served]:
         """serve(), holding the deployment's switch off for the block: submit the request inside it, so the
-        adapter it names cannot be unloaded before the request pins it."""
+        adapter it names cannot be unloaded before the request pins it. min_version: first wait until the
+        deployment serves at least that version of its lineage, for at most wait_s seconds (None: until cancel
+        fires), else DeadlineExceeded. A caller that publishes version m and then asks for min_version m gets
+        m (or a later one) exactly: the switch cannot happen while it holds the block."""
         served = self.serve(deployment_id, lineage, base_model_dir, api_key)
-        with self._follows[deployment_id].cv:
+        with self._lock:
             follow = self._follows.get(deployment_id)
-            yield follow.served if follow is not None and follow.served is not None else served
+        if follow is None:
+            raise Unavailable(f"deployment {deployment_id} is being unloaded")
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        with follow.cv:
+            while not follow.stopped and (follow.served is None or follow.served.version < min_version):
+                left = None if deadline is None else deadline - time.monotonic()
+                if (left is not None and left <= 0) or cancel.cancelled:
+                    now = follow.served.version if follow.served is not None else served.version
+                    detail = f"; loading it failed: {follow.error}" if follow.error else ""
+                    raise DeadlineExceeded(f"deployment {deployment_id} serves version {now} of lineage '{lineage}' "
+                                           f"and the request needs version {min_version} or later (min_weight_"
+                                           f"version); it was not loaded before the call's deadline{detail}")
+                follow.cv.wait(0.5 if left is None else min(left, 0.5))
+            if follow.stopped:
+                raise Unavailable(f"deployment {deployment_id} is being unloaded")
+            yield follow.served
 
     def serve(self, deployment_id: str, lineage: str, base_model_dir: str, api_key: str) -> Served:
         """The version requests of this deployment run on now. The first call starts following the lineage and

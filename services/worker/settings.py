@@ -10,6 +10,7 @@ named (e.g. "managed_parallel.cp").
 from __future__ import annotations
 
 import socket
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -30,6 +31,16 @@ class WorkerSettings(JobQueueSettings, EvaluatorSettings):
     # default: the host name) and, on a machine without GPUs, how many CPU slots it offers jobs.
     worker_host: str = ""
     cpu_slots: int = Field(default=4, ge=1, le=1024)
+    # Where an RFT job samples (docs/rft.md, "Where the policy is served"): "service" = a deployment of the rollout
+    # service following the job's weight lineage on the weight-sync service; "process" = a rollout engine in a
+    # process of the job's own; "auto" = service when rollout_url and weightsync_url are both set (environment or
+    # file, as docker-compose.yml does), else process (the embedded quickstart).
+    rft_rollout: Literal["auto", "process", "service"] = "auto"
+
+    def rft_rollout_service(self) -> bool:
+        if self.rft_rollout == "auto":
+            return {"rollout_url", "weightsync_url"} <= self.model_fields_set
+        return self.rft_rollout == "service"
 
     def machine(self) -> str:
         return self.worker_host or socket.gethostname()

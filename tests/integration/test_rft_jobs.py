@@ -1,8 +1,8 @@
 """Managed RFT jobs through the CLI, the real scheduler, Celery worker (Redis broker) and Postgres: the reward rises in
 sync and in async mode (staleness within its bound), an Environment evaluator's multi-turn episodes train and are
-recorded, bad settings name their field, and a worker killed mid-job
-resumes from its last checkpoint with each step's metrics recorded once, and so does a job whose rollout process is
-killed."""
+recorded, bad settings name their field, and a worker killed mid-job resumes from its last checkpoint with each
+step's metrics recorded once, and so does a job whose rollout service is killed (the stack's worker samples RFT jobs
+from a deployment of the rollout service)."""
 from __future__ import annotations
 
 import json
@@ -11,12 +11,13 @@ import subprocess
 import sys
 import time
 
-import psutil
+import grpc
 import pytest
 
 from tests.integration.data import jsonl
+from services.common.channels import auth_metadata
 from trainyard import TrainyardError
-from trainyard.v1 import scheduler_pb2 as pb
+from trainyard.v1 import scheduler_pb2 as pb, weightsync_pb2, weightsync_pb2_grpc
 
 pytestmark = pytest.mark.integration
 
@@ -89,7 +90,7 @@ def test_rft_settings_are_checked_with_their_field(cli, dataset):
     assert "spec.rft.evaluator" in missing.stderr and "required" in missing.stderr
 
 
-def test_rft_worker_killed_mid_job_resumes_without_lost_or_duplicated_steps(stack, client, cli, dataset):
+def test_rft_worker_killed_mid_job_resumes_without_lost_or_duplicated_steps(stack, client, api_key, cli, dataset):
     created = cli("jobs", "create", "--method", "rft", "--dataset", dataset, *TASK, "--steps", "30", "--mode",
                   "async", "--max-staleness", "2", "--checkpoint-every", "5")
     job_id = created.stdout.split("job ")[1].split()[0]
@@ -108,19 +109,23 @@ def test_rft_worker_killed_mid_job_resumes_without_lost_or_duplicated_steps(stac
     resumed = [m for m in logs if m.startswith("resuming from the checkpoint at step")]
     assert resumed and int(resumed[0].split("step ")[1].split()[0]) >= 5, logs
     assert [m["step"] for m in _rewards(cli, job_id)] == list(range(1, 31))  # each step once
-
-
-def _rollout_process(stack) -> psutil.Process:
-    """The running job's rollout process: the worker's spawned child (not multiprocessing's resource tracker)."""
-    worker = psutil.Process(stack.procs["worker"].popen.pid)
-    found = [p for p in worker.children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
-    assert len(found) == 1, [p.cmdline() for p in worker.children(recursive=True)]
-    return found[0]
+    # The job's lineage (the rollout service's deployment followed it): the second attempt published its restored
+    # weights (step k) as the next version, then went on to the final 30.
+    k = int(resumed[0].split("step ")[1].split()[0])
+    ws = weightsync_pb2_grpc.WeightSyncServiceStub(grpc.insecure_channel(stack.url("weightsync")))
+    versions = ws.ListVersions(weightsync_pb2.ListVersionsRequest(lineage=job_id),
+                               metadata=auth_metadata(api_key)).versions
+    assert [v.version for v in versions] == list(range(1, len(versions) + 1))
+    policy = [int(v.metadata["policy_version"]) for v in versions]
+    second = len(policy) - 1 - policy[::-1].index(k)  # where the second attempt began
+    assert policy[second:] == list(range(k, 31)) and policy[:second] == list(range(second)), policy
 
 
 def test_rft_rollout_killed_mid_job_the_job_resumes_from_its_checkpoint(stack, client, cli, dataset):
-    """kill -9 of the job's rollout process (not the worker): the attempt is handed back, the job is retried from its
-    latest checkpoint by the same worker, and every step's metrics are recorded once."""
+    """kill -9 of the rollout service the job samples from (the stack's worker serves RFT jobs from a deployment of
+    it: services/trainer/rl/rollout_service.py), restarted at once: the attempt is handed back, the job is retried
+    from its latest checkpoint (republishing its weights as the next version of its lineage), and every step's
+    metrics are recorded once."""
     created = cli("jobs", "create", "--method", "rft", "--dataset", dataset, *TASK, "--steps", "20", "--mode",
                   "async", "--max-staleness", "1", "--checkpoint-every", "5")
     job_id = created.stdout.split("job ")[1].split()[0]
@@ -128,12 +133,13 @@ def test_rft_rollout_killed_mid_job_the_job_resumes_from_its_checkpoint(stack, c
     while not any(c.step >= 5 for c in client.list_checkpoints(job_id)):
         assert time.monotonic() < deadline, "no checkpoint in time"
         time.sleep(0.2)
-    _rollout_process(stack).kill()
+    stack.kill("rollout")
+    stack.start("rollout")
+    stack.wait_ready("rollout")
     done = client.wait_job(job_id, timeout_s=400)
     assert done.status == pb.JOB_STATUS_SUCCEEDED, done.error
-    assert done.attempts == 2 and done.step == 20
+    assert done.attempts >= 2 and done.step == 20
     logs = [e.message for e in client.job_logs(job_id)]
-    assert any("rollout process exited" in m for m in logs), logs
     resumed = [m for m in logs if m.startswith("resuming from the checkpoint at step")]
     assert resumed and int(resumed[0].split("step ")[1].split()[0]) >= 5, logs
     assert [m["step"] for m in _rewards(cli, job_id)] == list(range(1, 21))  # each step once

@@ -36,18 +36,20 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., n: _Optional[int] = ..., min_p: _Optional[float] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., return_router_ids: _Optional[bool] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
-    __slots__ = ("model", "text", "tokens", "messages", "params")
+    __slots__ = ("model", "text", "tokens", "messages", "params", "min_weight_version")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
+    MIN_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     model: str
     text: str
     tokens: _common_pb2.TokenList
     messages: _common_pb2.ChatMessages
     params: SamplingParams
-    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., tokens: _Optional[_Union[_common_pb2.TokenList, _Mapping]] = ..., messages: _Optional[_Union[_common_pb2.ChatMessages, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    min_weight_version: int
+    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., tokens: _Optional[_Union[_common_pb2.TokenList, _Mapping]] = ..., messages: _Optional[_Union[_common_pb2.ChatMessages, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., min_weight_version: _Optional[int] = ...) -> None: ...
 
 class SampledSequence(_message.Message):
     __slots__ = ("tokens", "text", "logprobs", "finish_reason", "top_logprobs", "router_ids")

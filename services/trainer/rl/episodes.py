@@ -57,12 +57,13 @@ class Trajectory:
     score: Score | None = None  # an episode's reward (or error); None: the reward_fn scores `text`
     turns: list[dict] | None = None  # an episode's steps, for the samples record
     observation: str = ""  # reset's observation
+    version_ids: list[str] = field(default_factory=list)  # served by a deployment: the weight-sync version ids
 
     @classmethod
     def single(cls, prompt: list[int], sample: Sample, text: str) -> Trajectory:
         n = len(sample.tokens)
         return cls(list(prompt), sample.tokens, [1] * n, sample.logprobs, sample.token_versions, sample.versions,
-                   sample.router_ids, text)
+                   sample.router_ids, text, version_ids=sample.version_ids)
 
     @property
     def actions(self) -> list[int]:
@@ -131,7 +132,7 @@ class _Episode:
     over: bool = False
 
     def trajectory(self, text: str) -> Trajectory:
-        completion, mask, logprobs, versions, seen = [], [], [], [], set()
+        completion, mask, logprobs, versions, seen, ids = [], [], [], [], set(), {}
         last = None
         for tokens, sample in self.parts:
             completion += tokens
@@ -140,10 +141,11 @@ class _Episode:
             if sample:
                 versions += sample.token_versions
                 seen.update(sample.versions)
+                ids.update(dict.fromkeys(sample.version_ids))
                 last = sample
         score = Score(None, self.error) if self.error else Score(self.reward)
         return Trajectory(self.prompt, completion, mask, logprobs, versions, sorted(seen), last.router_ids, text,
-                          score, self.turns, self.observation)
+                          score, self.turns, self.observation, list(ids))
 
 
 class EpisodeRunner:

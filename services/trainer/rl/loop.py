@@ -3,7 +3,8 @@ Started, Metrics, Checkpoint, Finished), with checkpoints it resumes from.
 
 Versions: the policy after k optimizer steps is version k (version 0: the base model, or the base with a fresh LoRA
 adapter, which changes nothing). Batch j (prompts_per_step prompts x group_size samples) is trained by step j, at
-trainer version j, and the step publishes version j + 1 to the rollout (rollout.py: hot-loaded, never reloaded).
+trainer version j, and the step publishes version j + 1 to the rollout (rollout.py: hot-loaded, never reloaded; or,
+rollout_service.py, as the next version of the job's weight lineage, which a rollout deployment follows).
 
 sync mode, step k:  submit batch k (the rollout is at version k) -> wait for it -> train -> publish k + 1.
 async mode, step k: submit batches up to k + max_staleness (each as soon as the one before it was sent: the rollout
@@ -47,7 +48,7 @@ import json
 import random
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -66,6 +67,7 @@ from services.trainer.rl import algo
 from services.trainer.rl.episodes import EpisodeRunner, Trajectory, completion_text
 from services.trainer.rl.rewards import Reward
 from services.trainer.rl.rollout import RolloutProcess, Sample, SampleRequest
+from services.trainer.rl.rollout_service import RolloutService
 from services.trainer.sft import Checkpoint, Finished, Log, Metrics, SftCheckpoint, Started, StopFlag
 
 MICRO_BATCH_TOKENS = 8192
@@ -80,13 +82,16 @@ def load_rows(path: Path) -> list[dict]:
 
 def run_rft(model_dir: Path, dataset_path: Path, hp: RftHyperparams, *, reward: Reward | None = None,
             env: Sandbox | None = None, stop: StopFlag, resume: SftCheckpoint | None = None,
-            base_model_name: str = "", work_dir: Path, torch_threads: int = 1) -> Iterator:
+            base_model_name: str = "", work_dir: Path, torch_threads: int = 1,
+            rollout: Callable[..., RolloutProcess | RolloutService] = RolloutProcess) -> Iterator:
     """Run the RL loop (module docstring); yields the events a recipe records. The reward is a reward function over
-    completions, or env: an Environment evaluator's sandbox, whose episodes (episodes.py) give each sample."""
+    completions, or env: an Environment evaluator's sandbox, whose episodes (episodes.py) give each sample.
+    rollout: the backend, called with RolloutProcess's arguments: the rollout process (rollout.py), or a deployment
+    of the rollout service (rollout_service.py)."""
     if (reward is None) == (env is None):
         raise ValueError("run_rft needs a reward or an env, one of the two")
     run = _RftRun(Path(model_dir), load_rows(Path(dataset_path)), hp, reward, env, stop,
-                  base_model_name or str(model_dir), Path(work_dir), torch_threads)
+                  base_model_name or str(model_dir), Path(work_dir), torch_threads, rollout)
     if resume is not None:
         run.restore(resume)
         yield Log(f"resumed at step {run.step} of {hp.steps}")
@@ -102,7 +107,8 @@ def run_rft(model_dir: Path, dataset_path: Path, hp: RftHyperparams, *, reward: 
 
 class _RftRun:
     def __init__(self, model_dir: Path, rows: list[dict], hp: RftHyperparams, reward: Reward | None,
-                 env: Sandbox | None, stop: StopFlag, base_name: str, work_dir: Path, torch_threads: int):
+                 env: Sandbox | None, stop: StopFlag, base_name: str, work_dir: Path, torch_threads: int,
+                 rollout_backend: Callable[..., RolloutProcess | RolloutService] = RolloutProcess):
         self.model_dir, self.rows, self.hp, self.reward, self.env, self.stop = model_dir, rows, hp, reward, env, stop
         self.base_name, self.work_dir, self.torch_threads = base_name, work_dir, torch_threads
         self.tokenizer = load_tokenizer(model_dir)
@@ -118,8 +124,9 @@ class _RftRun:
         if hp.kl_coef > 0:  # the base policy, frozen, for the KL penalty
             self.reference = load_pretrained(model_dir, dtype=torch.float32, device=self.engine.device).eval()
             self.reference.requires_grad_(False)
-        self.rollout: RolloutProcess | None = None
-        self.sampler: RolloutProcess | EpisodeRunner | None = None  # the rollout, or the episodes over it
+        self.rollout: RolloutProcess | RolloutService | None = None
+        self.rollout_backend = rollout_backend
+        self.sampler: RolloutProcess | RolloutService | EpisodeRunner | None = None  # the rollout, or episodes over it
         self.records: list[dict] = []  # samples since the last checkpoint
         cfg = {}
         defaults = losses.LOSS_FNS[hp.loss].config_defaults
@@ -174,7 +181,7 @@ class _RftRun:
     def _publish(self) -> None:
         """Hand version `step` to the rollout."""
         path = self.work_dir / "rollout" / f"v{self.step}"
-        if self.lora is not None:
+        if self.lora is not None or self.rollout.serves_lineage:
             self.engine.save_weights(path, base_model=self.base_name)
         else:
             path = path.with_suffix(".safetensors")
@@ -185,16 +192,16 @@ class _RftRun:
     def train(self) -> Iterator:
         hp = self.hp
         (self.work_dir / "rollout").mkdir(parents=True, exist_ok=True)
-        self.rollout = RolloutProcess(self.model_dir, lora=self.lora is not None, work_dir=self.work_dir / "rollout",
-                                      partial=hp.partial_rollouts, max_tokens=hp.max_tokens,
-                                      temperature=hp.temperature, router_ids=hp.router_replay,
-                                      torch_threads=self.torch_threads)
+        self.rollout = self.rollout_backend(self.model_dir, lora=self.lora is not None,
+                                            work_dir=self.work_dir / "rollout", partial=hp.partial_rollouts,
+                                            max_tokens=hp.max_tokens, temperature=hp.temperature,
+                                            router_ids=hp.router_replay, torch_threads=self.torch_threads)
         self.sampler = self.rollout
         if self.env is not None:
             self.sampler = EpisodeRunner(self.rollout, self.env, self.tokenizer, max_turns=hp.max_turns,
                                          rows=self.rows, prompts=self.prompts)
-        if self.step > 0:
-            self._publish()  # the restored weights
+        if self.step > 0 or self.rollout.serves_lineage:
+            self._publish()  # the restored weights (or version 0, for a rollout that holds no weights yet)
         ahead = hp.max_staleness if hp.mode == "async" else 0
         next_batch, start, metrics = self.step, self.step, {}
         last = time.perf_counter()
@@ -213,8 +220,8 @@ class _RftRun:
                     metrics = event
                 else:
                     yield event
-            if self.step < hp.steps:  # the last version is the final checkpoint's; nothing samples it
-                self._publish()
+            if self.step < hp.steps or self.rollout.serves_lineage:  # nothing samples the last version (the final
+                self._publish()  # checkpoint's), but a lineage keeps it for the user to deploy
             now = time.perf_counter()
             metrics |= {"time/step_s": now - last, "time/wait_rollout_s": waited,
                         "rollout/tokens_per_s": stats.tokens / max(stats.seconds, 1e-9),
@@ -301,6 +308,7 @@ class _RftRun:
         for i, ((g, s), text) in enumerate(zip(flat, texts)):
             record = {"step": k + 1, "trainer_version": k, "row": rows[g], "group": g,
                       "versions": s.versions, "token_versions": _runs(s.token_versions),
+                      "weight_version_ids": s.version_ids,
                       "staleness": stale[i], "reward": raw_rewards[i], "error": scores[i].error,
                       "trained": i in advantages, "advantage": advantages.get(i), "completion": text}
             if s.turns is not None:  # an episode: reset's observation and each step's action, observation, reward

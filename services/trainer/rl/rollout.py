@@ -18,6 +18,7 @@ prompt alone (their tokens so far are discarded and counted). A sample's segment
 request submitted at version v runs on v until the next update aborts it.
 
 Each sample is its own request (n = 1) with seed = the request's seed: a sample's draws do not depend on the batch.
+The same interface over the platform's rollout and weight-sync services: rollout_service.py.
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ class Segment:
     version: int
     tokens: list[int]
     logprobs: list[float]
+    version_id: str = ""  # the weight-sync version the rollout reported (rollout_service.py); "" in process
 
 
 @dataclass
@@ -73,6 +75,11 @@ class Sample:
         """The versions that produced its tokens (the first segment's version when it has none)."""
         return sorted({s.version for s in self.segments if s.tokens} or {self.segments[0].version})
 
+    @property
+    def version_ids(self) -> list[str]:
+        """The weight-sync version ids behind its tokens, oldest first (served by a deployment; else empty)."""
+        return list(dict.fromkeys(s.version_id for s in self.segments if s.tokens and s.version_id))
+
 
 @dataclass
 class BatchStats:
@@ -86,6 +93,10 @@ class RolloutLost(AttemptLost):
 
 
 class RolloutProcess:
+    # False: it loads the base model itself (version 0 is not handed to it), full weights come to update() as a
+    # safetensors file of the engine's parameters, and the final version (nothing samples it) is not published.
+    serves_lineage = False
+
     def __init__(self, model_dir: str | Path, *, lora: bool, work_dir: Path, partial: bool, max_tokens: int,
                  temperature: float, router_ids: bool = False, torch_threads: int = 1):
         ctx = mp.get_context("spawn")

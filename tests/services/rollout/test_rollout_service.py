@@ -284,3 +284,27 @@ def test_closing_a_stream_early_aborts_its_request(engine, tiny_model_dir, promp
         time.sleep(0.02)
     assert not core.has_work()
     assert core.scheduler.blocks.num_free == core.scheduler.blocks.num_blocks
+
+
+def test_min_weight_version_is_checked_before_anything_waits(env):
+    """min_weight_version: refused at once for a model that follows no lineage (naming the field), and for a
+    version its lineage does not have yet (a wait for it could only end at the deadline). The wait itself:
+    test_rollout_weights.py::test_min_version_waits_for_the_version_within_the_deadline."""
+    with env.db.session() as s:
+        s.add(Deployment(id=new_id("dep"), account_id=env.alice[0], name="alice-follows", lineage="alice-lineage",
+                         base_model="tiny", status="ready", created_at=utcnow(), updated_at=utcnow()))
+    for model in ("tiny", "alice-dep"):
+        for method in ("Sample", "SampleStream"):
+            with pytest.raises(grpc.RpcError) as err:
+                out = env.call(method, pb.SampleRequest(model=model, text="hi", params=GREEDY, min_weight_version=1))
+                list(out) if method == "SampleStream" else out
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+            assert "min_weight_version" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        env.call("Sample", pb.SampleRequest(model="alice-follows", text="hi", params=GREEDY, min_weight_version=3))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "min_weight_version 3: lineage 'alice-lineage' has no such version yet (its latest is 0)" in \
+        err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        env.call("Sample", pb.SampleRequest(model="tiny", text="hi", params=GREEDY, min_weight_version=-1))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_weight_version" in err.value.details()

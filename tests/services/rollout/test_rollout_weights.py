@@ -21,7 +21,7 @@ from rollout_reference import naive_logprobs_TV, write_adapter
 from services.common.auth import create_account
 from services.common.blobstore import BlobStore
 from services.common.db import Database, migrate
-from services.common.errors import DataLoss
+from services.common.errors import DataLoss, DeadlineExceeded
 from services.common.schema import WeightDelta
 from services.rollout.sampling import SamplingParams
 from services.rollout.weights import WeightFollower
@@ -366,5 +366,41 @@ def test_a_damaged_stored_version_is_data_loss_and_not_fetched_again(env, engine
         served = wait_served(follower, "dep-damaged", v2.id)
         check_against(adapter_model(env.model_dir, v2_dir), prompt_ids,
                       engine.generate(served.model_dir, served.adapter_id, prompt_ids, SAMPLE))
+    finally:
+        follower.close()
+
+
+def test_min_version_waits_for_the_version_within_the_deadline(env, engine, prompt_ids, tmp_path):
+    """min_weight_version (SampleRequest): a request for version >= m waits until the deployment serves m, and is
+    then submitted on exactly m (the switch is held off inside the block); a version that does not arrive in time
+    is DeadlineExceeded naming the setting, and the request is never submitted on the older version."""
+    v1_dir = write_adapter(env.model_dir, tmp_path / "v1", seed=21, b_scale=0.5)
+    v1 = env.publish("lora-min", wpb.WEIGHT_KIND_LORA_ADAPTER, v1_dir)
+    v2_dir = write_adapter(env.model_dir, tmp_path / "v2", seed=22, b_scale=0.5)
+    follower = env.follower(engine, "min-version")
+    try:
+        assert follower.serve("dep-min", "lora-min", str(env.model_dir), env.key).version_id == v1.id
+        with pytest.raises(DeadlineExceeded, match="needs version 2 or later.*min_weight_version"):
+            with follower.using("dep-min", "lora-min", str(env.model_dir), env.key, min_version=2, wait_s=0.3):
+                raise AssertionError("entered the block on version 1")
+        got = {}
+
+        def request():
+            with follower.using("dep-min", "lora-min", str(env.model_dir), env.key, min_version=2,
+                                wait_s=60) as served:
+                got["served"] = served
+                got["sequences"] = engine.generate(served.model_dir, served.adapter_id, prompt_ids, SAMPLE)
+
+        waiting = threading.Thread(target=request)
+        waiting.start()
+        time.sleep(0.3)
+        assert waiting.is_alive() and not got  # still waiting: version 2 is not published yet
+        v2 = env.publish("lora-min", wpb.WEIGHT_KIND_LORA_ADAPTER, v2_dir)
+        waiting.join(60)
+        assert (got["served"].version_id, got["served"].version) == (v2.id, 2)
+        check_against(adapter_model(env.model_dir, v2_dir), prompt_ids, got["sequences"])
+        # Already there: no wait.
+        with follower.using("dep-min", "lora-min", str(env.model_dir), env.key, min_version=1, wait_s=0) as served:
+            assert served.version_id == v2.id
     finally:
         follower.close()

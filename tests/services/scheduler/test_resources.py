@@ -15,7 +15,7 @@ from services.common.db import Database, migrate
 from services.common.errors import InvalidArgument, PermissionDenied, ResourceExhausted, Unauthenticated
 from services.common.ledger import Ledger
 from services.common.resources import DeviceInfo, Inventory, set_quota
-from services.common.schema import SHARED_SCOPE, Device, Job, JobLog
+from services.common.schema import SHARED_SCOPE, Deployment, Device, Job, JobLog, utcnow
 from services.scheduler.datasets import DatasetStore, UploadHeader
 from services.scheduler.devices import DeviceCore
 from services.scheduler.jobs import JobCore, NewJob
@@ -253,6 +253,26 @@ def test_a_job_scoped_key_reaches_only_its_own_job_and_stops_at_the_end(world, t
             keys = auth.KeyAuthenticator(db)
             keys.authorize(keys.authenticate(claim.credential), "/trainyard.v1.WeightSyncService/GetLineage",
                            weightsync_pb2.GetLineageRequest(lineage=bobs.id))
+        # Deployments of its own lineages (an RFT job's rollout): created, deleted and unloaded; no one else's.
+        caller = keys.authenticate(claim.credential)
+        create = "/trainyard.v1.DeploymentService/CreateDeployment"
+        keys.authorize(caller, create, pb.CreateDeploymentRequest(name="r", lineage=job.id))
+        for other in (sibling.id, f"{sibling.id}/x", bobs.id):
+            with pytest.raises(PermissionDenied):
+                keys.authorize(caller, create, pb.CreateDeploymentRequest(name="r", lineage=other))
+        with db.session() as s:
+            for name, lineage in (("mine", job.id), ("siblings", sibling.id)):
+                s.add(Deployment(id=f"dep_{name}", account_id=alice, name=name, lineage=lineage, base_model="tiny",
+                                 status="ready", created_at=utcnow(), updated_at=utcnow()))
+        keys.authorize(caller, "/trainyard.v1.DeploymentService/DeleteDeployment",
+                       pb.DeleteDeploymentRequest(id="mine"))
+        keys.authorize(caller, "/trainyard.v1.RolloutService/UnloadDeployment",
+                       rollout_pb2.UnloadDeploymentRequest(deployment_id="dep_mine"))
+        for method, request in (("DeploymentService/DeleteDeployment", pb.DeleteDeploymentRequest(id="siblings")),
+                                ("RolloutService/UnloadDeployment",
+                                 rollout_pb2.UnloadDeploymentRequest(deployment_id="dep_siblings"))):
+            with pytest.raises(PermissionDenied):
+                keys.authorize(caller, "/trainyard.v1." + method, request)
         Ledger(db).finish(job.id, "w1", "succeeded")
         with pytest.raises(grpc.RpcError) as err:
             jobs.GetJob(pb.GetJobRequest(id=job.id), metadata=md)
