@@ -1,6 +1,7 @@
 """A managed job reads its stored inputs verified (services/worker/recipes/recording.py): a damaged dataset, or a damaged
 checkpoint the retried job would resume from, fails the job with DataLoss naming the object before any training;
-the job's scratch directory lives in the worker's staging directory, which start-up sweeps after a kill."""
+the job's scratch directory lives in the worker's staging directory, which start-up sweeps after a kill; a retry whose
+lost attempt had stored the final checkpoint finishes with it."""
 from __future__ import annotations
 
 import threading
