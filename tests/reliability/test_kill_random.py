@@ -207,9 +207,15 @@ def rollout_process(stack) -> psutil.Process | None:
         return None
     try:
         children = psutil.Process(proc.popen.pid).children(recursive=True)
-        return next((p for p in children if "spawn_main" in " ".join(p.cmdline())), None)
     except psutil.NoSuchProcess:
         return None
+    for child in children:
+        try:  # a killed one not yet reaped (a zombie) or gone meanwhile is not the running job's
+            if child.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(child.cmdline()):
+                return child
+        except psutil.NoSuchProcess:
+            continue
+    return None
 
 
 def rank_pid(stack, job_id: str, rank: int) -> int | None:
