@@ -253,7 +253,9 @@ def kill_once(stack, db, job, plan: Plan, kind: str, victim: str, n_steps: int, 
     """Wait for the job's next attempt to run with its victim alive, then for the kind's point, and kill."""
     rng, progress = plan.rng, Progress(db, job.id, job.id)
     attempt = len(plan.done) + 1
+    # A claimed attempt shows the lost one's step until it rewinds to the latest checkpoint: wait for that too.
     progress.until(lambda r: r.status == "running" and r.attempts == attempt
+                   and r.step <= max(checkpoint_steps(db, job.id), default=0)
                    and victim_ready(stack, job.id, victim), what=f"attempt {attempt} with its {victim}")
     due = [s for s in range(every, n_steps, every)]  # checkpoint steps before the final one
     start_step = progress.row.step
@@ -326,9 +328,12 @@ def check_job(stack, db, client, job_id: str, plan: Plan, n_steps: int, every: i
         if samples_per_step:
             assert any(f["path"] == "rl_samples.jsonl" for f in row.state), f"{where}: no samples at step {c.step}"
         previous = c.step
-    resumed = [m for m in logs if m.startswith("resuming from the checkpoint at step")]
-    after_checkpoint = [k for k in plan.done if k.checkpoints]
-    assert len(resumed) >= len(after_checkpoint), f"{where}: resumed {resumed}"
+    # The attempt after the last kill resumed from the newest checkpoint then, or from one stored after the signal
+    # (a killed rollout process is noticed when the trainer next waits for it). An attempt killed before it read its
+    # checkpoint logs nothing, so earlier kills are not counted here.
+    resumed = [int(m.split("step ")[1].split()[0]) for m in logs if m.startswith("resuming from the checkpoint at")]
+    if plan.done[-1].checkpoints:
+        assert resumed and resumed[-1] >= max(plan.done[-1].checkpoints), f"{where}: resumed from {resumed}"
     print(f"{job_id}: killed {kills}; succeeded at step {n_steps} after {done.attempts} attempts, "
           f"{len(resumed)} resumed from a checkpoint")
 
