@@ -33,6 +33,12 @@ def run_recorded(ctx: JobContext, events: Events, *, checkpoint_kind: str = "lor
                                   ctx.work / "data" / dataset.id, what=f"dataset {dataset.id}") / "dataset.jsonl"
     resume = None
     latest = ctx.latest_checkpoint if resume_from is True else resume_from
+    if latest is not None and latest.final:
+        # The lost attempt stored the final checkpoint (its metrics, as every step's, came before it) and died before
+        # the job was marked finished: the run is done. Running it again would record the last step's metrics twice
+        # and store a second final checkpoint.
+        ledger.log(job.id, f"the checkpoint at step {latest.step} ({latest.id}) is the run's final one; finishing")
+        return RecipeOutcome(step=latest.step, stopped=False, output_checkpoint_id=latest.id)
     if latest is not None:
         resume = laid_out(ctx, latest, ctx.work / "resume", step=latest.step - step_offset)
         ledger.log(job.id, f"resuming from the checkpoint at step {latest.step} ({latest.id})")

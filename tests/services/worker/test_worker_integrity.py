@@ -1,18 +1,20 @@
 """A managed job reads its stored inputs verified (services/worker/recipes/recording.py): a damaged dataset, or a damaged
 checkpoint the retried job would resume from, fails the job with DataLoss naming the object before any training;
-the job's scratch directory lives in the worker's staging directory, which start-up sweeps after a kill."""
+the job's scratch directory lives in the worker's staging directory, which start-up sweeps after a kill; a retry whose
+lost attempt had stored the final checkpoint finishes with it."""
 from __future__ import annotations
 
 import threading
 
 import pytest
+from sqlalchemy import select
 
 from services.common import auth, registry
 from services.common.blobstore import BlobStore
 from services.common.db import Database, migrate
 from services.worker.settings import WorkerSettings
 from services.common.ledger import Ledger
-from services.common.schema import SHARED_SCOPE, Job
+from services.common.schema import SHARED_SCOPE, Checkpoint, Job, JobMetric
 from services.scheduler.datasets import DatasetStore, UploadHeader
 from services.scheduler.jobs import JobCore, NewJob
 from services.worker.job import run_managed_job
@@ -71,3 +73,33 @@ def test_a_damaged_checkpoint_fails_the_resumed_job_naming_it(env, flip_byte):
     job = job_row(db, job_id)
     assert job.status == "failed" and job.attempts == 2
     assert f"DataLoss: checkpoint {ckpt.id} state file optimizer.pt: blob {optimizer} is damaged" in job.error
+
+
+class _Killed(BaseException):
+    """The worker process dying at one point (kill -9): nothing after it runs, no handler sees it."""
+
+
+def test_a_worker_killed_after_the_final_checkpoint_is_not_trained_or_recorded_again(env, monkeypatch):
+    """The final checkpoint is stored and the worker dies before the job is marked succeeded: the retry finishes the
+    job with that checkpoint; it neither records the last step's metrics again nor stores a second final
+    checkpoint."""
+    settings, db, _, _, job_id = env
+
+    def die(*args, **kwargs):
+        raise _Killed()
+    with monkeypatch.context() as m:
+        m.setattr(Ledger, "finish", die)
+        with pytest.raises(_Killed):
+            run_managed_job(job_id, settings)
+    ledger = Ledger(db)
+    first = ledger.latest_checkpoint(job_id)
+    assert (job_row(db, job_id).status, first.step, first.final) == ("running", 2, True)
+    assert ledger.reap(0.0, max_attempts=3) == [job_id]
+    run_managed_job(job_id, settings)
+    job = job_row(db, job_id)
+    assert (job.status, job.attempts, job.step, job.output_checkpoint_id) == ("succeeded", 2, 2, first.id)
+    with db.session() as s:
+        steps = sorted(s.scalars(select(JobMetric.step).where(JobMetric.job_id == job_id)))
+        checkpoints = [(c.step, c.final) for c in s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id))]
+    assert steps == [1, 2]  # each step once
+    assert checkpoints == [(2, True)]
