@@ -71,7 +71,8 @@ def test_model_input_chunks():
     mi = types.ModelInput.from_ints([5, 6, 7])
     assert mi.to_ints() == [5, 6, 7] and mi.length == 3 and mi.chunks[0].type == "encoded_text"
     longer = mi.append(types.EncodedTextChunk([8, 9])).append_int(10)
-    assert longer.to_ints() == [5, 6, 7, 8, 9, 10] and longer.length == 6 and len(longer.chunks) == 2
+    # append_int adds a one-token chunk, as Tinker's does
+    assert longer.to_ints() == [5, 6, 7, 8, 9, 10] and longer.length == 6 and len(longer.chunks) == 3
     assert mi.to_ints() == [5, 6, 7]  # immutable: append returns a new input
     assert types.ModelInput.empty().append_int(4).to_ints() == [4]
     assert types.ModelInput.from_ints(np.array([1, 2])).to_ints() == [1, 2]
@@ -222,8 +223,10 @@ def test_bad_inputs_are_refused_before_sending_and_use_no_seq_id(offline_client)
                                    lambda d, lp: (lp[0].sum(), {}))
     with pytest.raises(ValueError, match="path: expected 'trainyard://state/"):
         tc.load_state("trainyard://weights/wv_1")
+    with pytest.raises(ValueError, match=r"AdamParams\s+beta1"):  # pydantic refuses it when built, as Tinker's
+        types.AdamParams(beta1=None)
     with pytest.raises(ValueError, match="adam_params.beta1"):
-        tc.optim_step(types.AdamParams(beta1=None))
+        tc.optim_step(types.AdamParams.model_construct(beta1=float("nan")))
     assert tc._next_seq_id == 1  # nothing was sent, so no seq_id was used
     with pytest.raises(ValueError, match="path: expected 'trainyard://weights/"):
         tc.service.create_sampling_client(model_path="trainyard://state/ckpt_1")
@@ -244,7 +247,7 @@ def test_custom_loss_weights_are_the_negative_gradient():
                                                                  "advantages": [1.0, -2.0, 0.5]}),
             types.Datum(types.ModelInput.from_ints([1, 2]), {"target_tokens": [[2, 5], [3, 6]]}),
             types.Datum(types.ModelInput.from_ints([9]), {"target_tokens": [4]})]
-    out = types.ForwardBackwardOutput(loss_fn_outputs=[
+    out = types.ForwardBackwardOutput(loss_fn_output_type="TensorData", loss_fn_outputs=[
         {"logprobs": types.TensorData.from_list([-1.0, -2.0, -3.0])},
         {"logprobs": types.TensorData.from_list([[-0.5, -4.0], [-1.5, -2.5]])},
         {"logprobs": types.TensorData.from_list([-0.1])}], metrics={})

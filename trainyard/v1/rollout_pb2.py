@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from trainyard.v1 import common_pb2 as trainyard_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atrainyard/v1/rollout.proto\x12\x0ctrainyard.v1\x1a\x19trainyard/v1/common.proto\"\xa8\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x04\x88\x01\x01\x12\x0e\n\x01n\x18\x08 \x01(\x05H\x05\x88\x01\x01\x12\x12\n\x05min_p\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x19\n\x0ctop_logprobs\x18\n \x01(\x05H\x07\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\x08H\x08\x88\x01\x01\x12\x1e\n\x11return_router_ids\x18\x0c \x01(\x08H\t\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x04\n\x02_nB\x08\n\x06_min_pB\x0f\n\r_top_logprobsB\x12\n\x10_prompt_logprobsB\x14\n\x12_return_router_ids\"\xc1\x01\n\rSampleRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\x06tokens\x18\x03 \x01(\x0b\x32\x17.trainyard.v1.TokenListH\x00\x12.\n\x08messages\x18\x04 \x01(\x0b\x32\x1a.trainyard.v1.ChatMessagesH\x00\x12,\n\x06params\x18\x05 \x01(\x0b\x32\x1c.trainyard.v1.SamplingParamsB\x08\n\x06prompt\"\xb6\x01\n\x0fSampledSequence\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12/\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x19.trainyard.v1.TopLogprobs\x12+\n\nrouter_ids\x18\x06 \x01(\x0b\x32\x17.trainyard.v1.RouterIds\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"Z\n\tRouterIds\x12\x12\n\nnum_tokens\x18\x01 \x01(\x05\x12\x0e\n\x06layers\x18\x02 \x03(\x05\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0b\n\x03ids\x18\x05 \x01(\x0c\"\x9c\x01\n\x0eSampleResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x03(\x05\x12\x30\n\tsequences\x18\x03 \x03(\x0b\x32\x1d.trainyard.v1.SampledSequence\x12\x17\n\x0fprompt_logprobs\x18\x04 \x03(\x02\x12\x19\n\x11weight_version_id\x18\x05 \x01(\t\"\xc3\x01\n\rSequenceDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12/\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x19.trainyard.v1.TopLogprobs\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12+\n\nrouter_ids\x18\x07 \x01(\x0b\x32\x17.trainyard.v1.RouterIds\"\xab\x01\n\x14SampleStreamResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x03(\x05\x12+\n\x06\x64\x65ltas\x18\x03 \x03(\x0b\x32\x1b.trainyard.v1.SequenceDelta\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x17\n\x0fprompt_logprobs\x18\x05 \x03(\x02\x12\x19\n\x11weight_version_id\x18\x06 \x01(\t\".\n\x15LoadDeploymentRequest\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\"\xb7\x01\n\x0bLoadedModel\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12\x15\n\rdeployment_id\x18\x03 \x01(\t\x12\x15\n\rcheckpoint_id\x18\x04 \x01(\t\x12\x0f\n\x07lineage\x18\x05 \x01(\t\x12\x19\n\x11weight_version_id\x18\x06 \x01(\t\x12\x16\n\x0eweight_version\x18\x07 \x01(\x03\x12\x14\n\x0cweight_error\x18\x08 \x01(\t\"0\n\x17UnloadDeploymentRequest\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\",\n\x18UnloadDeploymentResponse\x12\x10\n\x08unloaded\x18\x01 \x01(\x08\"\x13\n\x11ListLoadedRequest\"?\n\x12ListLoadedResponse\x12)\n\x06models\x18\x01 \x03(\x0b\x32\x19.trainyard.v1.LoadedModel2\xae\x03\n\x0eRolloutService\x12\x43\n\x06Sample\x12\x1b.trainyard.v1.SampleRequest\x1a\x1c.trainyard.v1.SampleResponse\x12Q\n\x0cSampleStream\x12\x1b.trainyard.v1.SampleRequest\x1a\".trainyard.v1.SampleStreamResponse0\x01\x12P\n\x0eLoadDeployment\x12#.trainyard.v1.LoadDeploymentRequest\x1a\x19.trainyard.v1.LoadedModel\x12\x61\n\x10UnloadDeployment\x12%.trainyard.v1.UnloadDeploymentRequest\x1a&.trainyard.v1.UnloadDeploymentResponse\x12O\n\nListLoaded\x12\x1f.trainyard.v1.ListLoadedRequest\x1a .trainyard.v1.ListLoadedResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atrainyard/v1/rollout.proto\x12\x0ctrainyard.v1\x1a\x19trainyard/v1/common.proto\"\xd0\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x04\x88\x01\x01\x12\x0e\n\x01n\x18\x08 \x01(\x05H\x05\x88\x01\x01\x12\x12\n\x05min_p\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x19\n\x0ctop_logprobs\x18\n \x01(\x05H\x07\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\x08H\x08\x88\x01\x01\x12\x1e\n\x11return_router_ids\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x17\n\nignore_eos\x18\r \x01(\x08H\n\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x04\n\x02_nB\x08\n\x06_min_pB\x0f\n\r_top_logprobsB\x12\n\x10_prompt_logprobsB\x14\n\x12_return_router_idsB\r\n\x0b_ignore_eos\"\xc1\x01\n\rSampleRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\x06tokens\x18\x03 \x01(\x0b\x32\x17.trainyard.v1.TokenListH\x00\x12.\n\x08messages\x18\x04 \x01(\x0b\x32\x1a.trainyard.v1.ChatMessagesH\x00\x12,\n\x06params\x18\x05 \x01(\x0b\x32\x1c.trainyard.v1.SamplingParamsB\x08\n\x06prompt\"\xb6\x01\n\x0fSampledSequence\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12/\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x19.trainyard.v1.TopLogprobs\x12+\n\nrouter_ids\x18\x06 \x01(\x0b\x32\x17.trainyard.v1.RouterIds\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"Z\n\tRouterIds\x12\x12\n\nnum_tokens\x18\x01 \x01(\x05\x12\x0e\n\x06layers\x18\x02 \x03(\x05\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0b\n\x03ids\x18\x05 \x01(\x0c\"\x9c\x01\n\x0eSampleResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x03(\x05\x12\x30\n\tsequences\x18\x03 \x03(\x0b\x32\x1d.trainyard.v1.SampledSequence\x12\x17\n\x0fprompt_logprobs\x18\x04 \x03(\x02\x12\x19\n\x11weight_version_id\x18\x05 \x01(\t\"\xc3\x01\n\rSequenceDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12/\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x19.trainyard.v1.TopLogprobs\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12+\n\nrouter_ids\x18\x07 \x01(\x0b\x32\x17.trainyard.v1.RouterIds\"\xab\x01\n\x14SampleStreamResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x03(\x05\x12+\n\x06\x64\x65ltas\x18\x03 \x03(\x0b\x32\x1b.trainyard.v1.SequenceDelta\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x17\n\x0fprompt_logprobs\x18\x05 \x03(\x02\x12\x19\n\x11weight_version_id\x18\x06 \x01(\t\".\n\x15LoadDeploymentRequest\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\"\xb7\x01\n\x0bLoadedModel\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12\x15\n\rdeployment_id\x18\x03 \x01(\t\x12\x15\n\rcheckpoint_id\x18\x04 \x01(\t\x12\x0f\n\x07lineage\x18\x05 \x01(\t\x12\x19\n\x11weight_version_id\x18\x06 \x01(\t\x12\x16\n\x0eweight_version\x18\x07 \x01(\x03\x12\x14\n\x0cweight_error\x18\x08 \x01(\t\"0\n\x17UnloadDeploymentRequest\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\",\n\x18UnloadDeploymentResponse\x12\x10\n\x08unloaded\x18\x01 \x01(\x08\"\x13\n\x11ListLoadedRequest\"?\n\x12ListLoadedResponse\x12)\n\x06models\x18\x01 \x03(\x0b\x32\x19.trainyard.v1.LoadedModel2\xae\x03\n\x0eRolloutService\x12\x43\n\x06Sample\x12\x1b.trainyard.v1.SampleRequest\x1a\x1c.trainyard.v1.SampleResponse\x12Q\n\x0cSampleStream\x12\x1b.trainyard.v1.SampleRequest\x1a\".trainyard.v1.SampleStreamResponse0\x01\x12P\n\x0eLoadDeployment\x12#.trainyard.v1.LoadDeploymentRequest\x1a\x19.trainyard.v1.LoadedModel\x12\x61\n\x10UnloadDeployment\x12%.trainyard.v1.UnloadDeploymentRequest\x1a&.trainyard.v1.UnloadDeploymentResponse\x12O\n\nListLoaded\x12\x1f.trainyard.v1.ListLoadedRequest\x1a .trainyard.v1.ListLoadedResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,33 +33,33 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'trainyard.v1.rollout_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=72
-  _globals['_SAMPLINGPARAMS']._serialized_end=496
-  _globals['_SAMPLEREQUEST']._serialized_start=499
-  _globals['_SAMPLEREQUEST']._serialized_end=692
-  _globals['_SAMPLEDSEQUENCE']._serialized_start=695
-  _globals['_SAMPLEDSEQUENCE']._serialized_end=877
-  _globals['_TOPLOGPROBS']._serialized_start=879
-  _globals['_TOPLOGPROBS']._serialized_end=929
-  _globals['_ROUTERIDS']._serialized_start=931
-  _globals['_ROUTERIDS']._serialized_end=1021
-  _globals['_SAMPLERESPONSE']._serialized_start=1024
-  _globals['_SAMPLERESPONSE']._serialized_end=1180
-  _globals['_SEQUENCEDELTA']._serialized_start=1183
-  _globals['_SEQUENCEDELTA']._serialized_end=1378
-  _globals['_SAMPLESTREAMRESPONSE']._serialized_start=1381
-  _globals['_SAMPLESTREAMRESPONSE']._serialized_end=1552
-  _globals['_LOADDEPLOYMENTREQUEST']._serialized_start=1554
-  _globals['_LOADDEPLOYMENTREQUEST']._serialized_end=1600
-  _globals['_LOADEDMODEL']._serialized_start=1603
-  _globals['_LOADEDMODEL']._serialized_end=1786
-  _globals['_UNLOADDEPLOYMENTREQUEST']._serialized_start=1788
-  _globals['_UNLOADDEPLOYMENTREQUEST']._serialized_end=1836
-  _globals['_UNLOADDEPLOYMENTRESPONSE']._serialized_start=1838
-  _globals['_UNLOADDEPLOYMENTRESPONSE']._serialized_end=1882
-  _globals['_LISTLOADEDREQUEST']._serialized_start=1884
-  _globals['_LISTLOADEDREQUEST']._serialized_end=1903
-  _globals['_LISTLOADEDRESPONSE']._serialized_start=1905
-  _globals['_LISTLOADEDRESPONSE']._serialized_end=1968
-  _globals['_ROLLOUTSERVICE']._serialized_start=1971
-  _globals['_ROLLOUTSERVICE']._serialized_end=2401
+  _globals['_SAMPLINGPARAMS']._serialized_end=536
+  _globals['_SAMPLEREQUEST']._serialized_start=539
+  _globals['_SAMPLEREQUEST']._serialized_end=732
+  _globals['_SAMPLEDSEQUENCE']._serialized_start=735
+  _globals['_SAMPLEDSEQUENCE']._serialized_end=917
+  _globals['_TOPLOGPROBS']._serialized_start=919
+  _globals['_TOPLOGPROBS']._serialized_end=969
+  _globals['_ROUTERIDS']._serialized_start=971
+  _globals['_ROUTERIDS']._serialized_end=1061
+  _globals['_SAMPLERESPONSE']._serialized_start=1064
+  _globals['_SAMPLERESPONSE']._serialized_end=1220
+  _globals['_SEQUENCEDELTA']._serialized_start=1223
+  _globals['_SEQUENCEDELTA']._serialized_end=1418
+  _globals['_SAMPLESTREAMRESPONSE']._serialized_start=1421
+  _globals['_SAMPLESTREAMRESPONSE']._serialized_end=1592
+  _globals['_LOADDEPLOYMENTREQUEST']._serialized_start=1594
+  _globals['_LOADDEPLOYMENTREQUEST']._serialized_end=1640
+  _globals['_LOADEDMODEL']._serialized_start=1643
+  _globals['_LOADEDMODEL']._serialized_end=1826
+  _globals['_UNLOADDEPLOYMENTREQUEST']._serialized_start=1828
+  _globals['_UNLOADDEPLOYMENTREQUEST']._serialized_end=1876
+  _globals['_UNLOADDEPLOYMENTRESPONSE']._serialized_start=1878
+  _globals['_UNLOADDEPLOYMENTRESPONSE']._serialized_end=1922
+  _globals['_LISTLOADEDREQUEST']._serialized_start=1924
+  _globals['_LISTLOADEDREQUEST']._serialized_end=1943
+  _globals['_LISTLOADEDRESPONSE']._serialized_start=1945
+  _globals['_LISTLOADEDRESPONSE']._serialized_end=2008
+  _globals['_ROLLOUTSERVICE']._serialized_start=2011
+  _globals['_ROLLOUTSERVICE']._serialized_end=2441
 # @@protoc_insertion_point(module_scope)

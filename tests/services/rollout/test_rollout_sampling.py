@@ -101,9 +101,15 @@ def test_stop_token_ids_and_eos(engine, tiny_model_dir, prompt_ids):
     base.eos_ids = (*eos_ids, stop_id)
     try:
         (eos,) = run(engine, tiny_model_dir, prompt_ids, temperature=0, max_tokens=30)
+        # ignore_eos (Tinker's stop=[]): end-of-sequence ids do not stop it, stop_token_ids still do.
+        (ignored,) = run(engine, tiny_model_dir, prompt_ids, temperature=0, max_tokens=30, ignore_eos=True)
+        (still,) = run(engine, tiny_model_dir, prompt_ids, temperature=0, max_tokens=30, ignore_eos=True,
+                       stop_token_ids=[stop_id])
     finally:
         base.eos_ids = eos_ids
     assert (eos.tokens, eos.text, eos.finish_reason) == (seq.tokens, seq.text, "stop")
+    assert (ignored.tokens, ignored.finish_reason) == (full.tokens, "length")
+    assert (still.tokens, still.finish_reason) == (seq.tokens, "stop")
 
 
 def test_max_tokens_finishes_with_length(engine, tiny_model_dir, prompt_ids):
