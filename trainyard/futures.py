@@ -57,6 +57,10 @@ class APIFuture(Generic[T]):
     async def result_async(self, timeout: float | None = None) -> T:
         return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._future)), timeout)
 
+    async def coroutine(self) -> T:
+        """The result, from a coroutine (as Tinker's APIFuture.coroutine)."""
+        return await self.result_async()
+
     def __await__(self) -> Generator[Any, None, T]:
         return self.result_async().__await__()
 

@@ -77,8 +77,8 @@ class TensorData:
 
     __slots__ = ("_array",)
 
-    def __init__(self, data: Any, dtype: TensorDtype | None = None, shape: Sequence[int] | None = None):
-        arr = _as_array(data, dtype, "TensorData.data")
+    def __init__(self, data: Any = None, dtype: TensorDtype | None = None, shape: Sequence[int] | None = None):
+        arr = _as_array(np.empty(0, _NUMPY[dtype or "float32"]) if data is None else data, dtype, "TensorData.data")
         if shape is not None:
             shape = tuple(operator.index(s) for s in shape)
             if any(s < 0 for s in shape) or math.prod(shape) != arr.size:
@@ -160,20 +160,18 @@ def _token_ids(tokens: Iterable[int], where: str) -> tuple[int, ...]:
 
 
 class _Model(BaseModel):
-    """Tinker's request types: pydantic models that refuse unknown fields."""
+    """Tinker's request types: frozen pydantic models that refuse unknown fields."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class _Response(BaseModel):
-    """Tinker's response types: pydantic models that keep fields a newer server adds."""
+    """Tinker's response types (and SamplingParams): frozen pydantic models that ignore unknown fields."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="ignore", frozen=True)
 
 
 class EncodedTextChunk(_Model):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
     tokens: Sequence[int]
     type: Literal["encoded_text"] = "encoded_text"
 
@@ -197,8 +195,6 @@ ModelInputChunk = EncodedTextChunk  # Tinker's union also has image chunks; Trai
 
 class ModelInput(_Model):
     """The tokens fed to the model, as chunks (only encoded text: Trainyard's models take no images)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     chunks: Sequence[EncodedTextChunk]
 
@@ -306,7 +302,7 @@ def _integer(value: Any, where: str) -> int:
         raise ValueError(f"{where}: must be an integer, got {value!r}") from None
 
 
-class SamplingParams(_Model):
+class SamplingParams(_Response):
     """As Tinker's: top_k -1 = no limit; stop is a string, a list of strings, or a list of token ids. stop None
     keeps the tokenizer's end-of-sequence stopping; stop [] turns it off too (generation runs to max_tokens)."""
 

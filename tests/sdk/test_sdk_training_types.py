@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainyard import APIFuture, ServiceClient, TrainingClient, types
+from trainyard import APIFuture, SamplingClient, ServiceClient, TrainingClient, types
 from trainyard.config import ClientConfig
 from trainyard.errors import TrainyardError
 from trainyard.training import _custom_weights
@@ -232,11 +232,29 @@ def test_bad_inputs_are_refused_before_sending_and_use_no_seq_id(offline_client)
         tc.service.create_sampling_client(model_path="trainyard://state/ckpt_1")
     with pytest.raises(ValueError, match="model_path, base_model"):
         tc.service.create_sampling_client()
-    with pytest.raises(ValueError, match="topk_prompt_logprobs"):
-        tc.service.create_sampling_client(base_model="tiny").sample(
-            types.ModelInput.from_ints([1]), 1, types.SamplingParams(), topk_prompt_logprobs=5)
+    sampler = SamplingClient(tc.service, "tiny", "tiny")
+    for kwargs, field in [({"topk_prompt_logprobs": 5}, "topk_prompt_logprobs"),
+                          ({"prompt_alt_tokens_k": 2}, "prompt_alt_tokens_k"),
+                          ({"prompt_logprobs_last_n": 1}, "needs include_prompt_logprobs"),
+                          ({"prompt_logprobs_last_n": 2, "include_prompt_logprobs": True}, "between 1 and"),
+                          ({"target_prompt_logprobs": types.TensorData.from_list([[1]])}, "target_prompt_logprobs")]:
+        with pytest.raises(ValueError, match=field):
+            sampler.sample(types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(), **kwargs)
     with pytest.raises(ValueError, match="train_mlp, train_attn, train_unembed"):
-        tc.service.create_lora_training_client("tiny", train_mlp=False, train_attn=False)
+        tc.service.create_lora_training_client("tiny", train_mlp=False, train_attn=False, train_unembed=False)
+    with pytest.raises(ValueError, match="optim_params, adam_params"):
+        tc.optim_step(types.AdamParams(), adam_params=types.AdamParams())
+    with pytest.raises(ValueError, match="weights_access_token"):
+        tc.load_state("trainyard://state/ckpt_1", weights_access_token="t")
+    assert tc._next_seq_id == 1
+
+
+def test_an_unreachable_rollout_fails_when_the_sampling_client_is_made(offline_client):
+    """The offline client's rollout_url points at a closed port: the create_sampling_client future fails, naming
+    the setting, before any sample is sent."""
+    future = offline_client.service.create_sampling_client(base_model="tiny")
+    with pytest.raises(TrainyardError, match="rollout service at 127.0.0.1:9 does not answer.*rollout_url"):
+        future.result(timeout=30)
 
 
 def test_custom_loss_weights_are_the_negative_gradient():
