@@ -51,9 +51,9 @@ CustomLossFn = Callable[[list[types.Datum], list[Any]], tuple[Any, dict[str, flo
 class ServiceClient:
     """Entry point: creates training clients (trainer sessions) and sampling clients; Tinker's signature.
 
-    base_url is the trainer's address (host:port); rollout_url (a Trainyard keyword) the rollout's. Unset ones come
-    from the same place as trainyard.Client's: the environment (TRAINYARD_TRAINER_URL, TRAINYARD_ROLLOUT_URL,
-    TRAINYARD_API_KEY), then the file `trainyard login` writes, then the local defaults. create_sampling_client's
+    base_url is the trainer's address (host:port); rollout_url (a Trainyard keyword) the rollout's; url the
+    scheduler's (get_server_capabilities only). Unset ones come from the same place as trainyard.Client's: the
+    environment (TRAINYARD_TRAINER_URL, TRAINYARD_ROLLOUT_URL, TRAINYARD_URL, TRAINYARD_API_KEY), then the file `trainyard login` writes, then the local defaults. create_sampling_client's
     future checks that the rollout answers, so a wrong rollout address fails there, not at the first sample.
     user_metadata, project_id and display_name are kept on this client only (Trainyard sessions have no such
     fields); default_headers_overrides travel as gRPC metadata with every call. Other keywords are ignored with a
@@ -62,13 +62,13 @@ class ServiceClient:
     def __init__(self, user_metadata: dict[str, str] | None = None, project_id: str | None = None, *,
                  display_name: str | None = None, base_url: str | None = None, api_key: str | None = None,
                  default_headers_overrides: Mapping[str, str] | None = None, rollout_url: str | None = None,
-                 retry_unavailable_s: float = 300.0, tls_ca_file: str | None = None,
+                 url: str | None = None, retry_unavailable_s: float = 300.0, tls_ca_file: str | None = None,
                  tls_client_cert_file: str | None = None, tls_client_key_file: str | None = None, **kwargs: Any):
         if kwargs:
             warnings.warn(f"ServiceClient ignores unsupported arguments: {', '.join(sorted(kwargs))}",
                           FutureWarning, stacklevel=2)
         self.user_metadata, self.project_id, self.display_name = user_metadata, project_id, display_name
-        self.config = ClientConfig.resolve(rollout_url=rollout_url, api_key=api_key, trainer_url=base_url,
+        self.config = ClientConfig.resolve(url=url, rollout_url=rollout_url, api_key=api_key, trainer_url=base_url,
                                            tls_ca_file=tls_ca_file, tls_client_cert_file=tls_client_cert_file,
                                            tls_client_key_file=tls_client_key_file)
         # How long a Training API call waits for an unreachable or restarting trainer (ordered_calls.py, "Restarts").
