@@ -12,6 +12,10 @@ from trainyard.lazy import lazy_exports
 _EXPORTS = {"Client": "trainyard.client", "FieldError": "trainyard.errors", "TrainyardError": "trainyard.errors",
             "APIFuture": "trainyard.futures", "SamplingClient": "trainyard.training",
             "ServiceClient": "trainyard.training", "TrainingClient": "trainyard.training",
+            **{name: "trainyard.errors" for name in (
+                "TinkerError", "APIError", "APIStatusError", "APIConnectionError", "APITimeoutError",
+                "BadRequestError", "AuthenticationError", "PermissionDeniedError", "NotFoundError", "ConflictError",
+                "UnprocessableEntityError", "RateLimitError", "InternalServerError")},
             # Tinker's top-level types (`import trainyard as tinker`; docs/tinker_compat.md)
             **{name: "trainyard.types" for name in (
                 "AdamParams", "Datum", "EncodedTextChunk", "ForwardBackwardOutput", "GetInfoResponse",

@@ -60,11 +60,8 @@ NOT_PROVIDED = {
     "AdminClient", "RestClient", "auth", "BackcompatTrainingClientFuture", "BackcompatSamplingClientFuture",
     "LossHandle", "PerDatumLossFn", "AdamOptimizerConfig", "DimuonOptimizerConfig", "DimuonParams", "Checkpoint",
     "CheckpointType", "DmelChunk", "SampledProvenanceSpan", "PromptProvenanceSpan", "ModelID", "OptimStepRequest",
-    "ParsedCheckpointTinkerPath", "SampleRequest", "TrainingRun", "Timeout", "RequestOptions", "TinkerError",
-    "APIError", "APIStatusError", "APITimeoutError", "APIConnectionError", "APIResponseValidationError",
-    "RequestFailedError", "BadRequestError", "AuthenticationError", "BillingError", "PermissionDeniedError",
-    "NotFoundError", "ConflictError", "UnprocessableEntityError", "RateLimitError", "InternalServerError",
-    "ExperimentalWarning", "__title__",
+    "ParsedCheckpointTinkerPath", "SampleRequest", "TrainingRun", "Timeout", "RequestOptions",
+    "APIResponseValidationError", "RequestFailedError", "BillingError", "ExperimentalWarning", "__title__",
 }
 
 
@@ -193,3 +190,22 @@ def test_types_behave_as_tinkers():
         assert pkg.SamplingParams(unknown=1) == pkg.SamplingParams()  # ... but SamplingParams ignores them
         with pytest.raises(ValueError):  # frozen
             p.max_tokens = 5
+
+
+@pytest.mark.parametrize("code, tinker_class, status", [
+    ("INVALID_ARGUMENT", "BadRequestError", 400), ("NOT_FOUND", "NotFoundError", 404),
+    ("PERMISSION_DENIED", "PermissionDeniedError", 403), ("UNAUTHENTICATED", "AuthenticationError", 401),
+    ("RESOURCE_EXHAUSTED", "RateLimitError", 429), ("FAILED_PRECONDITION", "UnprocessableEntityError", 422),
+    ("INTERNAL", "InternalServerError", 500), ("UNAVAILABLE", "APIConnectionError", None),
+    ("DEADLINE_EXCEEDED", "APITimeoutError", None)])
+def test_errors_are_tinkers_exception_classes(code, tinker_class, status):
+    """`except tinker.BadRequestError` catches the INVALID_ARGUMENT a server call raised, and so on; the class tree
+    is Tinker's (BadRequestError is an APIStatusError is an APIError is a TinkerError)."""
+    err = trainyard.TrainyardError(code, "boom")
+    assert isinstance(err, trainyard.TrainyardError) and isinstance(err, getattr(trainyard, tinker_class))
+    assert (err.code, err.message, err.status_code) == (code, "boom", status)
+    for name in ("BadRequestError", "NotFoundError", "RateLimitError", "APITimeoutError", "APIStatusError"):
+        ours, theirs = getattr(trainyard, name), getattr(tinker, name)
+        assert [c.__name__ for c in ours.__mro__ if c.__name__ in dir(tinker)] == \
+            [c.__name__ for c in theirs.__mro__ if c.__name__ in dir(tinker)]
+    assert type(trainyard.TrainyardError("SOMETHING_NEW", "x")) is trainyard.TrainyardError
