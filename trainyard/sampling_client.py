@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainyard import types
 from trainyard.errors import TrainyardError
-from trainyard.futures import APIFuture
+from trainyard.futures import APIFuture, async_twin_signatures
 from trainyard.v1 import common_pb2, rollout_pb2
 
 if TYPE_CHECKING:
@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 WEIGHTS_PREFIX = "trainyard://weights/"
 
 
+@async_twin_signatures
 class SamplingClient:
     """Samples from one model: a weight version ("trainyard://weights/<version id>", exactly that version), a base
     model or a deployment. Calls return APIFutures and may run concurrently (the rollout batches them)."""

@@ -34,7 +34,7 @@ from trainyard import types
 from trainyard.client import _channel
 from trainyard.config import ClientConfig, cache_dir
 from trainyard.errors import TrainyardError, from_rpc_error
-from trainyard.futures import APIFuture
+from trainyard.futures import APIFuture, async_twin_signatures
 from trainyard.ordered_calls import OrderedCalls, SessionUnchanged, session_when_reachable
 from trainyard.sampling_client import WEIGHTS_PREFIX, SamplingClient
 from trainyard.v1 import rollout_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, trainer_pb2 as tpb, trainer_pb2_grpc
@@ -48,6 +48,7 @@ C = TypeVar("C")
 CustomLossFn = Callable[[list[types.Datum], list[Any]], tuple[Any, dict[str, float]]]
 
 
+@async_twin_signatures
 class ServiceClient:
     """Entry point: creates training clients (trainer sessions) and sampling clients; Tinker's signature.
 
@@ -261,6 +262,7 @@ def _check_path(path: str, prefix: str, maker: str) -> str:
     return path
 
 
+@async_twin_signatures
 class TrainingClient(OrderedCalls):
     """One trainer session: a LoRA adapter (or full weights) and its optimizer state. Calls return APIFutures."""
 

@@ -2,8 +2,8 @@
 
 For every public method both SDKs' clients (ServiceClient, TrainingClient, SamplingClient, APIFuture) have, the
 parameters' names, order, kinds and defaults must be Tinker's, except the deliberate differences in DIFFERENT (each
-with its reason; docs/tinker_compat.md lists them for users). An `_async` twin written as (*args, **kwargs) forwards
-to its plain method and is checked through it. Tinker's names Trainyard does not have are listed in NOT_PROVIDED, and
+with its reason; docs/tinker_compat.md lists them for users). An `_async` twin that forwards (*args, **kwargs) shows its
+plain method's signature (trainyard.futures.async_twin_signatures), and that is what is compared. Tinker's names Trainyard does not have are listed in NOT_PROVIDED, and
 the types both have must have Tinker's fields and defaults. No server is needed.
 """
 from __future__ import annotations
@@ -70,10 +70,7 @@ def _params(fn) -> list[tuple[str, str, object]]:
 
 
 def _ours(cls, name: str):
-    fn = getattr(cls, name)
-    if name.endswith("_async") and [p for p, _, _ in _params(fn)] == ["self", "args", "kwargs"]:
-        return getattr(cls, name.removesuffix("_async"))
-    return fn
+    return getattr(cls, name)
 
 
 def _public_methods(cls) -> list[str]:
