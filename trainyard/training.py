@@ -54,8 +54,9 @@ class ServiceClient:
 
     base_url is the trainer's address (host:port); rollout_url (a Trainyard keyword) the rollout's; url the
     scheduler's (get_server_capabilities only). Unset ones come from the same place as trainyard.Client's: the
-    environment (TRAINYARD_TRAINER_URL, TRAINYARD_ROLLOUT_URL, TRAINYARD_URL, TRAINYARD_API_KEY), then the file `trainyard login` writes, then the local defaults. create_sampling_client's
-    future checks that the rollout answers, so a wrong rollout address fails there, not at the first sample.
+    environment (TRAINYARD_TRAINER_URL, TRAINYARD_ROLLOUT_URL, TRAINYARD_URL, TRAINYARD_API_KEY), then the file
+    `trainyard login` writes, then the local defaults. create_sampling_client's future checks that the rollout
+    answers, so a wrong rollout address fails there, not at the first sample.
     user_metadata, project_id and display_name are kept on this client only (Trainyard sessions have no such
     fields); default_headers_overrides travel as gRPC metadata with every call. Other keywords are ignored with a
     FutureWarning, as Tinker's."""

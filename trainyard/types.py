@@ -38,7 +38,10 @@ _WIRE = {"int64": trainer_pb2.TensorData.DTYPE_INT64, "float32": trainer_pb2.Ten
 _FROM_WIRE = {v: k for k, v in _WIRE.items()}
 # The wire dtype of well-known loss inputs given as plain lists or arrays of another dtype.
 LOSS_INPUT_DTYPES: dict[str, TensorDtype] = {"target_tokens": "int64", "weights": "float32", "advantages": "float32",
-                                             "logprobs": "float32", "mask": "float32"}
+                                             "logprobs": "float32", "mask": "float32",
+                                             # Tinker's other float inputs
+                                             "clip_low_threshold": "float32", "clip_high_threshold": "float32",
+                                             "sequence_ratio_mask": "float32"}
 MAX_TOKEN_ID = 2**31 - 1  # token ids travel as int32
 
 

@@ -2,9 +2,10 @@
 
 For every public method both SDKs' clients (ServiceClient, TrainingClient, SamplingClient, APIFuture) have, the
 parameters' names, order, kinds and defaults must be Tinker's, except the deliberate differences in DIFFERENT (each
-with its reason; docs/tinker_compat.md lists them for users). An `_async` twin that forwards (*args, **kwargs) shows its
-plain method's signature (trainyard.futures.async_twin_signatures), and that is what is compared. Tinker's names Trainyard does not have are listed in NOT_PROVIDED, and
-the types both have must have Tinker's fields and defaults. No server is needed.
+with its reason; docs/tinker_compat.md lists them for users). An `_async` twin that forwards (*args, **kwargs) shows
+its plain method's signature (trainyard.futures.async_twin_signatures), and that is what is compared. Tinker's names
+Trainyard does not have are listed in NOT_PROVIDED, and the types both have must have Tinker's fields and defaults.
+No server is needed.
 """
 from __future__ import annotations
 
