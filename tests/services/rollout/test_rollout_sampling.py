@@ -254,3 +254,17 @@ def test_stream_holds_back_text_that_could_start_a_stop_string(engine, tiny_mode
         for d in out.sequences:
             streamed += d.text
     assert streamed == full.text[:full.text.index(stop)]
+
+
+def test_ignore_eos_travels_from_the_request():
+    """SampleRequest.params.ignore_eos (the SDK sets it for Tinker's SamplingParams(stop=[])) reaches the engine's
+    parameters; unset it is off."""
+    from services.rollout.servicer import sampling_params
+    from trainyard import types
+    from trainyard.v1 import rollout_pb2
+
+    assert sampling_params(rollout_pb2.SamplingParams(ignore_eos=True)).ignore_eos
+    assert not sampling_params(rollout_pb2.SamplingParams()).ignore_eos
+    assert sampling_params(types.SamplingParams(stop=[]).to_proto()).ignore_eos
+    assert not sampling_params(types.SamplingParams(stop=None).to_proto()).ignore_eos
+    assert not sampling_params(types.SamplingParams(stop=["\n"]).to_proto()).ignore_eos
