@@ -66,6 +66,9 @@ class ServiceClient:
                  default_headers_overrides: Mapping[str, str] | None = None, rollout_url: str | None = None,
                  url: str | None = None, retry_unavailable_s: float = 300.0, tls_ca_file: str | None = None,
                  tls_client_cert_file: str | None = None, tls_client_key_file: str | None = None, **kwargs: Any):
+        if user_metadata is not None and not isinstance(user_metadata, Mapping):
+            raise ValueError(f"user_metadata: must be a dict of strings, got {user_metadata!r} (Tinker's order: the "
+                             "first parameter is user_metadata; give the address as base_url=...)")
         if kwargs:
             warnings.warn(f"ServiceClient ignores unsupported arguments: {', '.join(sorted(kwargs))}",
                           FutureWarning, stacklevel=2)

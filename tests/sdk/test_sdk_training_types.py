@@ -297,3 +297,17 @@ def test_client_config_trainer_url(monkeypatch, tmp_path):
     assert ClientConfig.resolve().trainer_url == "saved:2"
     with ServiceClient(api_key="k") as service:
         assert service.config.trainer_url == "saved:2"
+
+
+def test_service_client_takes_tinkers_parameters():
+    """The address by keyword (Tinker's first parameter is user_metadata: an address given there is refused);
+    unknown keywords are ignored with a FutureWarning and headers travel as metadata, as Tinker's."""
+    with pytest.raises(ValueError, match="user_metadata: .*base_url="):
+        ServiceClient("127.0.0.1:9")
+    with pytest.warns(FutureWarning, match="ignores unsupported arguments: nonsense"):
+        service = ServiceClient({"team": "a"}, "proj", base_url="127.0.0.1:9", api_key="k", rollout_url="127.0.0.1:9",
+                                default_headers_overrides={"X-Run": "7"}, nonsense=1)
+    with service:
+        assert (service.user_metadata, service.project_id, service.config.trainer_url) == ({"team": "a"}, "proj",
+                                                                                            "127.0.0.1:9")
+        assert service.metadata == (("x-run", "7"), ("authorization", "Bearer k"))
