@@ -492,9 +492,9 @@ class TrainingClient(OrderedCalls):
     def create_sampling_client(self, model_path: str, retry_config: Any = None,
                                record_stability_info: bool = False) -> ClientFuture[SamplingClient]:
         _check_sampling_options(retry_config, record_stability_info)
-        return ClientFuture.completed(SamplingClient(
-            self.service, _check_path(model_path, WEIGHTS_PREFIX, "save_weights_for_sampler"), self.base_model,
-            self.get_tokenizer))
+        client = SamplingClient(self.service, _check_path(model_path, WEIGHTS_PREFIX, "save_weights_for_sampler"),
+                                self.base_model, self.get_tokenizer)
+        return ClientFuture(self.service.pool.submit(self.service._rollout_answering, client))
 
     # Async variants, as Tinker's: `fut = await tc.forward_backward_async(...)`, then `result = await fut`.
     async def forward_async(self, *args, **kwargs) -> APIFuture[types.ForwardBackwardOutput]:
