@@ -133,7 +133,7 @@ class Platform:
                                     rollout_url="127.0.0.1:9")
 
     def lora_client(self, seed: int = 0):
-        return self.client.create_lora_training_client(MODEL_NAME, rank=LORA_RANK, seed=seed)
+        return self.client.create_lora_training_client(MODEL_NAME, rank=LORA_RANK, seed=seed).result()
 
     def grads(self, tc) -> list[torch.Tensor]:
         return [p.grad.clone() for p in self.sessions.get(self.account_id, tc.model_id).params]

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     train_rows, held_rows = rows[:-HELD_OUT], rows[-HELD_OUT:]
 
     with service_client(args.work_dir) as service:
-        tc = service.create_lora_training_client(args.base_model, rank=args.rank, seed=args.seed)
+        tc = service.create_lora_training_client(args.base_model, rank=args.rank, seed=args.seed).result()
         tokenizer = tc.get_tokenizer()
         train, held = pair_data(tokenizer, train_rows), pair_data(tokenizer, held_rows)
 

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with service_client(args.work_dir) as service:
         tc = (service.create_lora_training_client(args.base_model, rank=args.rank, seed=args.seed) if args.rank else
-              service.create_training_client(args.base_model, seed=args.seed))
+              service.create_training_client(args.base_model, seed=args.seed)).result()
         tokenizer = tc.get_tokenizer()
 
         # 1. SFT warm-up on the answer format (problems disjoint from GRPO's).
@@ -118,10 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         # shrink its steps for a hundred steps or more.
         state = tc.save_state("grpo-warmup").result()
         tc.close()
-        tc = service.create_training_client_from_state(state.path)
+        tc = service.create_training_client_from_state(state.path).result()
 
         # 2. GRPO on the held-out half.
-        sampler = tc.save_weights_and_get_sampling_client("grpo-start")
+        sampler = tc.save_weights_and_get_sampling_client("grpo-start").result()
         acc_before = greedy_accuracy(sampler, tokenizer, rl_rows)
         print(f"greedy accuracy on the {len(rl_rows)} GRPO problems before GRPO: {acc_before:.2f}")
         order: list[dict] = []
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                 order += rng.sample(rl_rows, len(rl_rows))
             batch_rows, order = order[:args.prompts], order[args.prompts:]
             if step:
-                sampler = tc.save_weights_and_get_sampling_client(f"grpo-{step}")
+                sampler = tc.save_weights_and_get_sampling_client(f"grpo-{step}").result()
             prompts = [tokenizer.encode(r["prompt"], add_special_tokens=False) for r in batch_rows]
             seed = (args.seed * 1000 + step) * 1000  # a seed per request: the run is reproducible
             futures = [sampler.sample(types.ModelInput.from_ints(pr), args.group_size,
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"step {step:3d}  mean reward {mean_reward:.3f}  groups with signal {signal}/{len(prompts)}  "
                   f"kl(sampler, trainer) {curve[-1]['kl_sample_train']:+.1e}  [{timer}]")
 
-        sampler = tc.save_weights_and_get_sampling_client("grpo-final")
+        sampler = tc.save_weights_and_get_sampling_client("grpo-final").result()
         acc_after = greedy_accuracy(sampler, tokenizer, rl_rows)
         print(f"greedy accuracy on the {len(rl_rows)} GRPO problems after GRPO: {acc_after:.2f}")
         for row in rl_rows[:4]:

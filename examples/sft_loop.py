@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     held_out = [m for m in rows if m[-2]["content"] in HELD_OUT]
 
     with service_client(args.work_dir) as service:
-        tc = service.create_lora_training_client(args.base_model, rank=args.rank, seed=args.seed)
+        tc = service.create_lora_training_client(args.base_model, rank=args.rank, seed=args.seed).result()
         tokenizer = tc.get_tokenizer()
         data = [sft_datum(tokenizer, m) for m in train]
         eval_data = [sft_datum(tokenizer, m) for m in held_out]
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"step {step:3d}  loss {losses[-1]:.4f}  [{timer}]")
         eval_after = tc.forward(eval_data).result().metrics["loss:mean"] if eval_data else float("nan")
 
-        sampler = tc.save_weights_and_get_sampling_client("sft-final")
+        sampler = tc.save_weights_and_get_sampling_client("sft-final").result()
         print(f"trained weights saved as {sampler.model_path}; greedy answers:")
         params = types.SamplingParams(max_tokens=32, temperature=0.0)
         shown = train[:2] + train[4:5] + held_out

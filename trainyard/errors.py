@@ -1,4 +1,8 @@
-"""Errors raised by the SDK: the server's status code, its message and any field/row violations."""
+"""Errors raised by the SDK: the server's status code, its message and any field/row violations.
+
+A TrainyardError is also an instance of the Tinker exception class its status code corresponds to (NOT_FOUND ->
+NotFoundError, INVALID_ARGUMENT -> BadRequestError, UNAVAILABLE -> APIConnectionError, ...), so `except
+tinker.BadRequestError` clauses work with `import trainyard as tinker` (docs/tinker_compat.md)."""
 from __future__ import annotations
 
 import functools
@@ -28,7 +32,80 @@ def _field_error(field: str, reason: str) -> FieldError:
     return FieldError(field=field, reason=reason)
 
 
-class TrainyardError(Exception):
+class TinkerError(Exception):
+    """Tinker's exception classes, as bases of TrainyardError's per-code classes."""
+
+
+class APIError(TinkerError):
+    pass
+
+
+class APIStatusError(APIError):
+    pass
+
+
+class APIConnectionError(APIError):
+    pass
+
+
+class APITimeoutError(APIConnectionError):
+    pass
+
+
+class BadRequestError(APIStatusError):
+    pass
+
+
+class AuthenticationError(APIStatusError):
+    pass
+
+
+class PermissionDeniedError(APIStatusError):
+    pass
+
+
+class NotFoundError(APIStatusError):
+    pass
+
+
+class ConflictError(APIStatusError):
+    pass
+
+
+class UnprocessableEntityError(APIStatusError):
+    pass
+
+
+class RateLimitError(APIStatusError):
+    pass
+
+
+class InternalServerError(APIStatusError):
+    pass
+
+
+# gRPC status -> (Tinker class, the HTTP status Tinker's would carry)
+_TINKER = {"INVALID_ARGUMENT": (BadRequestError, 400), "OUT_OF_RANGE": (BadRequestError, 400),
+           "UNAUTHENTICATED": (AuthenticationError, 401), "PERMISSION_DENIED": (PermissionDeniedError, 403),
+           "NOT_FOUND": (NotFoundError, 404), "ALREADY_EXISTS": (ConflictError, 409), "ABORTED": (ConflictError, 409),
+           "FAILED_PRECONDITION": (UnprocessableEntityError, 422), "RESOURCE_EXHAUSTED": (RateLimitError, 429),
+           "INTERNAL": (InternalServerError, 500), "UNKNOWN": (InternalServerError, 500),
+           "DATA_LOSS": (InternalServerError, 500), "UNIMPLEMENTED": (InternalServerError, 501),
+           "UNAVAILABLE": (APIConnectionError, None), "DEADLINE_EXCEEDED": (APITimeoutError, None),
+           "CANCELLED": (APIError, None)}
+
+
+class TrainyardError(APIError):
+    def __new__(cls, code: str, *args, **kwargs):
+        if cls is TrainyardError and code in _BY_CODE:
+            cls = _BY_CODE[code]
+        return super().__new__(cls, code, *args)
+
+    @property
+    def status_code(self) -> int | None:
+        """The HTTP status Tinker's error of this kind carries (None for connection errors)."""
+        return _TINKER.get(self.code, (None, None))[1]
+
     def __init__(self, code: str, message: str, violations: list[FieldError] | None = None):
         super().__init__(f"{code}: {message}")
         self.code = code
@@ -39,6 +116,11 @@ class TrainyardError(Exception):
     def field(self) -> str:
         """The first field the server named as wrong ("" when none): e.g. "data[2].loss_fn_inputs['weights']"."""
         return self.violations[0].field if self.violations else ""
+
+
+_BY_CODE = {code: type(f"TrainyardError_{code}", (TrainyardError, base), {"__module__": __name__,
+                                                                          "__qualname__": "TrainyardError"})
+            for code, (base, _) in _TINKER.items()}
 
 
 def from_rpc_error(exc: grpc.RpcError) -> TrainyardError:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import inspect
 from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
 
@@ -57,6 +58,10 @@ class APIFuture(Generic[T]):
     async def result_async(self, timeout: float | None = None) -> T:
         return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._future)), timeout)
 
+    async def coroutine(self) -> T:
+        """The result, from a coroutine (as Tinker's APIFuture.coroutine)."""
+        return await self.result_async()
+
     def __await__(self) -> Generator[Any, None, T]:
         return self.result_async().__await__()
 
@@ -76,3 +81,15 @@ class APIFuture(Generic[T]):
     def __repr__(self) -> str:
         state = "pending" if not self.done() else ("failed" if self._future.exception() else "done")
         return f"<APIFuture {state}>"
+
+
+def async_twin_signatures(cls: type) -> type:
+    """Class decorator: each `<name>_async(self, *args, **kwargs)` that forwards to `<name>` shows `<name>`'s
+    parameters (inspect.signature, help(), editors), as Tinker's twins declare them."""
+    for name, fn in list(vars(cls).items()):
+        if name.endswith("_async") and callable(fn) and hasattr(cls, name.removesuffix("_async")):
+            params = list(inspect.signature(fn).parameters)
+            if params == ["self", "args", "kwargs"]:
+                sync = inspect.signature(getattr(cls, name.removesuffix("_async")))
+                fn.__signature__ = sync.replace(return_annotation=inspect.signature(fn).return_annotation)
+    return cls

@@ -15,61 +15,84 @@ trainyard/ordered_calls.py.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import secrets
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+import warnings
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from trainyard import types
 from trainyard.client import _channel
 from trainyard.config import ClientConfig, cache_dir
 from trainyard.errors import TrainyardError, from_rpc_error
-from trainyard.futures import APIFuture
+from trainyard.futures import APIFuture, async_twin_signatures
 from trainyard.ordered_calls import OrderedCalls, SessionUnchanged, session_when_reachable
 from trainyard.sampling_client import WEIGHTS_PREFIX, SamplingClient
-from trainyard.v1 import rollout_pb2_grpc, trainer_pb2 as tpb, trainer_pb2_grpc
+from trainyard.v1 import rollout_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, trainer_pb2 as tpb, trainer_pb2_grpc
 
-__all__ = ["APIFuture", "SamplingClient", "ServiceClient", "TrainingClient"]
+__all__ = ["APIFuture", "ClientFuture", "SamplingClient", "ServiceClient", "TrainingClient"]
 
 STATE_PREFIX = "trainyard://state/"
 # Calls of all TrainingClients of a ServiceClient in flight at once; more wait here, in order.
 MAX_CALLS_IN_FLIGHT = 16
+C = TypeVar("C")
 CustomLossFn = Callable[[list[types.Datum], list[Any]], tuple[Any, dict[str, float]]]
 
 
+@async_twin_signatures
 class ServiceClient:
-    """Entry point: creates training clients (trainer sessions) and sampling clients.
+    """Entry point: creates training clients (trainer sessions) and sampling clients; Tinker's signature.
 
-    base_url is the trainer's address (host:port); rollout_url the rollout's. Unset ones come from the same place as
-    trainyard.Client's: the environment (TRAINYARD_TRAINER_URL, TRAINYARD_ROLLOUT_URL, TRAINYARD_API_KEY), then the
-    file `trainyard login` writes, then the local defaults."""
+    base_url is the trainer's address (host:port); rollout_url (a Trainyard keyword) the rollout's; url the
+    scheduler's (get_server_capabilities only). Unset ones come from the same place as trainyard.Client's: the
+    environment (TRAINYARD_TRAINER_URL, TRAINYARD_ROLLOUT_URL, TRAINYARD_URL, TRAINYARD_API_KEY), then the file
+    `trainyard login` writes, then the local defaults. create_sampling_client's future checks that the rollout
+    answers, so a wrong rollout address fails there, not at the first sample.
+    user_metadata, project_id and display_name are kept on this client only (Trainyard sessions have no such
+    fields); default_headers_overrides travel as gRPC metadata with every call. Other keywords are ignored with a
+    FutureWarning, as Tinker's."""
 
-    def __init__(self, base_url: str | None = None, api_key: str | None = None, rollout_url: str | None = None, *,
-                 retry_unavailable_s: float = 300.0, tls_ca_file: str | None = None,
-                 tls_client_cert_file: str | None = None, tls_client_key_file: str | None = None):
-        self.config = ClientConfig.resolve(rollout_url=rollout_url, api_key=api_key, trainer_url=base_url,
+    def __init__(self, user_metadata: dict[str, str] | None = None, project_id: str | None = None, *,
+                 display_name: str | None = None, base_url: str | None = None, api_key: str | None = None,
+                 default_headers_overrides: Mapping[str, str] | None = None, rollout_url: str | None = None,
+                 url: str | None = None, retry_unavailable_s: float = 300.0, tls_ca_file: str | None = None,
+                 tls_client_cert_file: str | None = None, tls_client_key_file: str | None = None, **kwargs: Any):
+        if user_metadata is not None and not isinstance(user_metadata, Mapping):
+            raise ValueError(f"user_metadata: must be a dict of strings, got {user_metadata!r} (Tinker's order: the "
+                             "first parameter is user_metadata; give the address as base_url=...)")
+        if kwargs:
+            warnings.warn(f"ServiceClient ignores unsupported arguments: {', '.join(sorted(kwargs))}",
+                          FutureWarning, stacklevel=2)
+        self.user_metadata, self.project_id, self.display_name = user_metadata, project_id, display_name
+        self.config = ClientConfig.resolve(url=url, rollout_url=rollout_url, api_key=api_key, trainer_url=base_url,
                                            tls_ca_file=tls_ca_file, tls_client_cert_file=tls_client_cert_file,
                                            tls_client_key_file=tls_client_key_file)
         # How long a Training API call waits for an unreachable or restarting trainer (ordered_calls.py, "Restarts").
         self.retry_unavailable_s = retry_unavailable_s
         self._trainer_channel = _channel(self.config.trainer_url, self.config)
         self._rollout_channel = _channel(self.config.rollout_url, self.config)
+        self._scheduler_channel: grpc.Channel | None = None
         self.trainer = trainer_pb2_grpc.TrainerServiceStub(self._trainer_channel)
         self.rollout = rollout_pb2_grpc.RolloutServiceStub(self._rollout_channel)
-        self.metadata = (("authorization", f"Bearer {self.config.api_key}"),) if self.config.api_key else ()
+        headers = tuple((k.lower(), v) for k, v in (default_headers_overrides or {}).items())
+        self.metadata = headers + ((("authorization", f"Bearer {self.config.api_key}"),) if self.config.api_key
+                                   else ())
         self.pool = ThreadPoolExecutor(MAX_CALLS_IN_FLIGHT, thread_name_prefix="trainyard-training")
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
-        self._trainer_channel.close()
-        self._rollout_channel.close()
+        for channel in (self._trainer_channel, self._rollout_channel, self._scheduler_channel):
+            if channel is not None:
+                channel.close()
 
     def __enter__(self) -> ServiceClient:
         return self
@@ -77,30 +100,62 @@ class ServiceClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # -- training clients ---------------------------------------------------------------------------------------
-    def create_lora_training_client(self, base_model: str, rank: int = 32, alpha: float | None = None,
-                                    seed: int | None = None, train_mlp: bool = True, train_attn: bool = True,
-                                    train_unembed: bool = False) -> TrainingClient:
-        """A LoRA adapter over base_model (alpha defaults to 32 whatever the rank, as Tinker's). seed None: random."""
+    def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:
+        """The base models this account can train and sample (the scheduler's model registry, TRAINYARD_URL)."""
+        if self._scheduler_channel is None:
+            self._scheduler_channel = _channel(self.config.url, self.config)
+        try:
+            models = scheduler_pb2_grpc.ModelServiceStub(self._scheduler_channel).ListModels(
+                scheduler_pb2.ListModelsRequest(), metadata=self.metadata).models
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        return types.GetServerCapabilitiesResponse(
+            supported_models=[types.SupportedModel(model_name=m.name) for m in models])
+
+    async def get_server_capabilities_async(self) -> types.GetServerCapabilitiesResponse:
+        return await asyncio.to_thread(self.get_server_capabilities)
+
+    # -- training clients: each returns a future of the client, as Tinker 0.38 (ClientFuture) --------------------
+    def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None,
+                                    train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = False,
+                                    user_metadata: dict[str, str] | None = None, optimizer: Any = None, *,
+                                    alpha: float | None = None) -> ClientFuture[TrainingClient]:
+        """A LoRA adapter over base_model (alpha, a Trainyard keyword, defaults to 32 whatever the rank, as
+        Tinker's). seed None: random. train_unembed defaults to False where Tinker's defaults to True: the trainer
+        refuses an adapter on an output layer tied to the input embeddings, as the small Qwen3 models' are."""
         if not (train_mlp or train_attn or train_unembed):
             raise ValueError("train_mlp, train_attn, train_unembed: at least one must be True")
+        _check_optimizer(optimizer)
         lora = tpb.SessionLora(rank=rank, train_mlp=train_mlp, train_attn=train_attn, train_unembed=train_unembed)
         if alpha is not None:
             lora.alpha = alpha
-        return self._create(tpb.CreateSessionRequest(base_model=base_model, lora=lora, seed=_seed(seed)))
+        return self._create(tpb.CreateSessionRequest(base_model=base_model, lora=lora, seed=_seed(seed)),
+                            user_metadata)
 
-    def create_training_client(self, base_model: str, seed: int | None = None) -> TrainingClient:
-        """Full-parameter training: the session trains every parameter of its own copy of base_model."""
-        return self._create(tpb.CreateSessionRequest(base_model=base_model, full_parameter=True, seed=_seed(seed)))
+    def create_training_client(self, base_model: str, seed: int | None = None) -> ClientFuture[TrainingClient]:
+        """Full-parameter training (a Trainyard method): the session trains every parameter of its own copy of
+        base_model."""
+        return self._create(tpb.CreateSessionRequest(base_model=base_model, full_parameter=True, seed=_seed(seed)),
+                            None)
 
-    def create_training_client_from_state(self, path: str) -> TrainingClient:
+    def create_training_client_from_state(self, path: str, base_model: str | None = None,
+                                          user_metadata: dict[str, str] | None = None,
+                                          weights_access_token: str | None = None,
+                                          optimizer: Any = None) -> ClientFuture[TrainingClient]:
         """A new session with the weights saved by save_state at path (a fresh optimizer)."""
-        return self._create(tpb.CreateSessionRequest(from_state=_check_path(path, STATE_PREFIX, "save_state")))
+        _check_from_state(base_model, weights_access_token)
+        _check_optimizer(optimizer)
+        return self._create(tpb.CreateSessionRequest(from_state=_check_path(path, STATE_PREFIX, "save_state")),
+                            user_metadata)
 
-    def create_training_client_from_state_with_optimizer(self, path: str) -> TrainingClient:
+    def create_training_client_from_state_with_optimizer(self, path: str, base_model: str | None = None,
+                                                         user_metadata: dict[str, str] | None = None,
+                                                         weights_access_token: str | None = None
+                                                         ) -> ClientFuture[TrainingClient]:
         """As create_training_client_from_state, also restoring the optimizer (Adam moments and step count)."""
+        _check_from_state(base_model, weights_access_token)
         return self._create(tpb.CreateSessionRequest(from_state=_check_path(path, STATE_PREFIX, "save_state"),
-                                                     with_optimizer=True))
+                                                     with_optimizer=True), user_metadata)
 
     def resume_training_client(self, session_id: str) -> TrainingClient:
         """A TrainingClient on an existing session of this account, going on at the seq_id it expects next: after a
@@ -109,38 +164,96 @@ class ServiceClient:
                                                             time.monotonic() + self.retry_unavailable_s))
 
     async def create_lora_training_client_async(self, *args, **kwargs) -> TrainingClient:
-        return await asyncio.to_thread(self.create_lora_training_client, *args, **kwargs)
+        return await self.create_lora_training_client(*args, **kwargs)
 
     async def create_training_client_async(self, *args, **kwargs) -> TrainingClient:
-        return await asyncio.to_thread(self.create_training_client, *args, **kwargs)
+        return await self.create_training_client(*args, **kwargs)
 
-    async def create_training_client_from_state_async(self, path: str) -> TrainingClient:
-        return await asyncio.to_thread(self.create_training_client_from_state, path)
+    async def create_training_client_from_state_async(self, *args, **kwargs) -> TrainingClient:
+        return await self.create_training_client_from_state(*args, **kwargs)
 
-    async def create_training_client_from_state_with_optimizer_async(self, path: str) -> TrainingClient:
-        return await asyncio.to_thread(self.create_training_client_from_state_with_optimizer, path)
+    async def create_training_client_from_state_with_optimizer_async(self, *args, **kwargs) -> TrainingClient:
+        return await self.create_training_client_from_state_with_optimizer(*args, **kwargs)
 
-    def _create(self, request: tpb.CreateSessionRequest) -> TrainingClient:
-        try:
-            session = self.trainer.CreateSession(request, metadata=self.metadata)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
-        return TrainingClient(self, session)
+    def _create(self, request: tpb.CreateSessionRequest,
+                user_metadata: dict[str, str] | None) -> ClientFuture[TrainingClient]:
+        def create() -> TrainingClient:
+            try:
+                session = self.trainer.CreateSession(request, metadata=self.metadata)
+            except grpc.RpcError as exc:
+                raise from_rpc_error(exc) from None
+            client = TrainingClient(self, session)
+            client.user_metadata = user_metadata
+            return client
+
+        return ClientFuture(self.pool.submit(create))
 
     # -- sampling clients ---------------------------------------------------------------------------------------
-    def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None) -> SamplingClient:
+    def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None,
+                               retry_config: Any = None,
+                               record_stability_info: bool = False) -> ClientFuture[SamplingClient]:
         """Sample from saved weights (model_path "trainyard://weights/<version id>", from save_weights_for_sampler:
-        that exact version) or from a base model (or a deployment) by name."""
+        that exact version) or from a base model (or a deployment) by name. The future fails if the rollout service
+        does not answer (a wrong or unset rollout_url)."""
         if model_path is None and base_model is None:
             raise ValueError("model_path, base_model: give one of them")
+        _check_sampling_options(retry_config, record_stability_info)
         if model_path is not None:
-            return SamplingClient(self, _check_path(model_path, WEIGHTS_PREFIX, "save_weights_for_sampler"),
-                                  base_model)
-        return SamplingClient(self, base_model, base_model)
+            client = SamplingClient(self, _check_path(model_path, WEIGHTS_PREFIX, "save_weights_for_sampler"),
+                                    base_model)
+        else:
+            client = SamplingClient(self, base_model, base_model)
+        return ClientFuture(self.pool.submit(self._rollout_answering, client))
 
-    async def create_sampling_client_async(self, model_path: str | None = None,
-                                           base_model: str | None = None) -> SamplingClient:
-        return self.create_sampling_client(model_path, base_model)
+    async def create_sampling_client_async(self, model_path: str | None = None, base_model: str | None = None,
+                                           retry_config: Any = None,
+                                           record_stability_info: bool = False) -> SamplingClient:
+        return await self.create_sampling_client(model_path, base_model, retry_config, record_stability_info)
+
+    def _rollout_answering(self, client: SamplingClient) -> SamplingClient:
+        """client, once the rollout's health service answered (UNAVAILABLE at once when nothing listens there)."""
+        try:
+            health_pb2_grpc.HealthStub(self._rollout_channel).Check(health_pb2.HealthCheckRequest(),
+                                                                    metadata=self.metadata)
+        except grpc.RpcError as exc:
+            raise TrainyardError(exc.code().name, f"the rollout service at {self.config.rollout_url} does not answer "
+                                 f"({exc.details()}); set it with ServiceClient(rollout_url=...), "
+                                 "TRAINYARD_ROLLOUT_URL or `trainyard login --rollout-url`") from None
+        return client
+
+
+class ClientFuture(APIFuture[C]):
+    """A future of a TrainingClient or SamplingClient (what Tinker 0.38's create_* methods return): `.result()` or
+    `await` it. Using it directly as the client still works, with a FutureWarning, as Tinker's
+    BackcompatTrainingClientFuture / BackcompatSamplingClientFuture."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        warnings.warn(f"Reading `.{name}` from the future a client-creation method returned is deprecated (as in "
+                      "Tinker): call .result() on it, or await it, to get the client first", FutureWarning,
+                      stacklevel=2)
+        return getattr(self.result(), name)
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    if optimizer is not None and getattr(optimizer, "type", None) != "adamw":
+        raise ValueError(f"optimizer: only Adam(W) is supported (None or an optimizer config of type 'adamw'), got "
+                         f"{optimizer!r}")
+
+
+def _check_from_state(base_model: str | None, weights_access_token: str | None) -> None:
+    if base_model is not None:
+        raise ValueError("base_model: not supported; a state is restored onto the base model it was saved from")
+    if weights_access_token is not None:
+        raise ValueError("weights_access_token: not supported; an account reads only its own checkpoints")
+
+
+def _check_sampling_options(retry_config: Any, record_stability_info: bool) -> None:
+    if retry_config is not None:
+        raise ValueError("retry_config: not supported; the rollout's errors reach the sample's future as they are")
+    if record_stability_info:
+        raise ValueError("record_stability_info: not supported by Trainyard's rollout")
 
 
 def _seed(seed: int | None) -> int:
@@ -153,6 +266,7 @@ def _check_path(path: str, prefix: str, maker: str) -> str:
     return path
 
 
+@async_twin_signatures
 class TrainingClient(OrderedCalls):
     """One trainer session: a LoRA adapter (or full weights) and its optimizer state. Calls return APIFutures."""
 
@@ -250,13 +364,19 @@ class TrainingClient(OrderedCalls):
 
         return self._submit("forward_backward_stream", 1, body)
 
-    def forward_backward_custom(self, data: list[types.Datum],
-                                loss_fn: CustomLossFn) -> APIFuture[types.ForwardBackwardOutput]:
+    def forward_backward_custom(self, data: list[types.Datum], loss_fn: CustomLossFn, *,
+                                loss_type_input: str | None = None) -> APIFuture[types.ForwardBackwardOutput]:
         """Any differentiable function of the logprobs, in two passes: Forward gives each datum's logprobs of its
         target_tokens; loss, metrics = loss_fn(data, logprobs_list) runs here with torch autograd (one tensor per
         datum, shaped like its target_tokens: [T] or [T, K]); then ForwardBackward with the built-in cross_entropy
         and weights = -dloss/dlogprobs, whose gradient is exactly dloss/dparams. metrics of the result: the user's,
-        with "loss" = the user's loss (the surrogate's own loss:* values are left out)."""
+        with "loss" = the user's loss (the surrogate's own loss:* values are left out). loss_type_input: None or
+        "logprobs" (Tinker's; the only input a custom loss gets)."""
+        if loss_type_input not in (None, "logprobs"):
+            raise ValueError(f"loss_type_input: must be None or 'logprobs', got {loss_type_input!r}")
+        if not callable(loss_fn):
+            raise ValueError("loss_fn: must be a function (data, logprobs_list) -> (loss, metrics); Tinker's "
+                             "server-side LossHandle is not supported")
         data = self._data(data)
         for i, d in enumerate(data):
             if "target_tokens" not in d.loss_fn_inputs:
@@ -288,9 +408,16 @@ class TrainingClient(OrderedCalls):
 
         return self._submit("forward_backward_custom", 2, body)
 
-    def optim_step(self, adam_params: types.AdamParams | None = None) -> APIFuture[types.OptimStepResponse]:
-        """One Adam(W) step on the accumulated gradients, which it then clears."""
-        request = tpb.OptimStepRequest(session_id=self.model_id, adam=(adam_params or types.AdamParams()).to_proto())
+    def optim_step(self, optim_params: types.OptimParams | None = None, *,
+                   adam_params: types.AdamParams | None = None) -> APIFuture[types.OptimStepResponse]:
+        """One Adam(W) step on the accumulated gradients, which it then clears. Give the parameters as optim_params
+        or adam_params (Tinker's older keyword), not both; neither: AdamParams()'s defaults."""
+        if optim_params is not None and adam_params is not None:
+            raise ValueError("optim_params, adam_params: give one of them")
+        params = optim_params if optim_params is not None else adam_params
+        if params is not None and not isinstance(params, types.AdamParams):
+            raise ValueError(f"optim_params: only AdamParams is supported, got {type(params).__name__}")
+        request = tpb.OptimStepRequest(session_id=self.model_id, adam=(params or types.AdamParams()).to_proto())
 
         def body(seq_id: int) -> types.OptimStepResponse:
             request.seq_id = seq_id
@@ -299,8 +426,13 @@ class TrainingClient(OrderedCalls):
 
         return self._submit("optim_step", 1, body)
 
-    def save_state(self, name: str = "") -> APIFuture[types.SaveWeightsResponse]:
-        """Weights and optimizer state, to resume later; the result's path is "trainyard://state/<checkpoint id>"."""
+    def save_state(self, name: str = "", ttl_seconds: int | None = None, overwrite: bool = False,
+                   user_metadata: dict[str, str] | None = None) -> APIFuture[types.SaveWeightsResponse]:
+        """Weights and optimizer state, to resume later; the result's path is "trainyard://state/<checkpoint id>".
+        name is a label (several checkpoints may share one, so overwrite changes nothing); ttl_seconds and
+        user_metadata are not kept (a FutureWarning says so): checkpoints stay until deleted."""
+        _not_kept(ttl_seconds=ttl_seconds, user_metadata=user_metadata)
+
         def body(seq_id: int) -> types.SaveWeightsResponse:
             resp = self._ordered("SaveState", tpb.SaveStateRequest(session_id=self.model_id, seq_id=seq_id,
                                                                    name=name))
@@ -309,26 +441,34 @@ class TrainingClient(OrderedCalls):
 
         return self._submit("save_state", 1, body)
 
-    def load_state(self, path: str) -> APIFuture[types.LoadWeightsResponse]:
+    def load_state(self, path: str, weights_access_token: str | None = None) -> APIFuture[types.LoadWeightsResponse]:
         """Replace the weights with a saved state's (same shape); the optimizer state is kept."""
-        return self._load(path, with_optimizer=False)
+        return self._load(path, weights_access_token, with_optimizer=False)
 
-    def load_state_with_optimizer(self, path: str) -> APIFuture[types.LoadWeightsResponse]:
-        return self._load(path, with_optimizer=True)
+    def load_state_with_optimizer(self, path: str,
+                                  weights_access_token: str | None = None) -> APIFuture[types.LoadWeightsResponse]:
+        return self._load(path, weights_access_token, with_optimizer=True)
 
-    def _load(self, path: str, with_optimizer: bool) -> APIFuture[types.LoadWeightsResponse]:
+    def _load(self, path: str, weights_access_token: str | None,
+              with_optimizer: bool) -> APIFuture[types.LoadWeightsResponse]:
+        _check_from_state(None, weights_access_token)
         path = _check_path(path, STATE_PREFIX, "save_state")
 
         def body(seq_id: int) -> types.LoadWeightsResponse:
             self._ordered("LoadState", tpb.LoadStateRequest(session_id=self.model_id, seq_id=seq_id, path=path,
                                                             with_optimizer=with_optimizer))
-            return types.LoadWeightsResponse(path=path)
+            return types.LoadWeightsResponse(path=path, model_id=self.model_id)
 
         return self._submit("load_state_with_optimizer" if with_optimizer else "load_state", 1, body)
 
-    def save_weights_for_sampler(self, name: str = "") -> APIFuture[types.SaveWeightsForSamplerResponse]:
+    def save_weights_for_sampler(self, name: str = "", ttl_seconds: int | None = None,
+                                 user_metadata: dict[str, str] | None = None
+                                 ) -> APIFuture[types.SaveWeightsForSamplerResponse]:
         """Publish the weights as the next version of the session's lineage; the result's path
-        ("trainyard://weights/<version id>") is what a SamplingClient samples, pinned to that version."""
+        ("trainyard://weights/<version id>") is what a SamplingClient samples, pinned to that version. ttl_seconds and
+        user_metadata are not kept (a FutureWarning says so)."""
+        _not_kept(ttl_seconds=ttl_seconds, user_metadata=user_metadata)
+
         def body(seq_id: int) -> types.SaveWeightsForSamplerResponse:
             resp = self._ordered("SaveWeights", tpb.SaveWeightsRequest(session_id=self.model_id, seq_id=seq_id,
                                                                        name=name))
@@ -337,12 +477,24 @@ class TrainingClient(OrderedCalls):
 
         return self._submit("save_weights_for_sampler", 1, body)
 
-    def save_weights_and_get_sampling_client(self, name: str = "") -> SamplingClient:
-        saved = self.save_weights_for_sampler(name).result()
-        return SamplingClient(self.service, saved.path, self.base_model)
+    def save_weights_and_get_sampling_client(self, name: str | None = None, retry_config: Any = None,
+                                             record_stability_info: bool = False,
+                                             kind: str = "snapshot") -> ClientFuture[SamplingClient]:
+        """save_weights_for_sampler, then a SamplingClient pinned to that version (a future of it, as Tinker 0.38).
+        Unlike Tinker's, the save is durable: each call publishes a weight version and a checkpoint."""
+        _check_sampling_options(retry_config, record_stability_info)
+        if kind != "snapshot":
+            raise ValueError(f"kind: only 'snapshot' is supported, got {kind!r}")
+        saved = self.save_weights_for_sampler(name or "")
+        return ClientFuture(_then(
+            saved.future(), lambda r: SamplingClient(self.service, r.path, self.base_model, self.get_tokenizer)))
 
-    def create_sampling_client(self, model_path: str) -> SamplingClient:
-        return self.service.create_sampling_client(model_path=model_path)
+    def create_sampling_client(self, model_path: str, retry_config: Any = None,
+                               record_stability_info: bool = False) -> ClientFuture[SamplingClient]:
+        _check_sampling_options(retry_config, record_stability_info)
+        client = SamplingClient(self.service, _check_path(model_path, WEIGHTS_PREFIX, "save_weights_for_sampler"),
+                                self.base_model, self.get_tokenizer)
+        return ClientFuture(self.service.pool.submit(self.service._rollout_answering, client))
 
     # Async variants, as Tinker's: `fut = await tc.forward_backward_async(...)`, then `result = await fut`.
     async def forward_async(self, *args, **kwargs) -> APIFuture[types.ForwardBackwardOutput]:
@@ -360,21 +512,23 @@ class TrainingClient(OrderedCalls):
     async def optim_step_async(self, *args, **kwargs) -> APIFuture[types.OptimStepResponse]:
         return self.optim_step(*args, **kwargs)
 
-    async def save_state_async(self, name: str = "") -> APIFuture[types.SaveWeightsResponse]:
-        return self.save_state(name)
+    async def save_state_async(self, *args, **kwargs) -> APIFuture[types.SaveWeightsResponse]:
+        return self.save_state(*args, **kwargs)
 
-    async def load_state_async(self, path: str) -> APIFuture[types.LoadWeightsResponse]:
-        return self.load_state(path)
+    async def load_state_async(self, *args, **kwargs) -> APIFuture[types.LoadWeightsResponse]:
+        return self.load_state(*args, **kwargs)
 
-    async def load_state_with_optimizer_async(self, path: str) -> APIFuture[types.LoadWeightsResponse]:
-        return self.load_state_with_optimizer(path)
+    async def load_state_with_optimizer_async(self, *args, **kwargs) -> APIFuture[types.LoadWeightsResponse]:
+        return self.load_state_with_optimizer(*args, **kwargs)
 
-    async def save_weights_for_sampler_async(self, name: str = "") -> APIFuture[types.SaveWeightsForSamplerResponse]:
-        return self.save_weights_for_sampler(name)
+    async def save_weights_for_sampler_async(self, *args, **kwargs) -> APIFuture[types.SaveWeightsForSamplerResponse]:
+        return self.save_weights_for_sampler(*args, **kwargs)
 
-    async def save_weights_and_get_sampling_client_async(self, name: str = "") -> SamplingClient:
-        saved = await self.save_weights_for_sampler(name)
-        return SamplingClient(self.service, saved.path, self.base_model)
+    async def save_weights_and_get_sampling_client_async(self, *args, **kwargs) -> SamplingClient:
+        return await self.save_weights_and_get_sampling_client(*args, **kwargs)
+
+    async def create_sampling_client_async(self, *args, **kwargs) -> SamplingClient:
+        return await self.create_sampling_client(*args, **kwargs)
 
     # -- unordered calls ----------------------------------------------------------------------------------------
     def get_info(self) -> types.GetInfoResponse:
@@ -407,6 +561,27 @@ class TrainingClient(OrderedCalls):
             self._call("CloseSession", tpb.CloseSessionRequest(id=self.model_id))
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
+
+
+def _not_kept(**values: Any) -> None:
+    given = [name for name, value in values.items() if value is not None]
+    if given:
+        warnings.warn(f"{', '.join(given)}: not kept by Trainyard (checkpoints and weight versions stay until "
+                      "deleted, and carry no user metadata)", FutureWarning, stacklevel=3)
+
+
+def _then(future: concurrent.futures.Future, convert: Callable[[Any], Any]) -> concurrent.futures.Future:
+    """A future of convert(future's result), failing as future does."""
+    out: concurrent.futures.Future = concurrent.futures.Future()
+
+    def done(f: concurrent.futures.Future) -> None:
+        try:
+            out.set_result(convert(f.result()))
+        except BaseException as exc:  # noqa: BLE001 - the failure belongs to the future's waiter
+            out.set_exception(exc)
+
+    future.add_done_callback(done)
+    return out
 
 
 def _custom_weights(data: list[types.Datum], out: types.ForwardBackwardOutput,

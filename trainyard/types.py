@@ -13,18 +13,22 @@ from __future__ import annotations
 
 import math
 import operator
+import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from trainyard.v1 import rollout_pb2, trainer_pb2
 
 __all__ = [
-    "AdamParams", "Datum", "EncodedTextChunk", "ForwardBackwardOutput", "GetInfoResponse", "LoadWeightsResponse",
-    "ModelData", "ModelInput", "OptimStepResponse", "SampleResponse", "SampledSequence", "SamplingParams",
-    "SaveWeightsForSamplerResponse", "SaveWeightsResponse", "TensorData",
+    "AdamParams", "Datum", "EncodedTextChunk", "ForwardBackwardOutput", "GetInfoResponse",
+    "GetServerCapabilitiesResponse", "LoadWeightsResponse", "LoraConfig", "ModelData", "ModelInput",
+    "ModelInputChunk", "OptimParams", "OptimStepResponse", "SampleResponse", "SampledSequence", "SamplingParams",
+    "SaveWeightsForSamplerResponse", "SaveWeightsResponse", "StopReason", "SupportedModel", "TensorData",
+    "TensorDtype",
 ]
 
 TensorDtype = Literal["int64", "float32"]
@@ -34,7 +38,10 @@ _WIRE = {"int64": trainer_pb2.TensorData.DTYPE_INT64, "float32": trainer_pb2.Ten
 _FROM_WIRE = {v: k for k, v in _WIRE.items()}
 # The wire dtype of well-known loss inputs given as plain lists or arrays of another dtype.
 LOSS_INPUT_DTYPES: dict[str, TensorDtype] = {"target_tokens": "int64", "weights": "float32", "advantages": "float32",
-                                             "logprobs": "float32", "mask": "float32"}
+                                             "logprobs": "float32", "mask": "float32",
+                                             # Tinker's other float inputs
+                                             "clip_low_threshold": "float32", "clip_high_threshold": "float32",
+                                             "sequence_ratio_mask": "float32"}
 MAX_TOKEN_ID = 2**31 - 1  # token ids travel as int32
 
 
@@ -73,8 +80,8 @@ class TensorData:
 
     __slots__ = ("_array",)
 
-    def __init__(self, data: Any, dtype: TensorDtype | None = None, shape: Sequence[int] | None = None):
-        arr = _as_array(data, dtype, "TensorData.data")
+    def __init__(self, data: Any = None, dtype: TensorDtype | None = None, shape: Sequence[int] | None = None):
+        arr = _as_array(np.empty(0, _NUMPY[dtype or "float32"]) if data is None else data, dtype, "TensorData.data")
         if shape is not None:
             shape = tuple(operator.index(s) for s in shape)
             if any(s < 0 for s in shape) or math.prod(shape) != arr.size:
@@ -155,40 +162,65 @@ def _token_ids(tokens: Iterable[int], where: str) -> tuple[int, ...]:
     return ids
 
 
-@dataclass(frozen=True)
-class EncodedTextChunk:
+class _Model(BaseModel):
+    """Tinker's request types: frozen pydantic models that refuse unknown fields."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _Response(BaseModel):
+    """Tinker's response types (and SamplingParams): frozen pydantic models that ignore unknown fields."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class EncodedTextChunk(_Model):
     tokens: Sequence[int]
     type: Literal["encoded_text"] = "encoded_text"
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "tokens", _token_ids(self.tokens, "EncodedTextChunk.tokens"))
+    def __init__(self, tokens: Iterable[int] | None = None, /, **kwargs: Any):
+        super().__init__(**kwargs) if tokens is None else super().__init__(tokens=tokens, **kwargs)
+
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _tokens(cls, tokens: Any) -> tuple[int, ...]:
+        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable):
+            raise ValueError("EncodedTextChunk.tokens: token ids must be integers")
+        return _token_ids(tokens, "EncodedTextChunk.tokens")
 
     @property
     def length(self) -> int:
         return len(self.tokens)
 
 
-@dataclass(frozen=True)
-class ModelInput:
+ModelInputChunk = EncodedTextChunk  # Tinker's union also has image chunks; Trainyard's models take only text
+
+
+class ModelInput(_Model):
     """The tokens fed to the model, as chunks (only encoded text: Trainyard's models take no images)."""
 
-    chunks: Sequence[EncodedTextChunk] = ()
+    chunks: Sequence[EncodedTextChunk]
 
-    def __post_init__(self) -> None:
-        chunks = tuple(self.chunks)
+    def __init__(self, chunks: Iterable[EncodedTextChunk] | None = None, /, **kwargs: Any):
+        super().__init__(**kwargs) if chunks is None else super().__init__(chunks=chunks, **kwargs)
+
+    @field_validator("chunks", mode="before")
+    @classmethod
+    def _chunks(cls, chunks: Any) -> tuple[EncodedTextChunk, ...]:
+        chunks = tuple(chunks)
         for i, c in enumerate(chunks):
             if not isinstance(c, EncodedTextChunk):
                 raise ValueError(f"ModelInput.chunks[{i}]: only EncodedTextChunk is supported, got "
                                  f"{type(c).__name__}")
-        object.__setattr__(self, "chunks", chunks)
+        return chunks
 
     @classmethod
     def from_ints(cls, tokens: Iterable[int]) -> ModelInput:
-        return cls((EncodedTextChunk(tuple(tokens)),))
+        return cls(chunks=(EncodedTextChunk(tokens=tuple(tokens)),))
 
     @classmethod
     def empty(cls) -> ModelInput:
-        return cls()
+        return cls(chunks=())
 
     def to_ints(self) -> list[int]:
         return [t for c in self.chunks for t in c.tokens]
@@ -198,13 +230,10 @@ class ModelInput:
         return sum(c.length for c in self.chunks)
 
     def append(self, chunk: EncodedTextChunk) -> ModelInput:
-        return ModelInput((*self.chunks, chunk))
+        return ModelInput(chunks=(*self.chunks, chunk))
 
     def append_int(self, token: int) -> ModelInput:
-        if self.chunks:
-            *head, last = self.chunks
-            return ModelInput((*head, EncodedTextChunk((*last.tokens, token))))
-        return ModelInput.from_ints([token])
+        return self.append(EncodedTextChunk(tokens=(token,)))
 
 
 @dataclass(frozen=True)
@@ -276,9 +305,9 @@ def _integer(value: Any, where: str) -> int:
         raise ValueError(f"{where}: must be an integer, got {value!r}") from None
 
 
-@dataclass
-class SamplingParams:
-    """As Tinker's: top_k -1 = no limit; stop is a string, a list of strings, or a list of token ids."""
+class SamplingParams(_Response):
+    """As Tinker's: top_k -1 = no limit; stop is a string, a list of strings, or a list of token ids. stop None
+    keeps the tokenizer's end-of-sequence stopping; stop [] turns it off too (generation runs to max_tokens)."""
 
     max_tokens: int | None = None
     seed: int | None = None
@@ -300,6 +329,7 @@ class SamplingParams:
         if self.seed is not None:
             p.seed = _integer(self.seed, "sampling_params.seed")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        p.ignore_eos = self.stop is not None and not stop
         if all(isinstance(s, str) for s in stop):
             p.stop.extend(stop)
         else:
@@ -307,8 +337,7 @@ class SamplingParams:
         return p
 
 
-@dataclass
-class AdamParams:
+class AdamParams(_Model):
     """Adam(W) hyperparameters of one optim_step; the defaults are Tinker's. grad_clip_norm 0 = no clipping. The
     server checks the ranges (INVALID_ARGUMENT naming adam.<field>)."""
 
@@ -324,67 +353,82 @@ class AdamParams:
         return trainer_pb2.AdamParams(**{n: _number(getattr(self, n), f"adam_params.{n}") for n in names})
 
 
+OptimParams = AdamParams  # Tinker's union also has DimuonParams; Trainyard's optimizer is Adam(W)
+
+
+class LoraConfig(_Model):
+    """What create_lora_training_client takes, as Tinker's LoraConfig."""
+
+    rank: int
+    seed: int | None = None
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
+
+
 # ---- outputs ------------------------------------------------------------------------------------------------------
 
 @dataclass
 class ForwardBackwardOutput:
     """Per datum, the loss's outputs ("logprobs": float32 [T] or [T, K]); metrics by "name:sum" / "name:mean"."""
 
+    loss_fn_output_type: str
     loss_fn_outputs: list[dict[str, TensorData]]
-    metrics: dict[str, float]
-    loss_fn_output_type: str = "TensorData"
+    metrics: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_proto(cls, msg: trainer_pb2.ForwardResponse) -> ForwardBackwardOutput:
-        return cls([{k: TensorData.from_proto(v) for k, v in o.loss_fn_outputs.items()} for o in msg.outputs],
-                   dict(msg.metrics))
+        return cls("TensorData", [{k: TensorData.from_proto(v) for k, v in o.loss_fn_outputs.items()}
+                                  for o in msg.outputs], dict(msg.metrics))
 
 
-@dataclass
-class OptimStepResponse:
-    metrics: dict[str, float]
+class OptimStepResponse(_Response):
+    metrics: dict[str, float] | None = None
     step: int = 0  # optimizer steps the session has taken, this one included
 
 
-@dataclass
-class SaveWeightsResponse:
+class SaveWeightsResponse(_Response):
     """save_state: path is "trainyard://state/<checkpoint id>"."""
 
     path: str
+    type: Literal["save_weights"] | None = None
     checkpoint_id: str = ""
 
 
-@dataclass
-class SaveWeightsForSamplerResponse:
+class SaveWeightsForSamplerResponse(_Response):
     """save_weights_for_sampler: path is "trainyard://weights/<version id>", the version published to the weight-sync
     service (sample it with ServiceClient.create_sampling_client(model_path=path)); checkpoint_id is the PEFT (or
     full-weight) checkpoint the scheduler can deploy."""
 
     path: str
+    type: Literal["save_weights_for_sampler"] | None = None
     version_id: str = ""
     checkpoint_id: str = ""
 
 
-@dataclass
-class LoadWeightsResponse:
-    path: str
+class LoadWeightsResponse(_Response):
+    path: str | None = None
+    model_id: str | None = None
+    type: Literal["load_weights"] | None = None
 
 
-@dataclass
-class ModelData:
+class ModelData(_Response):
     arch: str | None = None
     model_name: str | None = None
+    tokenizer_id: str | None = None
 
 
-@dataclass
-class GetInfoResponse:
-    model_id: str  # the session id
+class GetInfoResponse(_Response):
+    """Tinker's fields (model_data, model_id, is_lora, lora_rank, model_name), then the session's other facts."""
+
+    type: Literal["get_info"] | None = None
     model_data: ModelData
-    model_name: str
-    is_lora: bool
-    lora_rank: int | None
+    model_id: str  # the session id
+    is_lora: bool | None = None
+    lora_rank: int | None = None
+    model_name: str | None = None
     lora_alpha: float | None = None
-    target_modules: list[str] = field(default_factory=list)
+    target_modules: list[str] = []
     num_trainable_parameters: int = 0
     vocab_size: int = 0
     num_layers: int = 0
@@ -398,7 +442,8 @@ class GetInfoResponse:
     @classmethod
     def from_proto(cls, s: trainer_pb2.Session) -> GetInfoResponse:
         lora = not s.full_parameter
-        return cls(model_id=s.id, model_data=ModelData(arch=s.architecture or None, model_name=s.base_model),
+        return cls(model_id=s.id, model_data=ModelData(arch=s.architecture or None, model_name=s.base_model,
+                                                       tokenizer_id=s.base_model),
                    model_name=s.base_model, is_lora=lora, lora_rank=s.lora_rank if lora else None,
                    lora_alpha=s.lora_alpha if lora else None, target_modules=list(s.target_modules),
                    num_trainable_parameters=s.num_trainable_parameters, vocab_size=s.vocab_size,
@@ -406,11 +451,25 @@ class GetInfoResponse:
                    optim_steps=s.optim_steps, lineage=s.lineage, closed=s.closed, error=s.error)
 
 
+class SupportedModel(_Response):
+    model_name: str | None = None
+
+
+class GetServerCapabilitiesResponse(_Response):
+    supported_models: list[SupportedModel]
+
+
+TopkLogprobs = list[list[tuple[int, float]] | None]
+
+
 @dataclass
 class SampledSequence:
     stop_reason: StopReason
     tokens: list[int]
     logprobs: list[float]  # of each sampled token under the raw distribution (before temperature and filters)
+    sequence_id: str = ""
+    # With topk_sample_logprobs = k: per sampled token, the k most likely (token id, logprob), most likely first.
+    topk_logprobs: TopkLogprobs | None = None
     text: str = ""
 
 
@@ -419,13 +478,18 @@ class SampleResponse:
     sequences: list[SampledSequence]
     # With include_prompt_logprobs: one entry per prompt token, None for the first (it has no context).
     prompt_logprobs: list[float | None] | None = None
-    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+    topk_prompt_logprobs: TopkLogprobs | None = None
     prompt_tokens: list[int] = field(default_factory=list)
     weight_version_id: str = ""  # the weight version the request ran on, when it names one
 
     @classmethod
-    def from_proto(cls, msg: rollout_pb2.SampleResponse, prompt_logprobs: bool) -> SampleResponse:
+    def from_proto(cls, msg: rollout_pb2.SampleResponse, prompt_logprobs: bool,
+                   topk_logprobs: bool = False) -> SampleResponse:
+        request = secrets.token_hex(8)
         seqs = [SampledSequence(stop_reason=s.finish_reason, tokens=list(s.tokens), logprobs=list(s.logprobs),
-                                text=s.text) for s in msg.sequences]
+                                sequence_id=f"seq_{request}_{i}", text=s.text,
+                                topk_logprobs=[list(zip(t.token_ids, t.logprobs)) for t in s.top_logprobs]
+                                if topk_logprobs else None)
+                for i, s in enumerate(msg.sequences)]
         return cls(sequences=seqs, prompt_logprobs=[None, *msg.prompt_logprobs] if prompt_logprobs else None,
                    prompt_tokens=list(msg.prompt_tokens), weight_version_id=msg.weight_version_id)

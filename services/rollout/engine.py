@@ -354,7 +354,7 @@ class Engine:
                 slot = self._make_resident(base, entry, pin=True)
         request_id = uuid.uuid4().hex
         handle = RequestHandle(request_id, params.n, lambda: base.loop.abort(request_id))
-        stop_ids = {*base.eos_ids, *params.stop_token_ids}
+        stop_ids = {*(() if params.ignore_eos else base.eos_ids), *params.stop_token_ids}
 
         def add() -> None:  # in the loop thread
             try:

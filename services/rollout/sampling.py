@@ -17,7 +17,7 @@ Choices the API leaves open, fixed here:
   requests or samples in the batch, nor on preemption. A draw is what torch.multinomial(probs, 1) does: V
   exponential variates q from the sample's generator, then argmax(probs / q).
 - Everything is per row (elementwise ops, per-row reductions), so a row's result does not depend on the batch.
-- A sequence ends with finish_reason "stop" on an end-of-sequence or stop_token_ids token (the token is returned in
+- A sequence ends with finish_reason "stop" on an end-of-sequence (unless ignore_eos) or stop_token_ids token (the token is returned in
   `tokens` with its logprob, as RL training needs it, but is not part of `text`), or when a stop string first
   appears in the decoded text: `tokens` then end with the token that completed the stop string (that token may
   decode to more than the stop string's tail) and `text` ends right before the stop string. Otherwise it ends with
@@ -56,6 +56,7 @@ class SamplingParams:
     top_logprobs: int = 0  # alternatives (token id, logprob) per sampled token, the most likely first
     prompt_logprobs: bool = False  # logprob of every prompt token after the first, given its prefix
     return_router_ids: bool = False  # MoE models: the experts each MoE layer chose at every position fed
+    ignore_eos: bool = False  # end-of-sequence tokens do not end a sample (only stop, stop_token_ids, max_tokens)
 
 
 @dataclass

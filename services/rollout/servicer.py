@@ -15,7 +15,7 @@ from trainyard.v1 import rollout_pb2 as pb, rollout_pb2_grpc as rpc
 
 _DEFAULTS = SamplingParams()
 _OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "n", "top_logprobs", "prompt_logprobs",
-             "return_router_ids")
+             "return_router_ids", "ignore_eos")
 
 
 def sampling_params(p: pb.SamplingParams) -> SamplingParams:

@@ -50,7 +50,7 @@ def test_metrics_of_every_service_move_with_a_job_and_a_training_api_session(sta
     assert job_lines and all(f"account_id={account_id} job_id={job.id}" in line for line in job_lines), job_lines
 
     with ServiceClient(base_url=stack.url("trainer"), api_key=api_key, rollout_url=stack.url("rollout")) as service:
-        tc = service.create_lora_training_client("tiny-qwen3", rank=4, seed=1)
+        tc = service.create_lora_training_client("tiny-qwen3", rank=4, seed=1).result()
         first = tc.save_weights_for_sampler("m1").result()
         client.create_deployment("metrics-follower", lineage=tc.model_id)
         with grpc.insecure_channel(stack.url("rollout")) as ch:

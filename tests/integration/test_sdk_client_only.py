@@ -20,7 +20,7 @@ from trainyard import Client, ServiceClient, types
 client = Client(url=sys.argv[1], api_key=sys.argv[3])
 names = [m.name for m in client.list_models()]
 with ServiceClient(base_url=sys.argv[2], api_key=sys.argv[3]) as service:
-    tc = service.create_lora_training_client("tiny-qwen3", rank=4, seed=0)
+    tc = service.create_lora_training_client("tiny-qwen3", rank=4, seed=0).result()
     tokens = tc.get_tokenizer().encode("The quick brown fox jumps over the lazy dog.", add_special_tokens=False)
     datum = types.Datum(types.ModelInput.from_ints(tokens[:-1]),
                         {"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})

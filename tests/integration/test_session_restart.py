@@ -80,7 +80,7 @@ def _adapter_sha(weightsync, version_id: str) -> str:
 
 
 def _undisturbed(service, weightsync) -> str:
-    tc = service.create_lora_training_client("tiny-qwen3", rank=4, seed=3)
+    tc = service.create_lora_training_client("tiny-qwen3", rank=4, seed=3).result()
     for f in _train(tc, range(STEPS)):
         f.result()
     return _adapter_sha(weightsync, tc.save_weights_for_sampler("undisturbed").result().version_id)
@@ -99,7 +99,7 @@ def _json_records(stack) -> list[dict]:
 
 def test_sigterm_restart_in_the_middle_of_pipelined_calls(recording_trainer, service, client, rollout, weightsync):
     want = _undisturbed(service, weightsync)
-    tc = service.create_lora_training_client("tiny-qwen3", rank=4, seed=3)
+    tc = service.create_lora_training_client("tiny-qwen3", rank=4, seed=3).result()
     first = _following(client, rollout, tc, "follows-sigterm")
     futures = _train(tc, range(STEPS))
     futures[3].result()
@@ -125,7 +125,7 @@ def test_sigterm_restart_in_the_middle_of_pipelined_calls(recording_trainer, ser
 def test_kill_9_goes_back_to_the_last_record_and_the_session_resumes(recording_trainer, service, client, rollout,
                                                                       weightsync):
     want = _undisturbed(service, weightsync)
-    tc = service.create_lora_training_client("tiny-qwen3", rank=4, seed=3)
+    tc = service.create_lora_training_client("tiny-qwen3", rank=4, seed=3).result()
     first = _following(client, rollout, tc, "follows-kill")
     for f in _train(tc, range(3)):  # seq_ids 2..7; recorded after step 2 (seq_id 5): the session expects 6
         f.result()

@@ -63,7 +63,7 @@ def other_service(stack, other_api_key):
 
 def test_sft_loop_lowers_the_loss(service, monkeypatch, tmp_path):
     monkeypatch.setenv("TRAINYARD_CACHE_DIR", str(tmp_path))
-    tc = service.create_lora_training_client(BASE, rank=8, seed=0)
+    tc = service.create_lora_training_client(BASE, rank=8, seed=0).result()
     info = tc.get_info()
     assert (info.is_lora, info.lora_rank, info.lora_alpha, info.model_name, info.next_seq_id) == (
         True, 8, 32.0, BASE, 1)
@@ -89,7 +89,7 @@ def test_sft_loop_lowers_the_loss(service, monkeypatch, tmp_path):
 
 
 def test_calls_are_pipelined_and_run_in_order(service):
-    tc = service.create_lora_training_client(BASE, rank=8, seed=1)
+    tc = service.create_lora_training_client(BASE, rank=8, seed=1).result()
     data = sft_data()
     futures = []
     for _ in range(4):  # nothing waits for a result until everything is submitted
@@ -116,8 +116,8 @@ def test_calls_are_pipelined_and_run_in_order(service):
 
 def twins(service: ServiceClient, seed: int) -> tuple[TrainingClient, TrainingClient]:
     """Two sessions with the same initial adapter."""
-    return (service.create_lora_training_client(BASE, rank=8, seed=seed),
-            service.create_lora_training_client(BASE, rank=8, seed=seed))
+    return (service.create_lora_training_client(BASE, rank=8, seed=seed).result(),
+            service.create_lora_training_client(BASE, rank=8, seed=seed).result())
 
 
 def check_same_step(a: TrainingClient, b: TrainingClient, before: np.ndarray) -> None:
@@ -180,7 +180,7 @@ def test_custom_ppo_gives_the_builtin_gradient(service):
 
 
 def test_custom_loss_failure_leaves_the_session_usable(service):
-    tc = service.create_lora_training_client(BASE, rank=8, seed=5)
+    tc = service.create_lora_training_client(BASE, rank=8, seed=5).result()
 
     def broken(batch, lps):
         raise ZeroDivisionError("user bug")
@@ -221,7 +221,7 @@ def test_forward_backward_stream_equals_forward_backward(service):
 
 
 def test_bad_inputs_are_named_and_leave_the_session_usable(service):
-    tc = service.create_lora_training_client(BASE, rank=8, seed=7)
+    tc = service.create_lora_training_client(BASE, rank=8, seed=7).result()
     data = sft_data()
     vocab = tc.get_info().vocab_size
     cases = [
@@ -246,15 +246,15 @@ def test_bad_inputs_are_named_and_leave_the_session_usable(service):
     assert fb.result().metrics["loss:sum"] > 0
     assert tc.get_info().error == ""
     with pytest.raises(TrainyardError) as exc:
-        service.create_lora_training_client("no-such-model")
+        service.create_lora_training_client("no-such-model").result()
     assert (exc.value.code, exc.value.field) == ("INVALID_ARGUMENT", "base_model")
-    sampler = service.create_sampling_client(base_model=BASE)
+    sampler = service.create_sampling_client(base_model=BASE).result()
     err = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(temperature=50.0)).exception()
     assert (err.code, err.field) == ("INVALID_ARGUMENT", "params.temperature")
 
 
 def test_a_failed_call_stops_later_calls_naming_it(service):
-    tc = service.create_lora_training_client(BASE, rank=8, seed=8)
+    tc = service.create_lora_training_client(BASE, rank=8, seed=8).result()
     tc.forward_backward(sft_data(), "cross_entropy").result()
     TrainingClient(service, tpb.Session(id=tc.model_id)).close()  # the session goes away under tc
     with pytest.raises(TrainyardError) as first:
@@ -266,7 +266,7 @@ def test_a_failed_call_stops_later_calls_naming_it(service):
 
 
 def test_sessions_states_and_weights_are_invisible_to_another_account(service, other_service):
-    tc = service.create_lora_training_client(BASE, rank=8, seed=9)
+    tc = service.create_lora_training_client(BASE, rank=8, seed=9).result()
     saved = tc.save_weights_for_sampler("mine").result()
     state = tc.save_state("mine").result()
     intruder = TrainingClient(other_service, tpb.Session(id=tc.model_id))
@@ -275,15 +275,15 @@ def test_sessions_states_and_weights_are_invisible_to_another_account(service, o
     assert exc.value.code == "NOT_FOUND"
     assert intruder.forward(sft_data()).exception().code == "NOT_FOUND"
     with pytest.raises(TrainyardError) as exc:
-        other_service.create_training_client_from_state(state.path)
+        other_service.create_training_client_from_state(state.path).result()
     assert exc.value.code == "NOT_FOUND"
     prompt, params = types.ModelInput.from_ints(PROMPT), types.SamplingParams(max_tokens=2)
-    err = other_service.create_sampling_client(model_path=saved.path).sample(prompt, 1, params).exception()
+    err = other_service.create_sampling_client(model_path=saved.path).result().sample(prompt, 1, params).exception()
     assert err.code == "NOT_FOUND" and saved.version_id in err.message
-    err = service.create_sampling_client(model_path="trainyard://weights/wv_unknown").sample(prompt, 1,
+    err = service.create_sampling_client(model_path="trainyard://weights/wv_unknown").result().sample(prompt, 1,
                                                                                             params).exception()
     assert err.code == "NOT_FOUND"
-    assert service.create_sampling_client(model_path=saved.path).sample(prompt, 1, params).result().sequences
+    assert service.create_sampling_client(model_path=saved.path).result().sample(prompt, 1, params).result().sequences
     assert tc.forward(sft_data()).result().metrics["loss:sum"] > 0  # the owner's session is untouched
 
 
@@ -310,39 +310,39 @@ def check_sampler_serves(tc: TrainingClient, sampler: SamplingClient, base: Samp
 
 
 def test_saved_weights_are_sampled_exactly_at_their_version(service):
-    tc = service.create_lora_training_client(BASE, rank=8, seed=10)
+    tc = service.create_lora_training_client(BASE, rank=8, seed=10).result()
     target = [datum(PROMPT + [100, 101, 102, 103, 2], prompt_len=len(PROMPT))]
     for _ in range(6):
         tc.forward_backward(target, "cross_entropy")
         tc.optim_step(types.AdamParams(learning_rate=2e-2))
-    v1 = tc.save_weights_and_get_sampling_client("v1")
-    base = service.create_sampling_client(base_model=BASE)
+    v1 = tc.save_weights_and_get_sampling_client("v1").result()
+    base = service.create_sampling_client(base_model=BASE).result()
     version_1 = v1.model_path.removeprefix("trainyard://weights/")
     first = check_sampler_serves(tc, v1, base, version_1)
     for _ in range(2):
         tc.forward_backward(target, "cross_entropy")
         tc.optim_step(types.AdamParams(learning_rate=2e-2))
-    v2 = tc.save_weights_and_get_sampling_client("v2")
+    v2 = tc.save_weights_and_get_sampling_client("v2").result()
     check_sampler_serves(tc, v2, base, v2.model_path.removeprefix("trainyard://weights/"))
     again = v1.sample(types.ModelInput.from_ints(PROMPT), 1,
                       types.SamplingParams(max_tokens=8, temperature=0.0)).result()
     assert again.weight_version_id == version_1  # v1 stays v1 after newer versions exist
     assert np.abs(np.array(again.sequences[0].logprobs) - first).max() <= 1e-5
-    fresh = service.create_sampling_client(model_path=v1.model_path)  # the path alone is enough
+    fresh = service.create_sampling_client(model_path=v1.model_path).result()  # the path alone is enough
     assert fresh.sample(types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(
         max_tokens=8, temperature=0.0)).result().sequences[0].tokens == again.sequences[0].tokens
 
 
 def test_save_state_and_resume_with_the_optimizer(service):
-    tc = service.create_lora_training_client(BASE, rank=8, seed=11)
+    tc = service.create_lora_training_client(BASE, rank=8, seed=11).result()
     data, adam = sft_data(), types.AdamParams(learning_rate=1e-2)
     for _ in range(2):
         tc.forward_backward(data, "cross_entropy")
         tc.optim_step(adam)
     state = tc.save_state("after-2").result()
     assert state.path.startswith("trainyard://state/")
-    resumed = service.create_training_client_from_state_with_optimizer(state.path)
-    weights_only = service.create_training_client_from_state(state.path)
+    resumed = service.create_training_client_from_state_with_optimizer(state.path).result()
+    weights_only = service.create_training_client_from_state(state.path).result()
     assert resumed.get_info().lora_rank == 8 and resumed.model_id != tc.model_id
     assert np.array_equal(logprobs(resumed, EVAL), logprobs(tc, EVAL))  # the same weights, bit for bit
     for c in (tc, resumed, weights_only):
@@ -360,7 +360,7 @@ def test_save_state_and_resume_with_the_optimizer(service):
 
 
 def test_full_parameter_session_trains_and_samples(service):
-    tc = service.create_training_client(BASE, seed=0)
+    tc = service.create_training_client(BASE, seed=0).result()
     info = tc.get_info()
     assert not info.is_lora and info.lora_rank is None
     target = [datum(PROMPT + [100, 101, 102, 103, 2], prompt_len=len(PROMPT))]
@@ -370,8 +370,8 @@ def test_full_parameter_session_trains_and_samples(service):
         tc.optim_step(types.AdamParams(learning_rate=1e-3))
         losses.append(fb.result().metrics["loss:sum"])
     assert losses[-1] < losses[0]
-    sampler = tc.save_weights_and_get_sampling_client("full")
-    check_sampler_serves(tc, sampler, service.create_sampling_client(base_model=BASE),
+    sampler = tc.save_weights_and_get_sampling_client("full").result()
+    check_sampler_serves(tc, sampler, service.create_sampling_client(base_model=BASE).result(),
                          sampler.model_path.removeprefix("trainyard://weights/"))
 
 
@@ -385,7 +385,7 @@ def test_interleaved_sessions_in_the_trainer_process_match_each_alone(service, o
 
     def start(i: int) -> TrainingClient:
         svc, rank, seed, _ = settings[i]
-        return svc.create_lora_training_client(BASE, rank=rank, seed=seed)
+        return svc.create_lora_training_client(BASE, rank=rank, seed=seed).result()
 
     def step(i: int, tc: TrainingClient) -> None:
         tc.forward_backward(data[i], "cross_entropy").result()

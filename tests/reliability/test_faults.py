@@ -240,8 +240,8 @@ def test_training_session_survives_kill_9_of_the_trainer(fstack, client, fstubs,
                 tc.save_state(f"step-{i}").result()
             return tc.save_weights_for_sampler("final").result()
 
-        reference = loop(svc.create_lora_training_client(BASE, rank=8, seed=13))
-        tc = svc.create_lora_training_client(BASE, rank=8, seed=13)
+        reference = loop(svc.create_lora_training_client(BASE, rank=8, seed=13).result())
+        tc = svc.create_lora_training_client(BASE, rank=8, seed=13).result()
         start = tc.save_weights_for_sampler("start").result()
         follower = client.create_deployment("faults-trainer-follower", lineage=tc.model_id)
         wait_serving(fstubs, acct, follower.name, start.version_id)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainyard import APIFuture, ServiceClient, TrainingClient, types
+from trainyard import APIFuture, SamplingClient, ServiceClient, TrainingClient, types
 from trainyard.config import ClientConfig
 from trainyard.errors import TrainyardError
 from trainyard.training import _custom_weights
@@ -71,7 +71,8 @@ def test_model_input_chunks():
     mi = types.ModelInput.from_ints([5, 6, 7])
     assert mi.to_ints() == [5, 6, 7] and mi.length == 3 and mi.chunks[0].type == "encoded_text"
     longer = mi.append(types.EncodedTextChunk([8, 9])).append_int(10)
-    assert longer.to_ints() == [5, 6, 7, 8, 9, 10] and longer.length == 6 and len(longer.chunks) == 2
+    # append_int adds a one-token chunk, as Tinker's does
+    assert longer.to_ints() == [5, 6, 7, 8, 9, 10] and longer.length == 6 and len(longer.chunks) == 3
     assert mi.to_ints() == [5, 6, 7]  # immutable: append returns a new input
     assert types.ModelInput.empty().append_int(4).to_ints() == [4]
     assert types.ModelInput.from_ints(np.array([1, 2])).to_ints() == [1, 2]
@@ -222,18 +223,38 @@ def test_bad_inputs_are_refused_before_sending_and_use_no_seq_id(offline_client)
                                    lambda d, lp: (lp[0].sum(), {}))
     with pytest.raises(ValueError, match="path: expected 'trainyard://state/"):
         tc.load_state("trainyard://weights/wv_1")
+    with pytest.raises(ValueError, match=r"AdamParams\s+beta1"):  # pydantic refuses it when built, as Tinker's
+        types.AdamParams(beta1=None)
     with pytest.raises(ValueError, match="adam_params.beta1"):
-        tc.optim_step(types.AdamParams(beta1=None))
+        tc.optim_step(types.AdamParams.model_construct(beta1=float("nan")))
     assert tc._next_seq_id == 1  # nothing was sent, so no seq_id was used
     with pytest.raises(ValueError, match="path: expected 'trainyard://weights/"):
         tc.service.create_sampling_client(model_path="trainyard://state/ckpt_1")
     with pytest.raises(ValueError, match="model_path, base_model"):
         tc.service.create_sampling_client()
-    with pytest.raises(ValueError, match="topk_prompt_logprobs"):
-        tc.service.create_sampling_client(base_model="tiny").sample(
-            types.ModelInput.from_ints([1]), 1, types.SamplingParams(), topk_prompt_logprobs=5)
+    sampler = SamplingClient(tc.service, "tiny", "tiny")
+    for kwargs, field in [({"topk_prompt_logprobs": 5}, "topk_prompt_logprobs"),
+                          ({"prompt_alt_tokens_k": 2}, "prompt_alt_tokens_k"),
+                          ({"prompt_logprobs_last_n": 1}, "needs include_prompt_logprobs"),
+                          ({"prompt_logprobs_last_n": 2, "include_prompt_logprobs": True}, "between 1 and"),
+                          ({"target_prompt_logprobs": types.TensorData.from_list([[1]])}, "target_prompt_logprobs")]:
+        with pytest.raises(ValueError, match=field):
+            sampler.sample(types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(), **kwargs)
     with pytest.raises(ValueError, match="train_mlp, train_attn, train_unembed"):
-        tc.service.create_lora_training_client("tiny", train_mlp=False, train_attn=False)
+        tc.service.create_lora_training_client("tiny", train_mlp=False, train_attn=False, train_unembed=False)
+    with pytest.raises(ValueError, match="optim_params, adam_params"):
+        tc.optim_step(types.AdamParams(), adam_params=types.AdamParams())
+    with pytest.raises(ValueError, match="weights_access_token"):
+        tc.load_state("trainyard://state/ckpt_1", weights_access_token="t")
+    assert tc._next_seq_id == 1
+
+
+def test_an_unreachable_rollout_fails_when_the_sampling_client_is_made(offline_client):
+    """The offline client's rollout_url points at a closed port: the create_sampling_client future fails, naming
+    the setting, before any sample is sent."""
+    future = offline_client.service.create_sampling_client(base_model="tiny")
+    with pytest.raises(TrainyardError, match="rollout service at 127.0.0.1:9 does not answer.*rollout_url"):
+        future.result(timeout=30)
 
 
 def test_custom_loss_weights_are_the_negative_gradient():
@@ -244,7 +265,7 @@ def test_custom_loss_weights_are_the_negative_gradient():
                                                                  "advantages": [1.0, -2.0, 0.5]}),
             types.Datum(types.ModelInput.from_ints([1, 2]), {"target_tokens": [[2, 5], [3, 6]]}),
             types.Datum(types.ModelInput.from_ints([9]), {"target_tokens": [4]})]
-    out = types.ForwardBackwardOutput(loss_fn_outputs=[
+    out = types.ForwardBackwardOutput(loss_fn_output_type="TensorData", loss_fn_outputs=[
         {"logprobs": types.TensorData.from_list([-1.0, -2.0, -3.0])},
         {"logprobs": types.TensorData.from_list([[-0.5, -4.0], [-1.5, -2.5]])},
         {"logprobs": types.TensorData.from_list([-0.1])}], metrics={})
@@ -276,3 +297,17 @@ def test_client_config_trainer_url(monkeypatch, tmp_path):
     assert ClientConfig.resolve().trainer_url == "saved:2"
     with ServiceClient(api_key="k") as service:
         assert service.config.trainer_url == "saved:2"
+
+
+def test_service_client_takes_tinkers_parameters():
+    """The address by keyword (Tinker's first parameter is user_metadata: an address given there is refused);
+    unknown keywords are ignored with a FutureWarning and headers travel as metadata, as Tinker's."""
+    with pytest.raises(ValueError, match="user_metadata: .*base_url="):
+        ServiceClient("127.0.0.1:9")
+    with pytest.warns(FutureWarning, match="ignores unsupported arguments: nonsense"):
+        service = ServiceClient({"team": "a"}, "proj", base_url="127.0.0.1:9", api_key="k", rollout_url="127.0.0.1:9",
+                                default_headers_overrides={"X-Run": "7"}, nonsense=1)
+    with service:
+        assert (service.user_metadata, service.project_id, service.config.trainer_url) == ({"team": "a"}, "proj",
+                                                                                            "127.0.0.1:9")
+        assert service.metadata == (("x-run", "7"), ("authorization", "Bearer k"))

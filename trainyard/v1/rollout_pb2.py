@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from trainyard.v1 import common_pb2 as trainyard_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atrainyard/v1/rollout.proto\x12\x0ctrainyard.v1\x1a\x19trainyard/v1/common.proto\"\xa8\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x04\x88\x01\x01\x12\x0e\n\x01n\x18\x08 \x01(\x05H\x05\x88\x01\x01\x12\x12\n\x05min_p\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x19\n\x0ctop_logprobs\x18\n \x01(\x05H\x07\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\x08H\x08\x88\x01\x01\x12\x1e\n\x11return_router_ids\x18\x0c \x01(\x08H\t\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x04\n\x02_nB\x08\n\x06_min_pB\x0f\n\r_top_logprobsB\x12\n\x10_prompt_logprobsB\x14\n\x12_return_router_ids\"\xf9\x01\n\rSampleRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\x06tokens\x18\x03 \x01(\x0b\x32\x17.trainyard.v1.TokenListH\x00\x12.\n\x08messages\x18\x04 \x01(\x0b\x32\x1a.trainyard.v1.ChatMessagesH\x00\x12,\n\x06params\x18\x05 \x01(\x0b\x32\x1c.trainyard.v1.SamplingParams\x12\x1f\n\x12min_weight_version\x18\x06 \x01(\x03H\x01\x88\x01\x01\x42\x08\n\x06promptB\x15\n\x13_min_weight_version\"\xb6\x01\n\x0fSampledSequence\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12/\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x19.trainyard.v1.TopLogprobs\x12+\n\nrouter_ids\x18\x06 \x01(\x0b\x32\x17.trainyard.v1.RouterIds\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"Z\n\tRouterIds\x12\x12\n\nnum_tokens\x18\x01 \x01(\x05\x12\x0e\n\x06layers\x18\x02 \x03(\x05\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0b\n\x03ids\x18\x05 \x01(\x0c\"\x9c\x01\n\x0eSampleResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x03(\x05\x12\x30\n\tsequences\x18\x03 \x03(\x0b\x32\x1d.trainyard.v1.SampledSequence\x12\x17\n\x0fprompt_logprobs\x18\x04 \x03(\x02\x12\x19\n\x11weight_version_id\x18\x05 \x01(\t\"\xc3\x01\n\rSequenceDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12/\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x19.trainyard.v1.TopLogprobs\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12+\n\nrouter_ids\x18\x07 \x01(\x0b\x32\x17.trainyard.v1.RouterIds\"\xab\x01\n\x14SampleStreamResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x03(\x05\x12+\n\x06\x64\x65ltas\x18\x03 \x03(\x0b\x32\x1b.trainyard.v1.SequenceDelta\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x17\n\x0fprompt_logprobs\x18\x05 \x03(\x02\x12\x19\n\x11weight_version_id\x18\x06 \x01(\t\".\n\x15LoadDeploymentRequest\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\"\xb7\x01\n\x0bLoadedModel\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12\x15\n\rdeployment_id\x18\x03 \x01(\t\x12\x15\n\rcheckpoint_id\x18\x04 \x01(\t\x12\x0f\n\x07lineage\x18\x05 \x01(\t\x12\x19\n\x11weight_version_id\x18\x06 \x01(\t\x12\x16\n\x0eweight_version\x18\x07 \x01(\x03\x12\x14\n\x0cweight_error\x18\x08 \x01(\t\"0\n\x17UnloadDeploymentRequest\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\",\n\x18UnloadDeploymentResponse\x12\x10\n\x08unloaded\x18\x01 \x01(\x08\"\x13\n\x11ListLoadedRequest\"?\n\x12ListLoadedResponse\x12)\n\x06models\x18\x01 \x03(\x0b\x32\x19.trainyard.v1.LoadedModel2\xae\x03\n\x0eRolloutService\x12\x43\n\x06Sample\x12\x1b.trainyard.v1.SampleRequest\x1a\x1c.trainyard.v1.SampleResponse\x12Q\n\x0cSampleStream\x12\x1b.trainyard.v1.SampleRequest\x1a\".trainyard.v1.SampleStreamResponse0\x01\x12P\n\x0eLoadDeployment\x12#.trainyard.v1.LoadDeploymentRequest\x1a\x19.trainyard.v1.LoadedModel\x12\x61\n\x10UnloadDeployment\x12%.trainyard.v1.UnloadDeploymentRequest\x1a&.trainyard.v1.UnloadDeploymentResponse\x12O\n\nListLoaded\x12\x1f.trainyard.v1.ListLoadedRequest\x1a .trainyard.v1.ListLoadedResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atrainyard/v1/rollout.proto\x12\x0ctrainyard.v1\x1a\x19trainyard/v1/common.proto\"\xd0\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x04\x88\x01\x01\x12\x0e\n\x01n\x18\x08 \x01(\x05H\x05\x88\x01\x01\x12\x12\n\x05min_p\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x19\n\x0ctop_logprobs\x18\n \x01(\x05H\x07\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\x08H\x08\x88\x01\x01\x12\x1e\n\x11return_router_ids\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x17\n\nignore_eos\x18\r \x01(\x08H\n\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x04\n\x02_nB\x08\n\x06_min_pB\x0f\n\r_top_logprobsB\x12\n\x10_prompt_logprobsB\x14\n\x12_return_router_idsB\r\n\x0b_ignore_eos\"\xf9\x01\n\rSampleRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\x06tokens\x18\x03 \x01(\x0b\x32\x17.trainyard.v1.TokenListH\x00\x12.\n\x08messages\x18\x04 \x01(\x0b\x32\x1a.trainyard.v1.ChatMessagesH\x00\x12,\n\x06params\x18\x05 \x01(\x0b\x32\x1c.trainyard.v1.SamplingParams\x12\x1f\n\x12min_weight_version\x18\x06 \x01(\x03H\x01\x88\x01\x01\x42\x08\n\x06promptB\x15\n\x13_min_weight_version\"\xb6\x01\n\x0fSampledSequence\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12/\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x19.trainyard.v1.TopLogprobs\x12+\n\nrouter_ids\x18\x06 \x01(\x0b\x32\x17.trainyard.v1.RouterIds\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"Z\n\tRouterIds\x12\x12\n\nnum_tokens\x18\x01 \x01(\x05\x12\x0e\n\x06layers\x18\x02 \x03(\x05\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0b\n\x03ids\x18\x05 \x01(\x0c\"\x9c\x01\n\x0eSampleResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x03(\x05\x12\x30\n\tsequences\x18\x03 \x03(\x0b\x32\x1d.trainyard.v1.SampledSequence\x12\x17\n\x0fprompt_logprobs\x18\x04 \x03(\x02\x12\x19\n\x11weight_version_id\x18\x05 \x01(\t\"\xc3\x01\n\rSequenceDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12/\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x19.trainyard.v1.TopLogprobs\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12+\n\nrouter_ids\x18\x07 \x01(\x0b\x32\x17.trainyard.v1.RouterIds\"\xab\x01\n\x14SampleStreamResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x03(\x05\x12+\n\x06\x64\x65ltas\x18\x03 \x03(\x0b\x32\x1b.trainyard.v1.SequenceDelta\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x17\n\x0fprompt_logprobs\x18\x05 \x03(\x02\x12\x19\n\x11weight_version_id\x18\x06 \x01(\t\".\n\x15LoadDeploymentRequest\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\"\xb7\x01\n\x0bLoadedModel\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12\x15\n\rdeployment_id\x18\x03 \x01(\t\x12\x15\n\rcheckpoint_id\x18\x04 \x01(\t\x12\x0f\n\x07lineage\x18\x05 \x01(\t\x12\x19\n\x11weight_version_id\x18\x06 \x01(\t\x12\x16\n\x0eweight_version\x18\x07 \x01(\x03\x12\x14\n\x0cweight_error\x18\x08 \x01(\t\"0\n\x17UnloadDeploymentRequest\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\",\n\x18UnloadDeploymentResponse\x12\x10\n\x08unloaded\x18\x01 \x01(\x08\"\x13\n\x11ListLoadedRequest\"?\n\x12ListLoadedResponse\x12)\n\x06models\x18\x01 \x03(\x0b\x32\x19.trainyard.v1.LoadedModel2\xae\x03\n\x0eRolloutService\x12\x43\n\x06Sample\x12\x1b.trainyard.v1.SampleRequest\x1a\x1c.trainyard.v1.SampleResponse\x12Q\n\x0cSampleStream\x12\x1b.trainyard.v1.SampleRequest\x1a\".trainyard.v1.SampleStreamResponse0\x01\x12P\n\x0eLoadDeployment\x12#.trainyard.v1.LoadDeploymentRequest\x1a\x19.trainyard.v1.LoadedModel\x12\x61\n\x10UnloadDeployment\x12%.trainyard.v1.UnloadDeploymentRequest\x1a&.trainyard.v1.UnloadDeploymentResponse\x12O\n\nListLoaded\x12\x1f.trainyard.v1.ListLoadedRequest\x1a .trainyard.v1.ListLoadedResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,33 +33,33 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'trainyard.v1.rollout_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=72
-  _globals['_SAMPLINGPARAMS']._serialized_end=496
-  _globals['_SAMPLEREQUEST']._serialized_start=499
-  _globals['_SAMPLEREQUEST']._serialized_end=748
-  _globals['_SAMPLEDSEQUENCE']._serialized_start=751
-  _globals['_SAMPLEDSEQUENCE']._serialized_end=933
-  _globals['_TOPLOGPROBS']._serialized_start=935
-  _globals['_TOPLOGPROBS']._serialized_end=985
-  _globals['_ROUTERIDS']._serialized_start=987
-  _globals['_ROUTERIDS']._serialized_end=1077
-  _globals['_SAMPLERESPONSE']._serialized_start=1080
-  _globals['_SAMPLERESPONSE']._serialized_end=1236
-  _globals['_SEQUENCEDELTA']._serialized_start=1239
-  _globals['_SEQUENCEDELTA']._serialized_end=1434
-  _globals['_SAMPLESTREAMRESPONSE']._serialized_start=1437
-  _globals['_SAMPLESTREAMRESPONSE']._serialized_end=1608
-  _globals['_LOADDEPLOYMENTREQUEST']._serialized_start=1610
-  _globals['_LOADDEPLOYMENTREQUEST']._serialized_end=1656
-  _globals['_LOADEDMODEL']._serialized_start=1659
-  _globals['_LOADEDMODEL']._serialized_end=1842
-  _globals['_UNLOADDEPLOYMENTREQUEST']._serialized_start=1844
-  _globals['_UNLOADDEPLOYMENTREQUEST']._serialized_end=1892
-  _globals['_UNLOADDEPLOYMENTRESPONSE']._serialized_start=1894
-  _globals['_UNLOADDEPLOYMENTRESPONSE']._serialized_end=1938
-  _globals['_LISTLOADEDREQUEST']._serialized_start=1940
-  _globals['_LISTLOADEDREQUEST']._serialized_end=1959
-  _globals['_LISTLOADEDRESPONSE']._serialized_start=1961
-  _globals['_LISTLOADEDRESPONSE']._serialized_end=2024
-  _globals['_ROLLOUTSERVICE']._serialized_start=2027
-  _globals['_ROLLOUTSERVICE']._serialized_end=2457
+  _globals['_SAMPLINGPARAMS']._serialized_end=536
+  _globals['_SAMPLEREQUEST']._serialized_start=539
+  _globals['_SAMPLEREQUEST']._serialized_end=788
+  _globals['_SAMPLEDSEQUENCE']._serialized_start=791
+  _globals['_SAMPLEDSEQUENCE']._serialized_end=973
+  _globals['_TOPLOGPROBS']._serialized_start=975
+  _globals['_TOPLOGPROBS']._serialized_end=1025
+  _globals['_ROUTERIDS']._serialized_start=1027
+  _globals['_ROUTERIDS']._serialized_end=1117
+  _globals['_SAMPLERESPONSE']._serialized_start=1120
+  _globals['_SAMPLERESPONSE']._serialized_end=1276
+  _globals['_SEQUENCEDELTA']._serialized_start=1279
+  _globals['_SEQUENCEDELTA']._serialized_end=1474
+  _globals['_SAMPLESTREAMRESPONSE']._serialized_start=1477
+  _globals['_SAMPLESTREAMRESPONSE']._serialized_end=1648
+  _globals['_LOADDEPLOYMENTREQUEST']._serialized_start=1650
+  _globals['_LOADDEPLOYMENTREQUEST']._serialized_end=1696
+  _globals['_LOADEDMODEL']._serialized_start=1699
+  _globals['_LOADEDMODEL']._serialized_end=1882
+  _globals['_UNLOADDEPLOYMENTREQUEST']._serialized_start=1884
+  _globals['_UNLOADDEPLOYMENTREQUEST']._serialized_end=1932
+  _globals['_UNLOADDEPLOYMENTRESPONSE']._serialized_start=1934
+  _globals['_UNLOADDEPLOYMENTRESPONSE']._serialized_end=1978
+  _globals['_LISTLOADEDREQUEST']._serialized_start=1980
+  _globals['_LISTLOADEDREQUEST']._serialized_end=1999
+  _globals['_LISTLOADEDRESPONSE']._serialized_start=2001
+  _globals['_LISTLOADEDRESPONSE']._serialized_end=2064
+  _globals['_ROLLOUTSERVICE']._serialized_start=2067
+  _globals['_ROLLOUTSERVICE']._serialized_end=2497
 # @@protoc_insertion_point(module_scope)

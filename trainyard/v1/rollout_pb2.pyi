@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids", "seed", "n", "min_p", "top_logprobs", "prompt_logprobs", "return_router_ids")
+    __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids", "seed", "n", "min_p", "top_logprobs", "prompt_logprobs", "return_router_ids", "ignore_eos")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class SamplingParams(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     RETURN_ROUTER_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -33,7 +34,8 @@ class SamplingParams(_message.Message):
     top_logprobs: int
     prompt_logprobs: bool
     return_router_ids: bool
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., n: _Optional[int] = ..., min_p: _Optional[float] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., return_router_ids: _Optional[bool] = ...) -> None: ...
+    ignore_eos: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., n: _Optional[int] = ..., min_p: _Optional[float] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., return_router_ids: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
     __slots__ = ("model", "text", "tokens", "messages", "params", "min_weight_version")

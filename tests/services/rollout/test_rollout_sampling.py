@@ -101,9 +101,15 @@ def test_stop_token_ids_and_eos(engine, tiny_model_dir, prompt_ids):
     base.eos_ids = (*eos_ids, stop_id)
     try:
         (eos,) = run(engine, tiny_model_dir, prompt_ids, temperature=0, max_tokens=30)
+        # ignore_eos (Tinker's stop=[]): end-of-sequence ids do not stop it, stop_token_ids still do.
+        (ignored,) = run(engine, tiny_model_dir, prompt_ids, temperature=0, max_tokens=30, ignore_eos=True)
+        (still,) = run(engine, tiny_model_dir, prompt_ids, temperature=0, max_tokens=30, ignore_eos=True,
+                       stop_token_ids=[stop_id])
     finally:
         base.eos_ids = eos_ids
     assert (eos.tokens, eos.text, eos.finish_reason) == (seq.tokens, seq.text, "stop")
+    assert (ignored.tokens, ignored.finish_reason) == (full.tokens, "length")
+    assert (still.tokens, still.finish_reason) == (seq.tokens, "stop")
 
 
 def test_max_tokens_finishes_with_length(engine, tiny_model_dir, prompt_ids):
@@ -248,3 +254,17 @@ def test_stream_holds_back_text_that_could_start_a_stop_string(engine, tiny_mode
         for d in out.sequences:
             streamed += d.text
     assert streamed == full.text[:full.text.index(stop)]
+
+
+def test_ignore_eos_travels_from_the_request():
+    """SampleRequest.params.ignore_eos (the SDK sets it for Tinker's SamplingParams(stop=[])) reaches the engine's
+    parameters; unset it is off."""
+    from services.rollout.servicer import sampling_params
+    from trainyard import types
+    from trainyard.v1 import rollout_pb2
+
+    assert sampling_params(rollout_pb2.SamplingParams(ignore_eos=True)).ignore_eos
+    assert not sampling_params(rollout_pb2.SamplingParams()).ignore_eos
+    assert sampling_params(types.SamplingParams(stop=[]).to_proto()).ignore_eos
+    assert not sampling_params(types.SamplingParams(stop=None).to_proto()).ignore_eos
+    assert not sampling_params(types.SamplingParams(stop=["\n"]).to_proto()).ignore_eos

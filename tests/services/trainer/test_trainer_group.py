@@ -266,9 +266,9 @@ def _assert_close_results(group: dict, ref: dict, platform: Platform) -> None:
 
 def test_sessions_on_the_group_match_the_one_process_trainer(platform):
     with platform.client(platform.group_port) as group, platform.client(platform.reference.port) as ref:
-        makers = {"lora_a": lambda svc: svc.create_lora_training_client(platform.model, rank=4, seed=1),
-                  "lora_b": lambda svc: svc.create_lora_training_client(platform.model, rank=8, seed=2),
-                  "full": lambda svc: svc.create_training_client(platform.model, seed=3)}
+        makers = {"lora_a": lambda svc: svc.create_lora_training_client(platform.model, rank=4, seed=1).result(),
+                  "lora_b": lambda svc: svc.create_lora_training_client(platform.model, rank=8, seed=2).result(),
+                  "full": lambda svc: svc.create_training_client(platform.model, seed=3).result()}
         clients = {name: (make(group), make(ref)) for name, make in makers.items()}
         # interleaved: the group's sessions are used one after another, each on its own sharded model
         results = {name: (_session_calls(g), _session_calls(r)) for name, (g, r) in clients.items()}
@@ -304,7 +304,7 @@ def test_refusals_on_the_group_leave_the_session_going_on(platform):
     outs, trainable = [], []
     with platform.client(platform.group_port) as group, platform.client(platform.reference.port) as ref:
         for svc in (group, ref):
-            tc = svc.create_lora_training_client(platform.model, rank=4, seed=5)
+            tc = svc.create_lora_training_client(platform.model, rank=4, seed=5).result()
             tc.forward_backward(_batch(20), "cross_entropy").result()
             with pytest.raises(TrainyardError) as exc:
                 tc.forward_backward_stream(iter(bad_last), "cross_entropy").result()
@@ -331,14 +331,14 @@ def test_states_saved_on_the_group_and_on_one_process_load_on_either(platform):
         tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
 
     with platform.client(platform.group_port) as group, platform.client(platform.reference.port) as ref:
-        for make in (lambda svc: svc.create_lora_training_client(platform.model, rank=4, seed=8),
-                     lambda svc: svc.create_training_client(platform.model, seed=8)):
+        for make in (lambda svc: svc.create_lora_training_client(platform.model, rank=4, seed=8).result(),
+                     lambda svc: svc.create_training_client(platform.model, seed=8).result()):
             g, r = make(group), make(ref)
             for tc in (g, r):
                 train(tc, 30)
             saved_g, saved_r = g.save_state().result().path, r.save_state().result().path
-            from_r = group.create_training_client_from_state_with_optimizer(saved_r)
-            from_g = ref.create_training_client_from_state_with_optimizer(saved_g)
+            from_r = group.create_training_client_from_state_with_optimizer(saved_r).result()
+            from_g = ref.create_training_client_from_state_with_optimizer(saved_g).result()
             train(g, 99)  # then back to the saved state
             g.load_state_with_optimizer(saved_g).result()
             outs = []
@@ -351,7 +351,7 @@ def test_states_saved_on_the_group_and_on_one_process_load_on_either(platform):
 
 def test_a_killed_rank_fails_the_next_call_quickly_and_the_group_comes_back(platform):
     with platform.client(platform.group_port) as group, platform.client(platform.reference.port) as ref:
-        g, r = (svc.create_lora_training_client(platform.model, rank=4, seed=7) for svc in (group, ref))
+        g, r = (svc.create_lora_training_client(platform.model, rank=4, seed=7).result() for svc in (group, ref))
         for tc in (g, r):  # recorded after the step (session_state_every_steps=1): expecting seq_id 3
             tc.forward_backward(_batch(11), "cross_entropy").result()
             tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()

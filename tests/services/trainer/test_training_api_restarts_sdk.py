@@ -93,7 +93,7 @@ def _train(tc, steps) -> list:
 
 
 def _straight(service) -> dict[str, str]:
-    tc = service.create_lora_training_client("tiny", rank=4, seed=9)
+    tc = service.create_lora_training_client("tiny", rank=4, seed=9).result()
     for f in _train(tc, range(STEPS)):
         f.result()
     return tc.save_state().result().checkpoint_id
@@ -102,7 +102,7 @@ def _straight(service) -> dict[str, str]:
 def test_a_graceful_restart_in_the_middle_of_pipelined_calls_is_invisible(platform):
     with platform.client() as service:
         want = platform.weights_sha(_straight(service))
-        tc = service.create_lora_training_client("tiny", rank=4, seed=9)
+        tc = service.create_lora_training_client("tiny", rank=4, seed=9).result()
         futures = _train(tc, range(STEPS))
         futures[3].result()  # the restart comes while later calls are on the wire or waiting their turn
         restart = threading.Thread(target=platform.restart)
@@ -119,7 +119,7 @@ def test_a_graceful_restart_in_the_middle_of_pipelined_calls_is_invisible(platfo
 def test_after_a_crash_the_client_learns_what_was_lost_and_resumes_the_same_session(platform):
     with platform.client() as service:
         want = platform.weights_sha(_straight(service))
-        tc = service.create_lora_training_client("tiny", rank=4, seed=9)
+        tc = service.create_lora_training_client("tiny", rank=4, seed=9).result()
         for f in _train(tc, range(3)):  # recorded after step 2 (every 2 steps): seq_id 4, expecting 5
             f.result()
         platform.crash()
@@ -140,7 +140,7 @@ def test_after_a_crash_the_client_learns_what_was_lost_and_resumes_the_same_sess
 
 def test_an_unavailable_the_trainer_answered_leaves_the_client_going_on(platform):
     with platform.client() as service:
-        tc = service.create_lora_training_client("tiny", rank=4, seed=9)
+        tc = service.create_lora_training_client("tiny", rank=4, seed=9).result()
         platform.weightsync.stop()  # SaveWeights cannot publish: the trainer answers UNAVAILABLE, seq_id used up
         with pytest.raises(TrainyardError) as exc:
             tc.save_weights_for_sampler("v1").result(timeout=120)
@@ -157,7 +157,7 @@ def test_a_crash_under_pipelined_calls_ends_bitwise_after_resuming(platform):
     undisturbed run does."""
     with platform.client() as service:
         want = platform.weights_sha(_straight(service))
-        tc = service.create_lora_training_client("tiny", rank=4, seed=9)
+        tc = service.create_lora_training_client("tiny", rank=4, seed=9).result()
         futures = _train(tc, range(STEPS))
         futures[5].result()
         platform.crash()
