@@ -98,13 +98,15 @@ class RolloutProcess:
     serves_lineage = False
 
     def __init__(self, model_dir: str | Path, *, lora: bool, work_dir: Path, partial: bool, max_tokens: int,
-                 temperature: float, router_ids: bool = False, torch_threads: int = 1):
+                 temperature: float, router_ids: bool = False, torch_threads: int = 1, device: str | None = None):
+        """device: where the rollout engine runs ("cuda:N", "cpu"); None: the trainer's rule (CUDA when there is one,
+        else the CPU)."""
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.proc = ctx.Process(target=_serve, name="rft-rollout", daemon=True, args=(
-            child, str(model_dir), lora, partial, max_tokens, temperature, router_ids, torch_threads))
+            child, str(model_dir), lora, partial, max_tokens, temperature, router_ids, torch_threads, device))
         self.proc.start()
         child.close()
         self._results: dict[int, tuple[list[list[Sample]], BatchStats]] = {}
@@ -172,7 +174,7 @@ class _Gate:
 
 
 def _serve(conn, model_dir: str, lora: bool, partial: bool, max_tokens: int, temperature: float, router_ids: bool,
-           torch_threads: int) -> None:
+           torch_threads: int, device: str | None) -> None:
     import torch
 
     if torch_threads:
@@ -186,7 +188,10 @@ def _serve(conn, model_dir: str, lora: bool, partial: bool, max_tokens: int, tem
             conn.send(msg)
 
     try:
-        device = "cuda" if torch.cuda.is_available() else "cpu"  # the trainer's rule (engine.training_device)
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"  # the trainer's rule (engine.training_device)
+        elif device.startswith("cuda:"):
+            torch.cuda.set_device(device)  # kernels that launch on the current device
         engine = Engine(EngineConfig(max_loaded_adapters=4, kv_cache_mb=256, device=device))
         engine.base(model_dir)
         gate = _Gate()

@@ -6,9 +6,11 @@ service that follows the job's weight lineage, with the attempt's job-scoped key
 (WorkerSettings.rft_rollout), else from a rollout process of its own (services/trainer/rl/rollout.py)."""
 from __future__ import annotations
 
+import functools
 from contextlib import ExitStack
 from pathlib import Path
 
+from services.common.ledger import HeldDevice
 from services.common.methods.rft import RftHyperparams
 from services.evaluators.sandbox import Sandbox
 from services.evaluators.store import load_evaluator
@@ -32,12 +34,19 @@ def run(ctx: JobContext) -> RecipeOutcome:
             rollout=rollout_backend(ctx)), checkpoint_kind="full" if hp.full_parameter else "lora_adapter")
 
 
+def rollout_device(devices: list[HeldDevice]) -> str | None:
+    """The rollout process's device: the job's first rollout GPU ("cuda:N"; the trainer trains on its first trainer
+    GPU, services/worker/job.py), or None (the trainer's rule) when its rollout devices are CPU slots."""
+    gpus = [d for d in devices if d.role == "rollout" and d.kind == "gpu"]
+    return f"cuda:{gpus[0].index}" if gpus else None
+
+
 def rollout_backend(ctx: JobContext):
     """RolloutProcess, or a factory (RolloutProcess's arguments) of the job's rollout-service deployment: lineage
     "<job id>", deployment "<job id>-rollout", both the job's account's."""
     st = ctx.settings
     if not st.rft_rollout_service():
-        return RolloutProcess
+        return functools.partial(RolloutProcess, device=rollout_device(ctx.devices))
     conn = Connection(rollout_url=st.rollout_url, weightsync_url=st.weightsync_url, scheduler_url=st.scheduler_url,
                       api_key=ctx.credential, credentials=st.channel_credentials(),
                       max_message_mb=st.grpc_max_message_mb)

@@ -1,7 +1,12 @@
 """WorkerSettings.rft_rollout: which rollout an RFT job samples from (docs/rft.md, "Where the policy is served")."""
+from types import SimpleNamespace
+
 import pydantic
 import pytest
 
+from services.common.ledger import HeldDevice
+from services.trainer.rl.rollout import RolloutProcess
+from services.worker.recipes.rft import rollout_backend, rollout_device
 from services.worker.settings import WorkerSettings
 
 URLS = dict(rollout_url="rollout:50053", weightsync_url="weightsync:50054")
@@ -30,3 +35,15 @@ def test_the_environment_configures_it_as_compose_does(tmp_path, monkeypatch):
     assert WorkerSettings(data_dir=tmp_path).rft_rollout_service()
     with pytest.raises(pydantic.ValidationError, match="rft_rollout"):
         WorkerSettings(data_dir=tmp_path, rft_rollout="elsewhere")
+
+
+@pytest.mark.parametrize("devices, device", [
+    ([HeldDevice("g0", "gpu", 0, "trainer"), HeldDevice("g3", "gpu", 3, "rollout")], "cuda:3"),  # the booked split
+    ([HeldDevice("c0", "cpu", 0, "trainer"), HeldDevice("c1", "cpu", 1, "rollout")], None),  # CPU slots
+    ([HeldDevice("g0", "gpu", 0, "trainer")], None),  # no rollout device booked: the trainer's rule
+])
+def test_the_rollout_process_runs_on_the_jobs_rollout_device(tmp_path, devices, device):
+    ctx = SimpleNamespace(settings=WorkerSettings(data_dir=tmp_path), devices=devices)
+    backend = rollout_backend(ctx)
+    assert backend.func is RolloutProcess and backend.keywords == {"device": device}
+    assert rollout_device(devices) == device
