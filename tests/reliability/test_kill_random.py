@@ -1,7 +1,8 @@
 """kill -9 at random points of every managed method: the job resumes from its last checkpoint with no lost or
 duplicated steps, metrics, checkpoints or RL samples.
 
-One stack of its own (scheduler and a Celery worker, trainyard/localstack.py, on a fresh Postgres database): an SFT
+One stack of its own (scheduler and a Celery worker, trainyard/localstack.py, on a fresh Postgres database; RFT jobs
+sample from their own rollout process, WorkerSettings.rft_rollout = process): an SFT
 LoRA job, a DPO job, RFT jobs in sync and async mode, and an SFT job on a torchrun group of 2 ranks (the worker is
 restarted with TRAINYARD_MANAGED_NPROC=2 for it). Each job is SIGKILLed once, two of the first four (drawn) twice;
 the victim is the worker process (its process group: the rollout process and torchrun group with it), the RFT job's
@@ -102,7 +103,10 @@ def kstack(tmp_path_factory, redis_url):
     stack = Stack(tmp_path_factory.mktemp("killrand"), database_url=f"{base}/{name}", broker_url=redis_url,
                   extra_env={"TRAINYARD_HEARTBEAT_S": "0.5", "TRAINYARD_WORKER_LOST_AFTER_S": "6",
                              "TRAINYARD_REAPER_INTERVAL_S": "1", "TRAINYARD_SHUTDOWN_GRACE_S": "3",
-                             "TRAINYARD_TORCH_THREADS": "1", "TRAINYARD_MAX_JOB_ATTEMPTS": str(MAX_ATTEMPTS)})
+                             "TRAINYARD_TORCH_THREADS": "1", "TRAINYARD_MAX_JOB_ATTEMPTS": str(MAX_ATTEMPTS),
+                             # No rollout or weight-sync service here: RFT jobs sample from a rollout process of their
+                             # own (one of the victims), whatever service addresses the worker is given.
+                             "TRAINYARD_RFT_ROLLOUT": "process"})
     try:
         stack.up("scheduler", "worker")
         yield stack
@@ -170,7 +174,7 @@ class Progress:
     def __init__(self, db, job_id: str, what: str):
         self.db, self.job_id, self.what = db, job_id, what
         self.attempt_started: dict[int, float] = {}
-        self.step_seen: dict[int, float] = {}
+        self.steps_seen: list[tuple[int, float]] = []  # (step, when first seen) since the last rewind, in order
         self.row = None
 
     def poll(self):
@@ -178,7 +182,11 @@ class Progress:
         now = time.monotonic()
         if row.status == "running":
             self.attempt_started.setdefault(row.attempts, now)
-            self.step_seen.setdefault(row.step, now)
+            last = self.steps_seen[-1][0] if self.steps_seen else None
+            if row.step != last:
+                if last is not None and row.step < last:  # the attempt rewound to its checkpoint: start again
+                    self.steps_seen.clear()
+                self.steps_seen.append((row.step, now))
         return row
 
     def until(self, predicate, timeout_s: float = 240, what: str = ""):
@@ -194,9 +202,12 @@ class Progress:
 
     def step_time(self) -> float:
         """The last observed step duration: between the last two steps seen after the first (whose time includes
-        the attempt's start-up); 0.5 s before there are two."""
-        seen = sorted(self.step_seen.items())[1:]
-        return seen[-1][1] - seen[-2][1] if len(seen) >= 2 else 0.5
+        the attempt's start-up), since the last rewind; 0.5 s before there are two."""
+        seen = self.steps_seen[1:]
+        if len(seen) < 2:
+            return 0.5
+        (s1, t1), (s2, t2) = seen[-2:]
+        return (t2 - t1) / (s2 - s1)
 
 
 # -- victims ------------------------------------------------------------------------------------------------------
