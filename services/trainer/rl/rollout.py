@@ -88,6 +88,61 @@ class BatchStats:
     seconds: float  # from the batch's first request to its last sample
 
 
+class BatchRounds:
+    """One batch's samples across request rounds, the same for every backend: a round sends a request for each
+    pending sample (continuation: prompt + its tokens so far with partial rollouts, for the tokens left, seeded by
+    the request's seed and its segment count); add() folds each answer in (a new segment of its version, or, cut by
+    an update without partial rollouts, the tokens discarded and the sample started again); a sample is done at its
+    finish reason or at max_tokens."""
+
+    def __init__(self, requests: list[list[SampleRequest]], *, partial: bool, max_tokens: int):
+        self.partial, self.max_tokens = partial, max_tokens
+        self.flat = [(g, r) for g, group in enumerate(requests) for r in group]
+        self.samples = [Sample() for _ in self.flat]
+        self.pending = list(range(len(self.flat)))
+        self._left: list[int] = []
+        self.tokens = self.discarded = 0
+        self._groups = len(requests)
+        self._start = time.perf_counter()
+
+    def continuation(self, i: int) -> tuple[list[int], int, int]:
+        """Sample i's next request: (tokens to send, max_tokens left, seed)."""
+        req, s = self.flat[i][1], self.samples[i]
+        done = s.tokens if self.partial else []
+        return req.prompt + done, self.max_tokens - len(done), req.seed + 7919 * len(s.segments)
+
+    def retry(self, i: int) -> None:
+        """Sample i's request was not sent this round: again in the next."""
+        self._left.append(i)
+
+    def add(self, i: int, version: int, tokens: list[int], logprobs: list[float], finish_reason: str, router_ids,
+            version_id: str = "") -> None:
+        s = self.samples[i]
+        self.tokens += len(tokens)
+        if not self.partial and not finish_reason:  # cut by an update: start again
+            self.discarded += len(tokens)
+            s.segments = []
+            self._left.append(i)
+            return
+        s.segments.append(Segment(version, list(tokens), list(logprobs), version_id))
+        s.router_ids = router_ids
+        if finish_reason:
+            s.finish_reason = finish_reason
+        elif len(s.tokens) >= self.max_tokens:
+            s.finish_reason = "length"
+        else:
+            self._left.append(i)
+
+    def next_round(self) -> None:
+        self.pending, self._left = self._left, []
+
+    def result(self) -> tuple[list[list[Sample]], BatchStats]:
+        grouped = [[] for _ in range(self._groups)]
+        for (g, _), s in zip(self.flat, self.samples):
+            grouped[g].append(s)
+        return grouped, BatchStats(self.tokens, self.discarded, time.perf_counter() - self._start)
+
+
 class RolloutLost(AttemptLost):
     """The job's rollout process died (killed, out of memory): the worker retries the job from its last checkpoint."""
 
@@ -260,51 +315,27 @@ def _batches(engine, model_dir, gate: _Gate, batches: deque, have_batch, stoppin
                 if stopping.is_set():
                     return
                 batch, requests = batches.popleft()
-            start = time.perf_counter()
-            flat = [(g, r) for g, group in enumerate(requests) for r in group]
-            samples = [Sample() for _ in flat]
-            pending = list(range(len(flat)))
-            tokens = discarded = 0
-            while pending:
+            rounds = BatchRounds(requests, partial=partial, max_tokens=max_tokens)
+            while rounds.pending:
                 with gate.cv:
                     while gate.updating:
                         gate.cv.wait()
                     version, adapter = gate.version, gate.adapter
                     handles = []
-                    for i in pending:
-                        req, s = flat[i][1], samples[i]
-                        done = s.tokens if partial else []
-                        params = SamplingParams(temperature=temperature, max_tokens=max_tokens - len(done),
-                                                seed=req.seed + 7919 * len(s.segments),
+                    for i in rounds.pending:
+                        prompt, left, seed = rounds.continuation(i)
+                        params = SamplingParams(temperature=temperature, max_tokens=left, seed=seed,
                                                 return_router_ids=router_ids)
-                        h = engine.submit(model_dir, adapter, req.prompt + done, params)
+                        h = engine.submit(model_dir, adapter, prompt, params)
                         gate.in_flight.add(h)
                         handles.append((i, h))
-                left = []
                 for i, h in handles:
                     seq = h.result().sequences[0]
                     with gate.cv:
                         gate.in_flight.discard(h)
-                    s = samples[i]
-                    tokens += len(seq.tokens)
-                    if not partial and not seq.finish_reason:  # aborted by an update: start again
-                        discarded += len(seq.tokens)
-                        s.segments = []
-                        left.append(i)
-                        continue
-                    s.segments.append(Segment(version, list(seq.tokens), list(seq.logprobs)))
-                    s.router_ids = seq.router_ids
-                    if seq.finish_reason:
-                        s.finish_reason = seq.finish_reason
-                    elif len(s.tokens) >= max_tokens:
-                        s.finish_reason = "length"
-                    else:
-                        left.append(i)
-                pending = left
-            grouped = [[] for _ in requests]
-            for (g, _), s in zip(flat, samples):
-                grouped[g].append(s)
-            send(("batch", batch, grouped, BatchStats(tokens, discarded, time.perf_counter() - start)))
+                    rounds.add(i, version, seq.tokens, seq.logprobs, seq.finish_reason, seq.router_ids)
+                rounds.next_round()
+            send(("batch", batch, *rounds.result()))
     except BaseException:  # noqa: BLE001 - reported to the job
         send(("error", traceback.format_exc()))
         os._exit(1)

@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
-import time
 from collections import deque
 from concurrent import futures
 from dataclasses import dataclass
@@ -46,7 +45,7 @@ import numpy as np
 import torch
 
 from services.common.channels import auth_metadata, open_channel
-from services.trainer.rl.rollout import BatchStats, RolloutLost, Sample, SampleRequest, Segment
+from services.trainer.rl.rollout import BatchRounds, BatchStats, RolloutLost, Sample, SampleRequest
 from services.weightsync.client import publish_dir
 from trainyard.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, weightsync_pb2
 from trainyard.v1 import weightsync_pb2_grpc
@@ -215,54 +214,33 @@ class RolloutService:
                 self._cv.notify_all()
 
     def _sample(self, requests: list[list[SampleRequest]]) -> tuple[list[list[Sample]], BatchStats]:
-        start = time.perf_counter()
-        flat = [(g, r) for g, group in enumerate(requests) for r in group]
-        samples = [Sample() for _ in flat]
-        pending = list(range(len(flat)))
-        tokens = discarded = 0
-        while pending:
+        rounds = BatchRounds(requests, partial=self.partial, max_tokens=self.max_tokens)
+        while rounds.pending:
             with self._cv:
                 while (self._updating or self.version < 0) and not self._stopping:
                     self._cv.wait()
                 if self._stopping:
                     raise RolloutLost("the job's rollout was closed")
                 version = self.version
-            jobs = [self._pool.submit(self._one, flat[i][1], samples[i], version) for i in pending]
-            left = []
-            for i, job in zip(pending, jobs):
-                out, s = job.result(), samples[i]
+            jobs = [self._pool.submit(self._one, *rounds.continuation(i), version) for i in rounds.pending]
+            for i, job in zip(rounds.pending, jobs):
+                out = job.result()
                 if not out.started:  # an update came first: not sent
-                    left.append(i)
-                    continue
-                tokens += len(out.tokens)
-                if not self.partial and not out.finish_reason:  # cut by an update: start again
-                    discarded += len(out.tokens)
-                    s.segments = []
-                    left.append(i)
-                    continue
-                s.segments.append(Segment(version, out.tokens, out.logprobs, out.version_id))
-                s.router_ids = out.router_ids
-                if out.finish_reason:
-                    s.finish_reason = out.finish_reason
-                elif len(s.tokens) >= self.max_tokens:
-                    s.finish_reason = "length"
+                    rounds.retry(i)
                 else:
-                    left.append(i)
-            pending = left
-        grouped = [[] for _ in requests]
-        for (g, _), s in zip(flat, samples):
-            grouped[g].append(s)
-        return grouped, BatchStats(tokens, discarded, time.perf_counter() - start)
+                    rounds.add(i, version, out.tokens, out.logprobs, out.finish_reason, out.router_ids,
+                               out.version_id)
+            rounds.next_round()
+        return rounds.result()
 
-    def _one(self, req: SampleRequest, s: Sample, version: int) -> _Out:
-        """One request of a sample on policy version `version`, read until it ends or an update cancels it."""
-        done = s.tokens if self.partial else []
-        params = rollout_pb2.SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens - len(done),
-                                            seed=req.seed + 7919 * len(s.segments),
+    def _one(self, tokens: list[int], max_tokens: int, seed: int, version: int) -> _Out:
+        """One request of a sample (BatchRounds.continuation) on policy version `version`, read until it ends or an
+        update cancels it."""
+        params = rollout_pb2.SamplingParams(temperature=self.temperature, max_tokens=max_tokens, seed=seed,
                                             return_router_ids=self.router_ids)
         expected = self.published[version]
-        request = rollout_pb2.SampleRequest(model=self.deployment, tokens=common_pb2.TokenList(
-            tokens=req.prompt + done), params=params, min_weight_version=expected.version)
+        request = rollout_pb2.SampleRequest(model=self.deployment, tokens=common_pb2.TokenList(tokens=tokens),
+                                            params=params, min_weight_version=expected.version)
         with self._cv:
             if self._updating or self._stopping or self.version != version:
                 return _Out(started=False)
