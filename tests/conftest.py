@@ -2,6 +2,7 @@
 database per session, Redis, and the service stack from docker-compose.yml."""
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import subprocess
@@ -85,14 +86,38 @@ def _admin(sql: str) -> None:
         conn.execute(sql)
 
 
+@contextlib.contextmanager
+def fresh_database(prefix: str):
+    """A new, empty Postgres database (its SQLAlchemy URL), dropped afterwards."""
+    name = f"{prefix}_{secrets.token_hex(4)}"
+    _admin(f'CREATE DATABASE "{name}"')
+    base = PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
+    try:
+        yield f"{base}/{name}"
+    finally:
+        _admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@contextlib.contextmanager
+def own_stack(work_dir: Path, redis_url: str, prefix: str, extra_env: dict[str, str]):
+    """The scheduler and a Celery worker on a fresh database of their own, for tests that kill, restart or
+    reconfigure them; downed and dropped afterwards."""
+    from trainyard.localstack import Stack
+
+    with fresh_database(prefix) as url:
+        stack = Stack(work_dir, database_url=url, broker_url=redis_url, extra_env=extra_env)
+        try:
+            stack.up("scheduler", "worker")
+            yield stack
+        finally:
+            stack.down()
+
+
 @pytest.fixture(scope="session")
 def pg_url():
     """A new, empty Postgres database for this test session (dropped afterwards)."""
-    name = f"trainyard_test_{secrets.token_hex(4)}"
-    _admin(f'CREATE DATABASE "{name}"')
-    base = PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
-    yield f"{base}/{name}"
-    _admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with fresh_database("trainyard_test") as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import secrets
 import signal
 import time
 from collections import Counter
@@ -41,7 +40,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from services.common.blobstore import BlobStore
-from tests.conftest import PG_ADMIN_URL, _admin, create_account
+from tests.conftest import create_account, own_stack
 from tests.integration.data import chat_rows, jsonl
 from tests.reliability.figures import FIGURES
 from tests.services.trainer.trainer_helpers import PAIRS, preference_row
@@ -95,24 +94,14 @@ class Plan:
 
 @pytest.fixture(scope="module")
 def kstack(tmp_path_factory, redis_url):
-    from trainyard.localstack import Stack
-
-    name = f"trainyard_killrand_{secrets.token_hex(4)}"
-    _admin(f'CREATE DATABASE "{name}"')
-    base = PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
-    stack = Stack(tmp_path_factory.mktemp("killrand"), database_url=f"{base}/{name}", broker_url=redis_url,
-                  extra_env={"TRAINYARD_HEARTBEAT_S": "0.5", "TRAINYARD_WORKER_LOST_AFTER_S": "6",
-                             "TRAINYARD_REAPER_INTERVAL_S": "1", "TRAINYARD_SHUTDOWN_GRACE_S": "3",
-                             "TRAINYARD_TORCH_THREADS": "1", "TRAINYARD_MAX_JOB_ATTEMPTS": str(MAX_ATTEMPTS),
-                             # No rollout or weight-sync service here: RFT jobs sample from a rollout process of their
-                             # own (one of the victims), whatever service addresses the worker is given.
-                             "TRAINYARD_RFT_ROLLOUT": "process"})
-    try:
-        stack.up("scheduler", "worker")
+    env = {"TRAINYARD_HEARTBEAT_S": "0.5", "TRAINYARD_WORKER_LOST_AFTER_S": "6",
+           "TRAINYARD_REAPER_INTERVAL_S": "1", "TRAINYARD_SHUTDOWN_GRACE_S": "3",
+           "TRAINYARD_TORCH_THREADS": "1", "TRAINYARD_MAX_JOB_ATTEMPTS": str(MAX_ATTEMPTS),
+           # No rollout or weight-sync service here: RFT jobs sample from a rollout process of their
+           # own (one of the victims), whatever service addresses the worker is given.
+           "TRAINYARD_RFT_ROLLOUT": "process"}
+    with own_stack(tmp_path_factory.mktemp("killrand"), redis_url, "trainyard_killrand", env) as stack:
         yield stack
-    finally:
-        stack.down()
-        _admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest.fixture(scope="module")

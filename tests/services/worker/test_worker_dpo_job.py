@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import subprocess
 import sys
 import time
 
 import pytest
 
-from tests.conftest import PG_ADMIN_URL, _admin, create_account
+from tests.conftest import create_account, own_stack
 from tests.services.trainer.trainer_helpers import PAIRS, chat_row, preference_row
 from trainyard import TrainyardError
 from trainyard.v1 import scheduler_pb2 as pb
@@ -29,22 +28,12 @@ ROWS = [preference_row(a, b) for a, b in PAIRS + [(b, a) for a, b in PAIRS]]  # 
 
 @pytest.fixture(scope="module")
 def dpo_stack(tmp_path_factory, redis_url, tiny_model_dir):
-    from trainyard.localstack import Stack
-
-    name = f"trainyard_dpo_{secrets.token_hex(4)}"
-    _admin(f'CREATE DATABASE "{name}"')
-    base = PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
-    stack = Stack(tmp_path_factory.mktemp("dpo-stack"), database_url=f"{base}/{name}", broker_url=redis_url,
-                  extra_env={"TRAINYARD_HEARTBEAT_S": "0.5", "TRAINYARD_WORKER_LOST_AFTER_S": "6",
-                             "TRAINYARD_REAPER_INTERVAL_S": "1", "TRAINYARD_SHUTDOWN_GRACE_S": "3",
-                             "TRAINYARD_TORCH_THREADS": "1", "TRAINYARD_BUILTIN_TINY_MODELS": "false",
-                             "TRAINYARD_SHARED_MODELS": json.dumps({MODEL: str(tiny_model_dir)})})
-    try:
-        stack.up("scheduler", "worker")
+    env = {"TRAINYARD_HEARTBEAT_S": "0.5", "TRAINYARD_WORKER_LOST_AFTER_S": "6",
+           "TRAINYARD_REAPER_INTERVAL_S": "1", "TRAINYARD_SHUTDOWN_GRACE_S": "3",
+           "TRAINYARD_TORCH_THREADS": "1", "TRAINYARD_BUILTIN_TINY_MODELS": "false",
+           "TRAINYARD_SHARED_MODELS": json.dumps({MODEL: str(tiny_model_dir)})}
+    with own_stack(tmp_path_factory.mktemp("dpo-stack"), redis_url, "trainyard_dpo", env) as stack:
         yield stack
-    finally:
-        stack.down()
-        _admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +159,7 @@ def test_worker_killed_mid_job_resumes_from_its_checkpoint(dpo_stack, client, pa
 
 def test_cli_creates_a_dpo_job(dpo_stack, dpo_key, pairs_id, tmp_path):
     env = {**os.environ, "TRAINYARD_URL": dpo_stack.url("scheduler"), "TRAINYARD_API_KEY": dpo_key,
-           "TRAINYARD_CLIENT_CONFIG": str(tmp_path / "client.json"), "COLUMNS": "200"}
+                  "TRAINYARD_CLIENT_CONFIG": str(tmp_path / "client.json"), "COLUMNS": "200"}
 
     def cli(*args, ok=True):
         proc = subprocess.run([sys.executable, "-m", "trainyard.cli.main", *args], env=env, capture_output=True,

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import signal
 import time
 
 import pytest
 
-from tests.conftest import PG_ADMIN_URL, _admin, create_account
+from tests.conftest import create_account, own_stack
 from tests.services.trainer.trainer_helpers import PAIRS, chat_row
 from tests.services.worker.test_worker_group import CONFIG, _compare, _wait, reference, world  # noqa: F401
 from trainyard.v1 import scheduler_pb2 as pb
@@ -28,23 +27,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def group_stack(tmp_path_factory, redis_url, tiny_model_dir):
-    from trainyard.localstack import Stack
-
-    name = f"trainyard_group_{secrets.token_hex(4)}"
-    _admin(f'CREATE DATABASE "{name}"')
-    base = PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
-    stack = Stack(tmp_path_factory.mktemp("group-stack"), database_url=f"{base}/{name}", broker_url=redis_url,
-                  extra_env={"TRAINYARD_HEARTBEAT_S": "0.5", "TRAINYARD_WORKER_LOST_AFTER_S": "6",
-                             "TRAINYARD_REAPER_INTERVAL_S": "1", "TRAINYARD_SHUTDOWN_GRACE_S": "10",
-                             "TRAINYARD_TORCH_THREADS": "1", "TRAINYARD_BUILTIN_TINY_MODELS": "false",
-                             "TRAINYARD_SHARED_MODELS": json.dumps({"tiny-group": str(tiny_model_dir)}),
-                             "TRAINYARD_MANAGED_NPROC": "2", "TRAINYARD_MANAGED_PARALLEL": '{"dp_shard": 2}'})
-    try:
-        stack.up("scheduler", "worker")
+    env = {"TRAINYARD_HEARTBEAT_S": "0.5", "TRAINYARD_WORKER_LOST_AFTER_S": "6",
+           "TRAINYARD_REAPER_INTERVAL_S": "1", "TRAINYARD_SHUTDOWN_GRACE_S": "10",
+           "TRAINYARD_TORCH_THREADS": "1", "TRAINYARD_BUILTIN_TINY_MODELS": "false",
+           "TRAINYARD_SHARED_MODELS": json.dumps({"tiny-group": str(tiny_model_dir)}),
+           "TRAINYARD_MANAGED_NPROC": "2", "TRAINYARD_MANAGED_PARALLEL": '{"dp_shard": 2}'}
+    with own_stack(tmp_path_factory.mktemp("group-stack"), redis_url, "trainyard_group", env) as stack:
         yield stack
-    finally:
-        stack.down()
-        _admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def test_a_killed_rank_is_retried_by_the_reaper(group_stack, reference):  # noqa: F811
