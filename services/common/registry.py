@@ -9,6 +9,7 @@ imported (its import is its own). Every refusal is the same message, so a caller
 from __future__ import annotations
 
 import re
+from datetime import datetime, timezone
 from pathlib import Path
 
 from sqlalchemy import or_, select
@@ -109,9 +110,47 @@ def find_deployment(s: Session, account_id: str, ident: str) -> Deployment | Non
         or_(Deployment.id == ident, Deployment.name == ident)))
 
 
-def get_checkpoint(s: Session, account_id: str, checkpoint_id: str) -> Checkpoint:
+def get_checkpoint(s: Session, account_id: str, checkpoint_id: str, *, expired_ok: bool = False) -> Checkpoint:
+    """The account's own checkpoint, to read or change; an expired one is gone (NOT_FOUND) unless expired_ok (its
+    deletion)."""
     c = s.get(Checkpoint, checkpoint_id) if checkpoint_id else None
-    if c is None or c.account_id != account_id:
+    if c is None or c.account_id != account_id or (expired(c) and not expired_ok):
         raise not_found("checkpoint", checkpoint_id)
     return c
 
+
+def readable_checkpoint(s: Session, account_id: str, checkpoint_id: str) -> Checkpoint:
+    """A checkpoint the account may read (download, load as a state, sample): its own, or another account's while
+    published; never an expired one. Everything else is NOT_FOUND, the same answer, so ids cannot be probed."""
+    c = s.get(Checkpoint, checkpoint_id) if checkpoint_id else None
+    if c is None or (c.account_id != account_id and not c.public) or expired(c):
+        raise not_found("checkpoint", checkpoint_id)
+    return c
+
+
+def expired(c: Checkpoint, now: datetime | None = None) -> bool:
+    if c.expires_at is None:
+        return False
+    at = c.expires_at if c.expires_at.tzinfo else c.expires_at.replace(tzinfo=timezone.utc)  # SQLite drops the zone
+    return at <= (now or utcnow())
+
+
+# A checkpoint's user_metadata and TTL (SaveState / SaveWeights, SetCheckpointTtl).
+MAX_METADATA_ENTRIES, MAX_METADATA_KEY, MAX_METADATA_VALUE = 64, 128, 4096
+MAX_TTL_S = 100 * 365 * 86400  # about a century: beyond it a TTL is a mistake, not a wish
+
+
+def check_ttl(ttl_seconds: int | None, field: str) -> None:
+    if ttl_seconds is not None and not 1 <= ttl_seconds <= MAX_TTL_S:
+        raise InvalidArgument(f"must be between 1 and {MAX_TTL_S} seconds, got {ttl_seconds}", field=field)
+
+
+def check_user_metadata(metadata: dict[str, str], field: str) -> None:
+    if len(metadata) > MAX_METADATA_ENTRIES:
+        raise InvalidArgument(f"at most {MAX_METADATA_ENTRIES} entries, got {len(metadata)}", field=field)
+    for key, value in metadata.items():
+        if not 1 <= len(key) <= MAX_METADATA_KEY:
+            raise InvalidArgument(f"keys must have 1 to {MAX_METADATA_KEY} characters, got {len(key)}", field=field)
+        if len(value) > MAX_METADATA_VALUE:
+            raise InvalidArgument(f"at most {MAX_METADATA_VALUE} characters, got {len(value)}",
+                                  field=f"{field}[{key!r}]")

@@ -212,6 +212,13 @@ class Checkpoint(Base):
     final: Mapped[bool] = mapped_column(Boolean, default=False)
     metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # A SaveWeights checkpoint: the weight version it published ("" for a training state or a job's checkpoint).
+    weight_version_id: Mapped[str] = mapped_column(String(32), default="", index=True)
+    # Readable (never writable) by every account while set (services/common/registry.py, readable_checkpoint).
+    public: Mapped[bool] = mapped_column(Boolean, default=False)
+    user_metadata: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    # Unreadable from then on; the scheduler's sweep deletes it (services/scheduler/checkpoints.py).
+    expires_at: Mapped[datetime | None] = mapped_column(default=None, index=True)
 
 
 class Deployment(Base):
@@ -258,6 +265,8 @@ class TrainingSession(Base):
     state_checkpoint_id: Mapped[str | None] = mapped_column(String(32), default=None)
     state_with_optimizer: Mapped[bool] = mapped_column(Boolean, default=True)
     state_next_seq_id: Mapped[int] = mapped_column(BigInteger, default=1)
+    # When the session last received a call (written at most once a minute per session; None before revision 0010).
+    last_request_at: Mapped[datetime | None] = mapped_column(default=None)
 
 
 class WeightVersion(Base):

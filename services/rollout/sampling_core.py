@@ -7,7 +7,9 @@ A SampleRequest.model is resolved for the caller's account on every call, agains
 2. else a base model visible to the account (its own, then shared) -> the base weights alone;
 3. else NotFound.
 A name "trainyard://weights/<version id>" is a weight version the account owns in the weight-sync service (a Training
-API SaveWeights): that exact version, on its base model (services/rollout/pinned.py); NotFound for another account's.
+API SaveWeights): that exact version, on its base model (services/rollout/pinned.py); its checkpoint decides who may:
+NotFound once the checkpoint is deleted or expired, and for another account's unless the checkpoint is published
+(then served from the checkpoint's files, as a deployment's checkpoint is).
 
 A deployment's checkpoint files are laid out from the object store under <adapters_dir>/<deployment_id>/ once
 (hard links, renamed into place whole), each checked against the sha256 its manifest names on the way (DataLoss
@@ -48,6 +50,8 @@ SERVABLE_STATUSES = ("ready", "deploying")
 # (DeploymentCore.repoint) loads its new checkpoint beside the old one, which is unloaded once the new one is in.
 ADAPTER_SEP = "@"
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+# The adapter ids (and files directory) of other accounts' published checkpoints: "published@<checkpoint id>".
+PUBLISHED = "published"
 
 
 @dataclass(frozen=True)
@@ -299,9 +303,18 @@ class SamplingCore:
         version_id = name.removeprefix(WEIGHTS_PREFIX)
         if not version_id:
             raise InvalidArgument(f"expected '{WEIGHTS_PREFIX}<version id>'", field="model")
+        with self.db.session() as s:
+            ckpt = s.scalar(select(Checkpoint).where(Checkpoint.weight_version_id == version_id))
+            if ckpt is not None:  # its checkpoint says who may sample it: the owner, or anyone while published
+                ckpt = registry.readable_checkpoint(s, account_id, ckpt.id)
+                if ckpt.account_id != account_id:
+                    yield self._published_target(name, ckpt, version_id)
+                    return
         if self.pinned is None:
             raise FailedPrecondition(f"'{name}' names a weight version, and this rollout has no weight-sync service "
                                      "configured")
+        if ckpt is None and self.pinned.version(account_id, api_key, version_id).metadata.get("checkpoint_id"):
+            raise not_found("weight version", version_id)  # its checkpoint was deleted (or expired and swept)
 
         def base_model_dir(base_model: str) -> str:
             with self.db.session() as s:
@@ -315,6 +328,18 @@ class SamplingCore:
             info = LoadedInfo(name=name, base_model=version.base_model, lineage=version.lineage,
                               weight_version_id=version.id, weight_version=version.version)
             yield _Target(info=info, model_dir=served.model_dir, adapter_id=served.adapter_id)
+
+    @staticmethod
+    def _published_target(name: str, ckpt: Checkpoint, version_id: str) -> _Target:
+        """Another account's published SaveWeights checkpoint, served from its files (read-only: the weight-sync
+        service's copy stays its owner's)."""
+        if ckpt.kind != "lora_adapter" or not ckpt.model_path:
+            raise FailedPrecondition(f"'{name}' is a published {ckpt.kind} checkpoint; only LoRA adapters of other "
+                                     "accounts can be sampled")
+        info = LoadedInfo(name=name, base_model=ckpt.base_model, deployment_id=PUBLISHED, checkpoint_id=ckpt.id,
+                          weight_version_id=version_id)
+        return _Target(info=info, model_dir=ckpt.model_path, adapter_id=PUBLISHED + ADAPTER_SEP + ckpt.id,
+                       adapter_files=tuple(StoredFile.from_json(f) for f in ckpt.files))
 
     @staticmethod
     def _lineage_info(dep: Deployment, served, error: str) -> LoadedInfo:

@@ -1,16 +1,15 @@
-"""Accounts, API keys, base models and checkpoints as seen by their owner."""
+"""Accounts, API keys and base models as seen by their owner (checkpoints: checkpoints.py)."""
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 from sqlalchemy import select
 
 from services.common import auth, registry
-from services.common.blobstore import CHUNK, BlobStore
+from services.common.blobstore import BlobStore
 from services.common.db import Database
 from services.common.errors import FailedPrecondition, InvalidArgument, not_found
-from services.common.schema import Account, ApiKey, Checkpoint, Job, Model, utcnow
+from services.common.schema import Account, ApiKey, Model, utcnow
 
 
 class AccountCore:
@@ -68,30 +67,3 @@ class AccountCore:
             if m is None:
                 raise not_found("model", name)
             return m
-
-    # -- checkpoints ---------------------------------------------------------------------------------------------
-    def list_checkpoints(self, account_id: str, job_id: str) -> list[Checkpoint]:
-        q = select(Checkpoint).where(Checkpoint.account_id == account_id)
-        with self.db.session() as s:
-            if job_id:
-                job = s.get(Job, job_id)
-                if job is None or job.account_id != account_id:
-                    raise not_found("job", job_id)
-                q = q.where(Checkpoint.job_id == job_id)
-            return list(s.scalars(q.order_by(Checkpoint.created_at, Checkpoint.step)))
-
-    def get_checkpoint(self, account_id: str, checkpoint_id: str) -> Checkpoint:
-        with self.db.session() as s:
-            return registry.get_checkpoint(s, account_id, checkpoint_id)
-
-    def checkpoint_chunks(self, account_id: str, checkpoint_id: str) -> Iterator[tuple[dict, int, bytes]]:
-        """(file entry, offset, bytes) for every file of the checkpoint, in manifest order; DataLoss after the last
-        chunk of a file whose bytes are not the ones its manifest names."""
-        ckpt = self.get_checkpoint(account_id, checkpoint_id)
-        for f in ckpt.files:
-            offset = 0
-            # Verified against the manifest as it streams: damaged bytes end the stream with DataLoss.
-            for chunk in self.blobs.read_verified(f["sha256"], f"checkpoint {ckpt.id} file {f['path']}",
-                                                  size=f["size_bytes"], chunk_size=CHUNK):
-                yield f, offset, chunk
-                offset += len(chunk)

@@ -16,6 +16,7 @@ from services.common.grpcserver import Server, ServiceSpec, run_service, service
 from services.common.schema import SHARED_SCOPE
 from services.common import registry
 from services.scheduler.accounts import AccountCore
+from services.scheduler.checkpoints import CheckpointCore
 from services.common.jobqueue import Dispatcher
 from services.scheduler.datasets import DatasetStore
 from services.scheduler.deployments import DeploymentCore
@@ -79,11 +80,17 @@ def register_shared_models(settings: SchedulerSettings, db: Database) -> None:
         log.info("shared model %s -> %s", name, path)
 
 
-def reaper_loop(settings: SchedulerSettings, ledger: Ledger, dispatch) -> Callable[[threading.Event], None]:
-    """Every reaper_interval_s: requeue jobs of lost workers, and send jobs whose attempt never reached the broker."""
+def reaper_loop(settings: SchedulerSettings, ledger: Ledger, dispatch,
+                checkpoints: CheckpointCore) -> Callable[[threading.Event], None]:
+    """Every reaper_interval_s: requeue jobs of lost workers, send jobs whose attempt never reached the broker, and
+    delete expired checkpoints."""
 
     def loop(stopping: threading.Event) -> None:
         while not stopping.wait(settings.reaper_interval_s):
+            try:
+                checkpoints.sweep_expired()
+            except Exception:  # noqa: BLE001 - the next pass sweeps again; expired ones stay unreadable meanwhile
+                log.exception("expired checkpoint sweep failed")
             try:
                 lost = ledger.reap(settings.worker_lost_after_s, settings.max_job_attempts)
                 pending = ledger.undispatched(older_than_s=settings.worker_lost_after_s)
@@ -130,6 +137,7 @@ def build(settings: SchedulerSettings) -> Server:
     # holding the process for the whole grace period.
     stopping = threading.Event()
     accounts = AccountCore(db, blobs, settings.model_import_roots, [settings.data_dir, settings.blob_dir])
+    checkpoints = CheckpointCore(db, blobs)
     planner = Planner(blobs)
     jobs = JobCore(db, ledger, dispatch, settings.watch_poll_s, stopping, planner,
                    live_within_s=settings.worker_lost_after_s,
@@ -149,7 +157,7 @@ def build(settings: SchedulerSettings) -> Server:
         rpc.add_ModelServiceServicer_to_server(ModelServicer(accounts), server)
         rpc.add_DatasetServiceServicer_to_server(DatasetServicer(datasets), server)
         rpc.add_JobServiceServicer_to_server(JobServicer(jobs), server)
-        rpc.add_CheckpointServiceServicer_to_server(CheckpointServicer(accounts), server)
+        rpc.add_CheckpointServiceServicer_to_server(CheckpointServicer(checkpoints), server)
         rpc.add_DeploymentServiceServicer_to_server(DeploymentServicer(deployments), server)
         rpc.add_ResourceServiceServicer_to_server(ResourceServicer(devices), server)
         rpc.add_EvaluatorServiceServicer_to_server(EvaluatorServicer(evaluators), server)
@@ -163,7 +171,7 @@ def build(settings: SchedulerSettings) -> Server:
              ("AccountService", "ModelService", "DatasetService", "JobService", "CheckpointService",
               "DeploymentService", "ResourceService", "EvaluatorService")]
     spec = ServiceSpec(name="scheduler", register=register, service_names=names, on_shutdown=shutdown,
-                       background=[reaper_loop(settings, ledger, dispatch)], stopping=stopping)
+                       background=[reaper_loop(settings, ledger, dispatch, checkpoints)], stopping=stopping)
     server = service_server(spec, settings, settings.scheduler_port, db)
     return server
 

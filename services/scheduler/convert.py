@@ -103,6 +103,9 @@ def checkpoint(c: schema.Checkpoint) -> pb.Checkpoint:
         files=[pb.CheckpointFile(path=f["path"], sha256=f["sha256"], size_bytes=f["size_bytes"]) for f in c.files],
         final=c.final, metrics={k: float(v) for k, v in (c.metrics or {}).items()}, created_at=ts(c.created_at),
         session_id=c.session_id or "", name=c.name,
+        checkpoint_type="sampler" if c.weight_version_id else "training", weight_version_id=c.weight_version_id,
+        size_bytes=sum(int(f["size_bytes"]) for f in [*c.files, *(c.state or [])]), public=c.public,
+        user_metadata=c.user_metadata or {}, expires_at=ts(c.expires_at), account_id=c.account_id,
     )
 
 

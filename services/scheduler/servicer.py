@@ -6,8 +6,10 @@ import re
 
 from services.common.auth import current_caller
 from services.common.errors import InvalidArgument
+from services.common.protoconv import opt
 from services.scheduler import convert
 from services.scheduler.accounts import AccountCore
+from services.scheduler.checkpoints import CheckpointCore
 from services.common.streams import split_header
 from services.scheduler.datasets import DatasetStore, UploadHeader
 from services.scheduler.deployments import DeploymentCore
@@ -183,20 +185,34 @@ class JobServicer(rpc.JobServiceServicer):
 
 
 class CheckpointServicer(rpc.CheckpointServiceServicer):
-    def __init__(self, core: AccountCore):
+    def __init__(self, core: CheckpointCore):
         self.core = core
 
     def ListCheckpoints(self, request, context):
-        rows = self.core.list_checkpoints(current_caller().account_id, request.job_id)
-        return pb.ListCheckpointsResponse(checkpoints=[convert.checkpoint(c) for c in rows])
+        rows, total = self.core.list(current_caller().account_id, request.job_id, request.session_id, request.limit,
+                                     request.offset)
+        return pb.ListCheckpointsResponse(checkpoints=[convert.checkpoint(c) for c in rows], total=total)
 
     def GetCheckpoint(self, request, context):
-        return convert.checkpoint(self.core.get_checkpoint(current_caller().account_id, request.id))
+        return convert.checkpoint(self.core.get(current_caller().account_id, request.id))
 
     def DownloadCheckpoint(self, request, context):
-        for f, offset, data in self.core.checkpoint_chunks(current_caller().account_id, request.id):
+        for f, offset, data in self.core.chunks(current_caller().account_id, request.id):
             yield common_pb2.FileChunk(path=f["path"], offset=offset, data=data, file_size=f["size_bytes"],
                                        sha256=hashlib.sha256(data).hexdigest())
+
+    def DeleteCheckpoint(self, request, context):
+        return convert.checkpoint(self.core.delete(current_caller().account_id, request.id))
+
+    def SetCheckpointTtl(self, request, context):
+        return convert.checkpoint(self.core.set_ttl(current_caller().account_id, request.id,
+                                                    opt(request, "ttl_seconds")))
+
+    def PublishCheckpoint(self, request, context):
+        return convert.checkpoint(self.core.set_public(current_caller().account_id, request.id, True))
+
+    def UnpublishCheckpoint(self, request, context):
+        return convert.checkpoint(self.core.set_public(current_caller().account_id, request.id, False))
 
 
 class DeploymentServicer(rpc.DeploymentServiceServicer):

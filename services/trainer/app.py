@@ -79,7 +79,7 @@ WEIGHT_KINDS = {"lora_adapter": weightsync_pb2.WEIGHT_KIND_LORA_ADAPTER, "full":
 def make_publisher(weightsync: weightsync_pb2_grpc.WeightSyncServiceStub):
     """SessionManager's publish: the saved directory as the next version of the session's lineage."""
 
-    def publish(api_key: str, sess, directory: Path, kind: str) -> str:
+    def publish(api_key: str, sess, directory: Path, kind: str, checkpoint_id: str = "") -> str:
         try:
             parent = sess.weight_version_id
             if parent is None:  # a restored session goes on from its lineage's newest version
@@ -88,7 +88,7 @@ def make_publisher(weightsync: weightsync_pb2_grpc.WeightSyncServiceStub):
                 parent = versions[-1].id if versions else ""
             version = publish_dir(weightsync, api_key, lineage=sess.id, parent_id=parent, kind=WEIGHT_KINDS[kind],
                                   base_model=sess.base_model, directory=directory,
-                                  metadata={"optim_steps": str(sess.optim_steps)})
+                                  metadata={"optim_steps": str(sess.optim_steps), "checkpoint_id": checkpoint_id})
         except grpc.RpcError as exc:  # the session's state is intact: the caller can save again
             raise Unavailable(f"the weights were not published to the weight-sync service: {exc.details()}") from None
         return version.id

@@ -23,6 +23,7 @@ from services.common.streams import client_messages
 from services.trainer.datums import DatumInput
 from services.trainer.engine import AdamW
 from services.trainer.session_spec import CreateSpec, LoraSpec
+from services.trainer.session_states import SaveOptions
 from services.trainer.sessions import SESSION_ADAMW, SessionInfo, SessionManager
 from trainyard.v1 import common_pb2, trainer_pb2 as pb, trainer_pb2_grpc as rpc
 
@@ -137,7 +138,13 @@ def session_proto(info: SessionInfo) -> pb.Session:
                       closed=info.closed, error=info.error, num_trainable_parameters=info.num_trainable_parameters,
                       full_parameter=info.full_parameter, lineage=info.lineage, vocab_size=info.vocab_size,
                       num_layers=info.num_layers, hidden_size=info.hidden_size, architecture=info.architecture,
-                      created_at=ts(info.created_at))
+                      created_at=ts(info.created_at), last_request_at=ts(info.last_request_at),
+                      last_state_checkpoint_id=info.last_state_checkpoint_id,
+                      last_weights_checkpoint_id=info.last_weights_checkpoint_id)
+
+
+def save_options(request: pb.SaveWeightsRequest | pb.SaveStateRequest) -> SaveOptions:
+    return SaveOptions(ttl_seconds=opt(request, "ttl_seconds"), user_metadata=tuple(request.user_metadata.items()))
 
 
 class TrainerServicer(rpc.TrainerServiceServicer):
@@ -186,13 +193,13 @@ class TrainerServicer(rpc.TrainerServiceServicer):
         ckpt_id, version_id, path = self.sessions.save_weights(caller.account_id, caller.api_key, request.session_id,
                                                                request.seq_id, request.name,
                                                                answered=answered_seq_id(context),
-                                                               cancel=calls.current())
+                                                               cancel=calls.current(), options=save_options(request))
         return pb.SaveWeightsResponse(checkpoint_id=ckpt_id, version_id=version_id, path=path)
 
     def SaveState(self, request, context):
         ckpt_id, path = self.sessions.save_state(current_caller().account_id, request.session_id, request.seq_id,
                                                  request.name, answered=answered_seq_id(context),
-                                                 cancel=calls.current())
+                                                 cancel=calls.current(), options=save_options(request))
         return pb.SaveStateResponse(checkpoint_id=ckpt_id, path=path)
 
     def LoadState(self, request, context):
@@ -208,3 +215,7 @@ class TrainerServicer(rpc.TrainerServiceServicer):
                     yield common_pb2.FileChunk(path=path.name, offset=offset, data=data, file_size=size,
                                                sha256=hashlib.sha256(data).hexdigest())
                     offset += len(data)
+
+    def ListSessions(self, request, context):
+        infos, total = self.sessions.list_sessions(current_caller().account_id, request.limit, request.offset)
+        return pb.ListSessionsResponse(sessions=[session_proto(i) for i in infos], total=total)

@@ -17,9 +17,10 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from pathlib import Path
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from models.lora import LoraConfig
 from services.common import blobrefs, logs, registry
@@ -59,6 +60,21 @@ def state_checkpoint_id(path: str, field_name: str) -> str:
 
 
 @dataclass(frozen=True)
+class SaveOptions:
+    """What a SaveState / SaveWeights keeps on its checkpoint besides the weights (checked by `check`)."""
+
+    ttl_seconds: int | None = None
+    user_metadata: tuple[tuple[str, str], ...] = ()
+
+    def check(self) -> None:
+        registry.check_ttl(self.ttl_seconds, "ttl_seconds")
+        registry.check_user_metadata(dict(self.user_metadata), "user_metadata")
+
+    def expires_at(self) -> datetime | None:
+        return None if self.ttl_seconds is None else utcnow() + timedelta(seconds=self.ttl_seconds)
+
+
+@dataclass(frozen=True)
 class Recorded:
     """An open session's row as a restarted trainer reads it: what it was created as and its recorded state."""
 
@@ -88,7 +104,7 @@ class SessionStates:
         """A training state of this account laid out in a temporary directory (NOT_FOUND for another account's;
         INVALID_ARGUMENT naming field_name for a checkpoint holding no training state)."""
         with self.db.session() as s:
-            ckpt = registry.get_checkpoint(s, account_id, checkpoint_id)
+            ckpt = registry.readable_checkpoint(s, account_id, checkpoint_id)  # its own, or a published one
             files, state = list(ckpt.files), list(ckpt.state or [])
         if not is_training_state(f["path"] for f in state):
             raise InvalidArgument(f"checkpoint '{checkpoint_id}' holds weights only, not a training state (save one "
@@ -106,7 +122,8 @@ class SessionStates:
                 raise InvalidArgument(str(exc), field=field_name) from None
             yield saved
 
-    def store(self, root: Path, *, account_id: str, session, name: str, final: bool) -> tuple[Checkpoint, set[str]]:
+    def store(self, root: Path, *, account_id: str, session, name: str, final: bool,
+              options: SaveOptions = SaveOptions()) -> tuple[Checkpoint, set[str]]:
         """A checkpoint row of the directory the engine saved under root: weights/ as its files, state/ (when there
         is one) as its state; and the blobs the save created. A failure takes its new blobs back."""
         with self.blobs.saving(blobrefs.checker(self.db)) as save:
@@ -116,10 +133,46 @@ class SessionStates:
                               step=session.optim_steps, kind="full" if session.full_parameter else "lora_adapter",
                               base_model=session.base_model,
                               model_path="" if session.full_parameter else session.model_path, files=files,
-                              state=state, final=final, metrics={}, created_at=utcnow())
+                              state=state, final=final, metrics={}, created_at=utcnow(),
+                              user_metadata=dict(options.user_metadata), expires_at=options.expires_at())
             with self.db.session() as s:
                 s.add(ckpt)
         return ckpt, save.created
+
+    def set_version(self, checkpoint_id: str, version_id: str) -> None:
+        """A SaveWeights checkpoint names the weight version it published."""
+        with self.db.session() as s:
+            s.get(Checkpoint, checkpoint_id).weight_version_id = version_id
+
+    def touch(self, session_id: str) -> None:
+        with self.db.session() as s:
+            s.get(TrainingSession, session_id).last_request_at = utcnow()
+
+    def latest_checkpoints(self, session_id: str) -> tuple[str, str]:
+        """(the session's newest training state's checkpoint id, its newest SaveWeights checkpoint id); "" when
+        none (expired ones do not count)."""
+        now = utcnow()
+        live = (Checkpoint.expires_at.is_(None)) | (Checkpoint.expires_at > now)
+        newest = (Checkpoint.created_at.desc(), Checkpoint.id.desc())
+        with self.db.session() as s:
+            state = s.scalar(select(Checkpoint.id).where(Checkpoint.session_id == session_id, live,
+                                                         Checkpoint.weight_version_id == "")
+                             .order_by(*newest).limit(1))
+            weights = s.scalar(select(Checkpoint.id).where(Checkpoint.session_id == session_id, live,
+                                                           Checkpoint.weight_version_id != "")
+                               .order_by(*newest).limit(1))
+        return state or "", weights or ""
+
+    def rows(self, account_id: str, limit: int, offset: int) -> tuple[list[TrainingSession], int]:
+        """A page of the account's session rows, newest first, and how many it has."""
+        where = TrainingSession.account_id == account_id
+        with self.db.session() as s:
+            total = s.scalar(select(func.count()).select_from(TrainingSession).where(where))
+            rows = list(s.scalars(select(TrainingSession).where(where)
+                                  .order_by(TrainingSession.created_at.desc(), TrainingSession.id.desc())
+                                  .limit(limit).offset(offset)))
+            s.expunge_all()
+        return rows, total
 
     def drop(self, checkpoint_id: str, created: set[str]) -> None:
         """Remove a checkpoint row no one saw (its save failed after it was written) and the blobs its save created
@@ -161,24 +214,27 @@ class StateCalls:
 
     # -- weights and states ----------------------------------------------------------------------------------------
     def save_weights(self, account_id: str, api_key: str, session_id: str, seq_id: int, name: str,
-                     answered: int = 0, cancel: Cancellation = NEVER) -> tuple[str, str, str]:
+                     answered: int = 0, cancel: Cancellation = NEVER,
+                     options: SaveOptions = SaveOptions()) -> tuple[str, str, str]:
         """(checkpoint id, weight version id, path "trainyard://weights/<version id>"). With state_with_weights the
         checkpoint holds the session's state next to the weights and becomes its recorded state."""
         sess = self.get(account_id, session_id)
 
         def run():
             check_name(name)
+            options.check()
             ckpt, version_id = self._store_state(
                 sess, name or f"{sess.id}-step{sess.optim_steps}", final=True,
                 next_seq_id=sess.next_seq_id + 1 if self.state_with_weights else None,
-                publish_kind="full" if sess.full_parameter else "lora_adapter", api_key=api_key)
+                publish_kind="full" if sess.full_parameter else "lora_adapter", api_key=api_key, options=options)
             sess.weight_version_id = version_id
             return ckpt.id, version_id, WEIGHTS_PREFIX + version_id
 
         return self._in_order(sess, seq_id, run, answered, cancel)
 
     def save_state(self, account_id: str, session_id: str, seq_id: int, name: str,
-                   answered: int = 0, cancel: Cancellation = NEVER) -> tuple[str, str]:
+                   answered: int = 0, cancel: Cancellation = NEVER,
+                   options: SaveOptions = SaveOptions()) -> tuple[str, str]:
         """(checkpoint id, path "trainyard://state/<checkpoint id>"). The checkpoint's files are the weights (an
         adapter or a model directory, its kind), its state the optimizer and counters (engine/checkpoint.py); it
         becomes the session's recorded state."""
@@ -186,8 +242,9 @@ class StateCalls:
 
         def run():
             check_name(name)
+            options.check()
             ckpt, _ = self._store_state(sess, name or f"{sess.id}-state-step{sess.optim_steps}", final=False,
-                                        next_seq_id=sess.next_seq_id + 1)
+                                        next_seq_id=sess.next_seq_id + 1, options=options)
             return ckpt.id, STATE_PREFIX + ckpt.id
 
         return self._in_order(sess, seq_id, run, answered, cancel)
@@ -216,7 +273,7 @@ class StateCalls:
         return self._in_order(sess, seq_id, run, answered, cancel)
 
     def _store_state(self, sess, name: str, *, final: bool, next_seq_id: int | None, publish_kind: str = "",
-                     api_key: str = ""):
+                     api_key: str = "", options: SaveOptions = SaveOptions()):
         """Save the session as a checkpoint: its state too when next_seq_id is given (then recorded as the
         session's, expecting that seq_id next), its weights only otherwise; with publish_kind its weights are then
         published (SaveWeights: the row comes first, so a database that refuses it publishes nothing, and a refused
@@ -233,13 +290,17 @@ class StateCalls:
                 for extra in MODEL_EXTRA_FILES:
                     if (Path(sess.model_path) / extra).is_file():
                         shutil.copyfile(Path(sess.model_path) / extra, root / WEIGHTS_DIR / extra)
-            ckpt, created = self.states.store(root, account_id=sess.account_id, session=sess, name=name, final=final)
+            ckpt, created = self.states.store(root, account_id=sess.account_id, session=sess, name=name, final=final,
+                                              options=options)
             version_id = ""
             if publish_kind:
                 try:
                     # A transient publishing failure is the publisher's Unavailable: the session's state is intact
-                    # and the caller can save again.
-                    version_id = self.publish(api_key, sess, root / WEIGHTS_DIR, publish_kind)
+                    # and the caller can save again. The version names its checkpoint, so sampling it follows the
+                    # checkpoint's life (deleted, expired, published: services/rollout/sampling_core.py).
+                    version_id = self.publish(api_key, sess, root / WEIGHTS_DIR, publish_kind,
+                                              checkpoint_id=ckpt.id)
+                    self.states.set_version(ckpt.id, version_id)
                 except BaseException:
                     self.states.drop(ckpt.id, created)
                     raise

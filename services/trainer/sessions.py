@@ -112,6 +112,8 @@ class Session:
     compute_s: float = 0.0  # compute of the calls since the last OptimStep (trainyard_training_step_seconds)
     restored_at: int = 0  # the seq_id a restarted trainer restored the session at (0: never restored)
     running: bool = False  # a call holds the turn (next_seq_id) and is computing
+    last_request_at: object = None  # the newest call's arrival; its row's copy is written at most every TOUCH_S
+    touched: float = -math.inf  # time.monotonic() of that write
     cond: threading.Condition = field(default_factory=threading.Condition)
 
     @property
@@ -164,8 +166,14 @@ class SessionInfo:
     num_layers: int = 0
     hidden_size: int = 0
     architecture: str = ""
+    last_request_at: object = None
+    last_state_checkpoint_id: str = ""
+    last_weights_checkpoint_id: str = ""
 
 
+# How often a session's row learns of its latest call (TrainingSession.last_request_at; ListSessions reads it).
+TOUCH_S = 60.0
+MAX_LIST = 1000
 # A Training API session's AdamW defaults (Tinker's): what OptimStep applies for the fields a request leaves unset.
 SESSION_ADAMW = AdamW(learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=0.0, grad_clip_norm=0.0)
 
@@ -354,11 +362,35 @@ class SessionManager(StateCalls):
         row = self._row(account_id, session_id)
         if row.closed_at is None and (sess := self._restore(session_id)) is not None:
             return self.info(sess)
+        return self._row_info(row, "" if row.closed_at is not None else
+                              f"lost when the trainer restarted ({self._lost_reason(session_id)})")
+
+    def _row_info(self, row: TrainingSession, error: str) -> SessionInfo:
+        state, weights = self.states.latest_checkpoints(row.id)
         return SessionInfo(id=row.id, base_model=row.base_model, lora_rank=row.lora_rank, lora_alpha=row.lora_alpha,
-                           target_modules=list(row.target_modules), closed=row.closed_at is not None,
-                           error="" if row.closed_at is not None else
-                           f"lost when the trainer restarted ({self._lost_reason(session_id)})",
-                           full_parameter=row.full_parameter, lineage=row.id, created_at=row.created_at)
+                           target_modules=list(row.target_modules), closed=row.closed_at is not None, error=error,
+                           full_parameter=row.full_parameter, lineage=row.id, created_at=row.created_at,
+                           last_request_at=row.last_request_at or row.created_at, last_state_checkpoint_id=state,
+                           last_weights_checkpoint_id=weights)
+
+    def list_sessions(self, account_id: str, limit: int, offset: int) -> tuple[list[SessionInfo], int]:
+        """ListSessions: a page of the account's sessions, newest first, as their rows (and the live ones' latest
+        calls) say -- no session is restored or loaded to list it."""
+        if not 0 <= limit <= MAX_LIST:
+            raise InvalidArgument(f"must be between 0 and {MAX_LIST}", field="limit")
+        if offset < 0:
+            raise InvalidArgument("must not be negative", field="offset")
+        rows, total = self.states.rows(account_id, limit or 20, offset)
+        out = []
+        for row in rows:
+            info = self._row_info(row, "")
+            with self._lock:
+                live = self._sessions.get(row.id)
+            if live is not None:
+                info.next_seq_id, info.optim_steps, info.error = live.next_seq_id, live.optim_steps, live.error
+                info.last_request_at = live.last_request_at or info.last_request_at
+            out.append(info)
+        return out, total
 
     def close(self, account_id: str, session_id: str) -> SessionInfo:
         """Free the session; it is never restored again. One a restarted trainer has not restored (or could not)
@@ -439,6 +471,7 @@ class SessionManager(StateCalls):
                 raise Unavailable(f"the trainer is restarting; seq_id {seq_id} did not run: send it again (the "
                                   f"session continues at seq_id {sess.next_seq_id} after the restart)")
             sess.running = True
+        self._touch(sess)
         try:
             if sess.error:
                 raise FailedPrecondition(f"session '{sess.id}' failed earlier ({sess.error}); create a new one")
@@ -453,6 +486,13 @@ class SessionManager(StateCalls):
                 sess.next_seq_id = seq_id + 1
                 sess.running = False
                 sess.cond.notify_all()
+
+    def _touch(self, sess: Session) -> None:
+        """Note the call's arrival (in the session's turn); the row hears of it at most every TOUCH_S."""
+        sess.last_request_at = utcnow()
+        if time.monotonic() - sess.touched >= TOUCH_S:
+            sess.touched = time.monotonic()
+            self.states.touch(sess.id)
 
     def _loss_call(self, sess: Session, loss_fn: str, config: dict, micro_batch_tokens: int, backward: bool,
                    prefix: str = "") -> LossCall:
@@ -518,6 +558,7 @@ class SessionManager(StateCalls):
 
     def info(self, sess: Session) -> SessionInfo:
         args = sess.holder.model.args
+        state, weights = self.states.latest_checkpoints(sess.id)
         lora = sess.lora
         return SessionInfo(id=sess.id, base_model=sess.base_model, lora_rank=lora.rank if lora else 0,
                            lora_alpha=lora.alpha if lora else 0.0,
@@ -525,4 +566,6 @@ class SessionManager(StateCalls):
                            optim_steps=sess.optim_steps, closed=sess.closed, error=sess.error,
                            num_trainable_parameters=sess.num_trainable, full_parameter=sess.full_parameter,
                            lineage=sess.id, vocab_size=args.vocab_size, num_layers=args.num_layers,
-                           hidden_size=args.hidden_size, architecture=args.architecture, created_at=sess.created_at)
+                           hidden_size=args.hidden_size, architecture=args.architecture, created_at=sess.created_at,
+                           last_request_at=sess.last_request_at or sess.created_at,
+                           last_state_checkpoint_id=state, last_weights_checkpoint_id=weights)

@@ -774,7 +774,7 @@ class CheckpointFile(_message.Message):
     def __init__(self, path: _Optional[str] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class Checkpoint(_message.Message):
-    __slots__ = ("id", "job_id", "step", "kind", "base_model", "files", "final", "metrics", "created_at", "session_id", "name")
+    __slots__ = ("id", "job_id", "step", "kind", "base_model", "files", "final", "metrics", "created_at", "session_id", "name", "checkpoint_type", "weight_version_id", "size_bytes", "public", "user_metadata", "expires_at", "account_id")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -782,6 +782,13 @@ class Checkpoint(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class UserMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -793,6 +800,13 @@ class Checkpoint(_message.Message):
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_FIELD_NUMBER: _ClassVar[int]
+    USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    ACCOUNT_ID_FIELD_NUMBER: _ClassVar[int]
     id: str
     job_id: str
     step: int
@@ -804,19 +818,54 @@ class Checkpoint(_message.Message):
     created_at: _timestamp_pb2.Timestamp
     session_id: str
     name: str
-    def __init__(self, id: _Optional[str] = ..., job_id: _Optional[str] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[CheckpointKind, str]] = ..., base_model: _Optional[str] = ..., files: _Optional[_Iterable[_Union[CheckpointFile, _Mapping]]] = ..., final: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., session_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+    checkpoint_type: str
+    weight_version_id: str
+    size_bytes: int
+    public: bool
+    user_metadata: _containers.ScalarMap[str, str]
+    expires_at: _timestamp_pb2.Timestamp
+    account_id: str
+    def __init__(self, id: _Optional[str] = ..., job_id: _Optional[str] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[CheckpointKind, str]] = ..., base_model: _Optional[str] = ..., files: _Optional[_Iterable[_Union[CheckpointFile, _Mapping]]] = ..., final: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., session_id: _Optional[str] = ..., name: _Optional[str] = ..., checkpoint_type: _Optional[str] = ..., weight_version_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., public: _Optional[bool] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., account_id: _Optional[str] = ...) -> None: ...
 
 class ListCheckpointsRequest(_message.Message):
-    __slots__ = ("job_id",)
+    __slots__ = ("job_id", "session_id", "limit", "offset")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
     job_id: str
-    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+    session_id: str
+    limit: int
+    offset: int
+    def __init__(self, job_id: _Optional[str] = ..., session_id: _Optional[str] = ..., limit: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class ListCheckpointsResponse(_message.Message):
-    __slots__ = ("checkpoints",)
+    __slots__ = ("checkpoints", "total")
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
     checkpoints: _containers.RepeatedCompositeFieldContainer[Checkpoint]
-    def __init__(self, checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ...) -> None: ...
+    total: int
+    def __init__(self, checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ..., total: _Optional[int] = ...) -> None: ...
+
+class DeleteCheckpointRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class SetCheckpointTtlRequest(_message.Message):
+    __slots__ = ("id", "ttl_seconds")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    ttl_seconds: int
+    def __init__(self, id: _Optional[str] = ..., ttl_seconds: _Optional[int] = ...) -> None: ...
+
+class PublishCheckpointRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
 
 class GetCheckpointRequest(_message.Message):
     __slots__ = ("id",)

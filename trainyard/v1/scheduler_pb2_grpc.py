@@ -1125,6 +1125,26 @@ class CheckpointServiceStub:
                 request_serializer=trainyard_dot_v1_dot_scheduler__pb2.DownloadCheckpointRequest.SerializeToString,
                 response_deserializer=trainyard_dot_v1_dot_common__pb2.FileChunk.FromString,
                 _registered_method=True)
+        self.DeleteCheckpoint = channel.unary_unary(
+                '/trainyard.v1.CheckpointService/DeleteCheckpoint',
+                request_serializer=trainyard_dot_v1_dot_scheduler__pb2.DeleteCheckpointRequest.SerializeToString,
+                response_deserializer=trainyard_dot_v1_dot_scheduler__pb2.Checkpoint.FromString,
+                _registered_method=True)
+        self.SetCheckpointTtl = channel.unary_unary(
+                '/trainyard.v1.CheckpointService/SetCheckpointTtl',
+                request_serializer=trainyard_dot_v1_dot_scheduler__pb2.SetCheckpointTtlRequest.SerializeToString,
+                response_deserializer=trainyard_dot_v1_dot_scheduler__pb2.Checkpoint.FromString,
+                _registered_method=True)
+        self.PublishCheckpoint = channel.unary_unary(
+                '/trainyard.v1.CheckpointService/PublishCheckpoint',
+                request_serializer=trainyard_dot_v1_dot_scheduler__pb2.PublishCheckpointRequest.SerializeToString,
+                response_deserializer=trainyard_dot_v1_dot_scheduler__pb2.Checkpoint.FromString,
+                _registered_method=True)
+        self.UnpublishCheckpoint = channel.unary_unary(
+                '/trainyard.v1.CheckpointService/UnpublishCheckpoint',
+                request_serializer=trainyard_dot_v1_dot_scheduler__pb2.PublishCheckpointRequest.SerializeToString,
+                response_deserializer=trainyard_dot_v1_dot_scheduler__pb2.Checkpoint.FromString,
+                _registered_method=True)
 
 
 class CheckpointServiceServicer:
@@ -1152,6 +1172,36 @@ class CheckpointServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteCheckpoint(self, request, context):
+        """Removes the checkpoint's row and the blobs no other row names. FAILED_PRECONDITION, naming it, while a live
+        deployment serves it or an open session restores from it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetCheckpointTtl(self, request, context):
+        """Sets (or clears) when the checkpoint expires: from then on it is unreadable, and the scheduler's sweep deletes
+        it as DeleteCheckpoint would (one still in use stays until it is not).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PublishCheckpoint(self, request, context):
+        """A published checkpoint can be read by every account (GetCheckpoint, DownloadCheckpoint, a session's
+        from_state / LoadState, sampling its weight version), never changed by them; Unpublish ends that.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnpublishCheckpoint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CheckpointServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1169,6 +1219,26 @@ def add_CheckpointServiceServicer_to_server(servicer, server):
                     servicer.DownloadCheckpoint,
                     request_deserializer=trainyard_dot_v1_dot_scheduler__pb2.DownloadCheckpointRequest.FromString,
                     response_serializer=trainyard_dot_v1_dot_common__pb2.FileChunk.SerializeToString,
+            ),
+            'DeleteCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteCheckpoint,
+                    request_deserializer=trainyard_dot_v1_dot_scheduler__pb2.DeleteCheckpointRequest.FromString,
+                    response_serializer=trainyard_dot_v1_dot_scheduler__pb2.Checkpoint.SerializeToString,
+            ),
+            'SetCheckpointTtl': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetCheckpointTtl,
+                    request_deserializer=trainyard_dot_v1_dot_scheduler__pb2.SetCheckpointTtlRequest.FromString,
+                    response_serializer=trainyard_dot_v1_dot_scheduler__pb2.Checkpoint.SerializeToString,
+            ),
+            'PublishCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.PublishCheckpoint,
+                    request_deserializer=trainyard_dot_v1_dot_scheduler__pb2.PublishCheckpointRequest.FromString,
+                    response_serializer=trainyard_dot_v1_dot_scheduler__pb2.Checkpoint.SerializeToString,
+            ),
+            'UnpublishCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnpublishCheckpoint,
+                    request_deserializer=trainyard_dot_v1_dot_scheduler__pb2.PublishCheckpointRequest.FromString,
+                    response_serializer=trainyard_dot_v1_dot_scheduler__pb2.Checkpoint.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1255,6 +1325,114 @@ class CheckpointService:
             '/trainyard.v1.CheckpointService/DownloadCheckpoint',
             trainyard_dot_v1_dot_scheduler__pb2.DownloadCheckpointRequest.SerializeToString,
             trainyard_dot_v1_dot_common__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainyard.v1.CheckpointService/DeleteCheckpoint',
+            trainyard_dot_v1_dot_scheduler__pb2.DeleteCheckpointRequest.SerializeToString,
+            trainyard_dot_v1_dot_scheduler__pb2.Checkpoint.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetCheckpointTtl(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainyard.v1.CheckpointService/SetCheckpointTtl',
+            trainyard_dot_v1_dot_scheduler__pb2.SetCheckpointTtlRequest.SerializeToString,
+            trainyard_dot_v1_dot_scheduler__pb2.Checkpoint.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainyard.v1.CheckpointService/PublishCheckpoint',
+            trainyard_dot_v1_dot_scheduler__pb2.PublishCheckpointRequest.SerializeToString,
+            trainyard_dot_v1_dot_scheduler__pb2.Checkpoint.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnpublishCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainyard.v1.CheckpointService/UnpublishCheckpoint',
+            trainyard_dot_v1_dot_scheduler__pb2.PublishCheckpointRequest.SerializeToString,
+            trainyard_dot_v1_dot_scheduler__pb2.Checkpoint.FromString,
             options,
             channel_credentials,
             insecure,

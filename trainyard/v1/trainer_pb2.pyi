@@ -44,7 +44,7 @@ class CreateSessionRequest(_message.Message):
     def __init__(self, base_model: _Optional[str] = ..., lora: _Optional[_Union[SessionLora, _Mapping]] = ..., seed: _Optional[int] = ..., full_parameter: _Optional[bool] = ..., from_state: _Optional[str] = ..., with_optimizer: _Optional[bool] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("id", "base_model", "lora_rank", "lora_alpha", "target_modules", "next_seq_id", "optim_steps", "closed", "error", "created_at", "num_trainable_parameters", "full_parameter", "lineage", "vocab_size", "num_layers", "hidden_size", "architecture")
+    __slots__ = ("id", "base_model", "lora_rank", "lora_alpha", "target_modules", "next_seq_id", "optim_steps", "closed", "error", "created_at", "num_trainable_parameters", "full_parameter", "lineage", "vocab_size", "num_layers", "hidden_size", "architecture", "last_request_at", "last_state_checkpoint_id", "last_weights_checkpoint_id")
     ID_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,9 @@ class Session(_message.Message):
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    LAST_REQUEST_AT_FIELD_NUMBER: _ClassVar[int]
+    LAST_STATE_CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_WEIGHTS_CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     id: str
     base_model: str
     lora_rank: int
@@ -79,7 +82,26 @@ class Session(_message.Message):
     num_layers: int
     hidden_size: int
     architecture: str
-    def __init__(self, id: _Optional[str] = ..., base_model: _Optional[str] = ..., lora_rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., next_seq_id: _Optional[int] = ..., optim_steps: _Optional[int] = ..., closed: _Optional[bool] = ..., error: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., num_trainable_parameters: _Optional[int] = ..., full_parameter: _Optional[bool] = ..., lineage: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., architecture: _Optional[str] = ...) -> None: ...
+    last_request_at: _timestamp_pb2.Timestamp
+    last_state_checkpoint_id: str
+    last_weights_checkpoint_id: str
+    def __init__(self, id: _Optional[str] = ..., base_model: _Optional[str] = ..., lora_rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., next_seq_id: _Optional[int] = ..., optim_steps: _Optional[int] = ..., closed: _Optional[bool] = ..., error: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., num_trainable_parameters: _Optional[int] = ..., full_parameter: _Optional[bool] = ..., lineage: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., architecture: _Optional[str] = ..., last_request_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_state_checkpoint_id: _Optional[str] = ..., last_weights_checkpoint_id: _Optional[str] = ...) -> None: ...
+
+class ListSessionsRequest(_message.Message):
+    __slots__ = ("limit", "offset")
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    limit: int
+    offset: int
+    def __init__(self, limit: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class ListSessionsResponse(_message.Message):
+    __slots__ = ("sessions", "total")
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[Session]
+    total: int
+    def __init__(self, sessions: _Optional[_Iterable[_Union[Session, _Mapping]]] = ..., total: _Optional[int] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
     __slots__ = ("id",)
@@ -254,14 +276,25 @@ class OptimStepResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class SaveWeightsRequest(_message.Message):
-    __slots__ = ("session_id", "seq_id", "name")
+    __slots__ = ("session_id", "seq_id", "name", "ttl_seconds", "user_metadata")
+    class UserMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    USER_METADATA_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     seq_id: int
     name: str
-    def __init__(self, session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+    ttl_seconds: int
+    user_metadata: _containers.ScalarMap[str, str]
+    def __init__(self, session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., name: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., user_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class SaveWeightsResponse(_message.Message):
     __slots__ = ("checkpoint_id", "version_id", "path")
@@ -274,14 +307,25 @@ class SaveWeightsResponse(_message.Message):
     def __init__(self, checkpoint_id: _Optional[str] = ..., version_id: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
 
 class SaveStateRequest(_message.Message):
-    __slots__ = ("session_id", "seq_id", "name")
+    __slots__ = ("session_id", "seq_id", "name", "ttl_seconds", "user_metadata")
+    class UserMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    USER_METADATA_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     seq_id: int
     name: str
-    def __init__(self, session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+    ttl_seconds: int
+    user_metadata: _containers.ScalarMap[str, str]
+    def __init__(self, session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., name: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., user_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class SaveStateResponse(_message.Message):
     __slots__ = ("checkpoint_id", "path")

@@ -107,6 +107,11 @@ class TrainerServiceStub:
                 request_serializer=trainyard_dot_v1_dot_trainer__pb2.GetTokenizerRequest.SerializeToString,
                 response_deserializer=trainyard_dot_v1_dot_common__pb2.FileChunk.FromString,
                 _registered_method=True)
+        self.ListSessions = channel.unary_unary(
+                '/trainyard.v1.TrainerService/ListSessions',
+                request_serializer=trainyard_dot_v1_dot_trainer__pb2.ListSessionsRequest.SerializeToString,
+                response_deserializer=trainyard_dot_v1_dot_trainer__pb2.ListSessionsResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServiceServicer:
@@ -205,6 +210,13 @@ class TrainerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListSessions(self, request, context):
+        """The account's sessions (open and closed), newest first, a page at a time (Tinker's training runs).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -262,6 +274,11 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     servicer.GetTokenizer,
                     request_deserializer=trainyard_dot_v1_dot_trainer__pb2.GetTokenizerRequest.FromString,
                     response_serializer=trainyard_dot_v1_dot_common__pb2.FileChunk.SerializeToString,
+            ),
+            'ListSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSessions,
+                    request_deserializer=trainyard_dot_v1_dot_trainer__pb2.ListSessionsRequest.FromString,
+                    response_serializer=trainyard_dot_v1_dot_trainer__pb2.ListSessionsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -578,6 +595,33 @@ class TrainerService:
             '/trainyard.v1.TrainerService/GetTokenizer',
             trainyard_dot_v1_dot_trainer__pb2.GetTokenizerRequest.SerializeToString,
             trainyard_dot_v1_dot_common__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainyard.v1.TrainerService/ListSessions',
+            trainyard_dot_v1_dot_trainer__pb2.ListSessionsRequest.SerializeToString,
+            trainyard_dot_v1_dot_trainer__pb2.ListSessionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

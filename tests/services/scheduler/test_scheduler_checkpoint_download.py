@@ -11,7 +11,7 @@ from services.common.blobstore import BlobStore
 from services.common.db import Database, migrate
 from services.common.errors import DataLoss
 from services.common.schema import Checkpoint, new_id, utcnow
-from services.scheduler.accounts import AccountCore
+from services.scheduler.checkpoints import CheckpointCore
 from services.scheduler.app import build
 from services.scheduler.settings import SchedulerSettings
 from trainyard import Client, TrainyardError
@@ -59,7 +59,7 @@ def test_download_verifies_against_the_manifest(scheduler, tmp_path, flip_byte):
         flip_byte(blobs.path(weights["sha256"]), len(WEIGHTS) - 10)
         with pytest.raises(DataLoss, match=f"checkpoint {ckpt.id} file adapter_model.safetensors: blob "
                                            f"{weights['sha256']} is damaged"):
-            for _ in AccountCore(db, blobs, [], []).checkpoint_chunks(ckpt.account_id, ckpt.id):
+            for _ in CheckpointCore(db, blobs).chunks(ckpt.account_id, ckpt.id):
                 pass
         with pytest.raises(TrainyardError) as exc:
             client.download_checkpoint(ckpt.id, tmp_path / "bad")
