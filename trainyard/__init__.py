@@ -10,7 +10,8 @@ Names are imported on first use, so a service importing the generated stubs (tra
 from trainyard.lazy import lazy_exports
 
 _EXPORTS = {"Client": "trainyard.client", "FieldError": "trainyard.errors", "TrainyardError": "trainyard.errors",
-            "APIFuture": "trainyard.futures", "SamplingClient": "trainyard.training",
+            "APIFuture": "trainyard.futures", "RestClient": "trainyard.rest_client",
+            "SamplingClient": "trainyard.training",
             "ServiceClient": "trainyard.training", "TrainingClient": "trainyard.training",
             **{name: "trainyard.errors" for name in (
                 "TinkerError", "APIError", "APIStatusError", "APIConnectionError", "APITimeoutError",
@@ -21,7 +22,8 @@ _EXPORTS = {"Client": "trainyard.client", "FieldError": "trainyard.errors", "Tra
                 "AdamParams", "Datum", "EncodedTextChunk", "ForwardBackwardOutput", "GetInfoResponse",
                 "GetServerCapabilitiesResponse", "LoadWeightsResponse", "LoraConfig", "ModelInput", "ModelInputChunk",
                 "OptimParams", "OptimStepResponse", "SampleResponse", "SampledSequence", "SamplingParams",
-                "SaveWeightsForSamplerResponse", "SaveWeightsResponse", "StopReason", "TensorData", "TensorDtype")}}
+                "SaveWeightsForSamplerResponse", "SaveWeightsResponse", "StopReason", "TensorData", "TensorDtype",
+                "Checkpoint", "CheckpointType", "ModelID", "TrainingRun")}}
 _SUBMODULES = ("types",)
 
 __getattr__ = lazy_exports(__name__, globals(), _EXPORTS, _SUBMODULES)

@@ -373,9 +373,36 @@ class Client:
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
     @translate
-    def list_checkpoints(self, job_id: str = "") -> list[pb.Checkpoint]:
-        return list(self.checkpoints.ListCheckpoints(pb.ListCheckpointsRequest(job_id=job_id),
-                                                     **self._kw()).checkpoints)
+    def list_checkpoints(self, job_id: str = "", *, session_id: str = "", weight_version_id: str = "") \
+            -> list[pb.Checkpoint]:
+        """Every checkpoint of the account (or of a job, a Training API session, a weight version), oldest first."""
+        return list(self.checkpoints.ListCheckpoints(pb.ListCheckpointsRequest(
+            job_id=job_id, session_id=session_id, weight_version_id=weight_version_id), **self._kw()).checkpoints)
+
+    @translate
+    def checkpoints_page(self, limit: int, offset: int = 0, session_id: str = "") -> pb.ListCheckpointsResponse:
+        """A page of the account's (or a session's) checkpoints, newest first, with the total count."""
+        return self.checkpoints.ListCheckpoints(pb.ListCheckpointsRequest(limit=limit, offset=offset,
+                                                                          session_id=session_id), **self._kw())
+
+    @translate
+    def delete_checkpoint(self, checkpoint_id: str) -> pb.Checkpoint:
+        """Removes the checkpoint and its files (FAILED_PRECONDITION while a deployment or open session uses it)."""
+        return self.checkpoints.DeleteCheckpoint(pb.DeleteCheckpointRequest(id=checkpoint_id), **self._kw())
+
+    @translate
+    def set_checkpoint_ttl(self, checkpoint_id: str, ttl_seconds: int | None) -> pb.Checkpoint:
+        """The checkpoint expires ttl_seconds from now (None: never); expired, it is unreadable and then removed."""
+        request = pb.SetCheckpointTtlRequest(id=checkpoint_id)
+        if ttl_seconds is not None:
+            request.ttl_seconds = ttl_seconds
+        return self.checkpoints.SetCheckpointTtl(request, **self._kw())
+
+    @translate
+    def publish_checkpoint(self, checkpoint_id: str, public: bool = True) -> pb.Checkpoint:
+        """public: every account may read it (download, load as a state, sample); False ends that."""
+        call = self.checkpoints.PublishCheckpoint if public else self.checkpoints.UnpublishCheckpoint
+        return call(pb.PublishCheckpointRequest(id=checkpoint_id), **self._kw())
 
     @translate
     def get_checkpoint(self, checkpoint_id: str) -> pb.Checkpoint:

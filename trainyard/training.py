@@ -35,6 +35,7 @@ from trainyard.client import _channel
 from trainyard.config import ClientConfig, cache_dir
 from trainyard.errors import TrainyardError, from_rpc_error
 from trainyard.futures import APIFuture, async_twin_signatures
+from trainyard.rest_client import RestClient
 from trainyard.ordered_calls import OrderedCalls, SessionUnchanged, session_when_reachable
 from trainyard.sampling_client import WEIGHTS_PREFIX, SamplingClient
 from trainyard.v1 import rollout_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, trainer_pb2 as tpb, trainer_pb2_grpc
@@ -114,6 +115,10 @@ class ServiceClient:
 
     async def get_server_capabilities_async(self) -> types.GetServerCapabilitiesResponse:
         return await asyncio.to_thread(self.get_server_capabilities)
+
+    def create_rest_client(self) -> RestClient:
+        """Tinker's RestClient (runs, checkpoints, TTL, publishing) over this client's addresses and key."""
+        return RestClient(self)
 
     # -- training clients: each returns a future of the client, as Tinker 0.38 (ClientFuture) --------------------
     def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None,
@@ -429,13 +434,13 @@ class TrainingClient(OrderedCalls):
     def save_state(self, name: str = "", ttl_seconds: int | None = None, overwrite: bool = False,
                    user_metadata: dict[str, str] | None = None) -> APIFuture[types.SaveWeightsResponse]:
         """Weights and optimizer state, to resume later; the result's path is "trainyard://state/<checkpoint id>".
-        name is a label (several checkpoints may share one, so overwrite changes nothing); ttl_seconds and
-        user_metadata are not kept (a FutureWarning says so): checkpoints stay until deleted."""
-        _not_kept(ttl_seconds=ttl_seconds, user_metadata=user_metadata)
+        name is a label (several checkpoints may share one, so overwrite changes nothing); the checkpoint expires
+        ttl_seconds after the save (None: kept until deleted) and carries user_metadata (RestClient shows both)."""
+        options = _save_options(ttl_seconds, user_metadata)
 
         def body(seq_id: int) -> types.SaveWeightsResponse:
             resp = self._ordered("SaveState", tpb.SaveStateRequest(session_id=self.model_id, seq_id=seq_id,
-                                                                   name=name))
+                                                                   name=name, **options))
             return types.SaveWeightsResponse(path=resp.path or f"{STATE_PREFIX}{resp.checkpoint_id}",
                                              checkpoint_id=resp.checkpoint_id)
 
@@ -465,13 +470,14 @@ class TrainingClient(OrderedCalls):
                                  user_metadata: dict[str, str] | None = None
                                  ) -> APIFuture[types.SaveWeightsForSamplerResponse]:
         """Publish the weights as the next version of the session's lineage; the result's path
-        ("trainyard://weights/<version id>") is what a SamplingClient samples, pinned to that version. ttl_seconds and
-        user_metadata are not kept (a FutureWarning says so)."""
-        _not_kept(ttl_seconds=ttl_seconds, user_metadata=user_metadata)
+        ("trainyard://weights/<version id>") is what a SamplingClient samples, pinned to that version, as long as its
+        checkpoint lives: it expires ttl_seconds after the save (None: kept until deleted) and carries
+        user_metadata."""
+        options = _save_options(ttl_seconds, user_metadata)
 
         def body(seq_id: int) -> types.SaveWeightsForSamplerResponse:
             resp = self._ordered("SaveWeights", tpb.SaveWeightsRequest(session_id=self.model_id, seq_id=seq_id,
-                                                                       name=name))
+                                                                       name=name, **options))
             return types.SaveWeightsForSamplerResponse(path=resp.path or f"{WEIGHTS_PREFIX}{resp.version_id}",
                                                        version_id=resp.version_id, checkpoint_id=resp.checkpoint_id)
 
@@ -563,11 +569,18 @@ class TrainingClient(OrderedCalls):
             raise from_rpc_error(exc) from None
 
 
-def _not_kept(**values: Any) -> None:
-    given = [name for name, value in values.items() if value is not None]
-    if given:
-        warnings.warn(f"{', '.join(given)}: not kept by Trainyard (checkpoints and weight versions stay until "
-                      "deleted, and carry no user metadata)", FutureWarning, stacklevel=3)
+def _save_options(ttl_seconds: int | None, user_metadata: Mapping[str, str] | None) -> dict[str, Any]:
+    """save_state / save_weights_for_sampler's keywords as request fields (the server checks their ranges)."""
+    if user_metadata is not None and not (isinstance(user_metadata, Mapping) and
+                                          all(isinstance(k, str) and isinstance(v, str)
+                                              for k, v in user_metadata.items())):
+        raise ValueError(f"user_metadata: must be a dict of strings, got {user_metadata!r}")
+    if ttl_seconds is not None and (isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int)):
+        raise ValueError(f"ttl_seconds: must be an int (seconds) or None, got {ttl_seconds!r}")
+    options: dict[str, Any] = {"user_metadata": dict(user_metadata or {})}
+    if ttl_seconds is not None:
+        options["ttl_seconds"] = ttl_seconds
+    return options
 
 
 def _then(future: concurrent.futures.Future, convert: Callable[[Any], Any]) -> concurrent.futures.Future:

@@ -21,6 +21,8 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, field_validator
 
+from trainyard.rest_types import *  # noqa: F403 - Tinker's REST types are tinker.types' too
+from trainyard.rest_types import __all__ as _rest_names
 from trainyard.v1 import rollout_pb2, trainer_pb2
 
 __all__ = [
@@ -28,7 +30,7 @@ __all__ = [
     "GetServerCapabilitiesResponse", "LoadWeightsResponse", "LoraConfig", "ModelData", "ModelInput",
     "ModelInputChunk", "OptimParams", "OptimStepResponse", "SampleResponse", "SampledSequence", "SamplingParams",
     "SaveWeightsForSamplerResponse", "SaveWeightsResponse", "StopReason", "SupportedModel", "TensorData",
-    "TensorDtype",
+    "TensorDtype", *_rest_names,
 ]
 
 TensorDtype = Literal["int64", "float32"]

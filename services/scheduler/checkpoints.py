@@ -34,8 +34,8 @@ class CheckpointCore:
     def __init__(self, db: Database, blobs: BlobStore):
         self.db, self.blobs = db, blobs
 
-    def list(self, account_id: str, job_id: str = "", session_id: str = "", limit: int = 0,
-             offset: int = 0) -> tuple[list[Checkpoint], int]:
+    def list(self, account_id: str, job_id: str = "", session_id: str = "", limit: int = 0, offset: int = 0,
+             weight_version_id: str = "") -> tuple[list[Checkpoint], int]:
         """(the page, how many match). limit 0: all of them oldest first; otherwise newest first from offset."""
         if not 0 <= limit <= MAX_PAGE:
             raise InvalidArgument(f"must be between 0 and {MAX_PAGE}", field="limit")
@@ -54,6 +54,8 @@ class CheckpointCore:
                 if sess is None or sess.account_id != account_id:
                     raise not_found("session", session_id)
                 where.append(Checkpoint.session_id == session_id)
+            if weight_version_id:
+                where.append(Checkpoint.weight_version_id == weight_version_id)
             total = s.scalar(select(func.count()).select_from(Checkpoint).where(*where))
             q = select(Checkpoint).where(*where)
             if limit:
@@ -66,6 +68,13 @@ class CheckpointCore:
         """The account's own checkpoint or a published one."""
         with self.db.session() as s:
             return registry.readable_checkpoint(s, account_id, checkpoint_id)
+
+    def lora_rank(self, ckpt: Checkpoint) -> int:
+        """The LoRA rank of a Training API session's adapter checkpoint (0 otherwise)."""
+        if not ckpt.session_id or ckpt.kind != "lora_adapter":
+            return 0
+        with self.db.session() as s:
+            return s.scalar(select(TrainingSession.lora_rank).where(TrainingSession.id == ckpt.session_id)) or 0
 
     def chunks(self, account_id: str, checkpoint_id: str) -> Iterator[tuple[dict, int, bytes]]:
         """(file entry, offset, bytes) for every file of the checkpoint, in manifest order; DataLoss after the last

@@ -97,7 +97,7 @@ def job_log(entry: schema.JobLog) -> pb.JobLog:
     return pb.JobLog(level=entry.level, message=entry.message, time=ts(entry.created_at), id=entry.id)
 
 
-def checkpoint(c: schema.Checkpoint) -> pb.Checkpoint:
+def checkpoint(c: schema.Checkpoint, lora_rank: int = 0) -> pb.Checkpoint:
     return pb.Checkpoint(
         id=c.id, job_id=c.job_id or "", step=c.step, kind=CHECKPOINT_KIND.get(c.kind, pb.CHECKPOINT_KIND_UNSPECIFIED), base_model=c.base_model,
         files=[pb.CheckpointFile(path=f["path"], sha256=f["sha256"], size_bytes=f["size_bytes"]) for f in c.files],
@@ -106,6 +106,7 @@ def checkpoint(c: schema.Checkpoint) -> pb.Checkpoint:
         checkpoint_type="sampler" if c.weight_version_id else "training", weight_version_id=c.weight_version_id,
         size_bytes=sum(int(f["size_bytes"]) for f in [*c.files, *(c.state or [])]), public=c.public,
         user_metadata=c.user_metadata or {}, expires_at=ts(c.expires_at), account_id=c.account_id,
+        lora_rank=lora_rank,
     )
 
 

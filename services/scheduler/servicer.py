@@ -190,11 +190,12 @@ class CheckpointServicer(rpc.CheckpointServiceServicer):
 
     def ListCheckpoints(self, request, context):
         rows, total = self.core.list(current_caller().account_id, request.job_id, request.session_id, request.limit,
-                                     request.offset)
+                                     request.offset, request.weight_version_id)
         return pb.ListCheckpointsResponse(checkpoints=[convert.checkpoint(c) for c in rows], total=total)
 
     def GetCheckpoint(self, request, context):
-        return convert.checkpoint(self.core.get(current_caller().account_id, request.id))
+        ckpt = self.core.get(current_caller().account_id, request.id)
+        return convert.checkpoint(ckpt, lora_rank=self.core.lora_rank(ckpt))
 
     def DownloadCheckpoint(self, request, context):
         for f, offset, data in self.core.chunks(current_caller().account_id, request.id):

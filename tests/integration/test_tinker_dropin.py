@@ -124,7 +124,7 @@ def test_unsupported_tinker_options_are_refused_naming_them(service_client):
         service_client.create_training_client_from_state("trainyard://state/x", weights_access_token="t")
     with pytest.raises(ValueError, match="kind"):
         training_client.save_weights_and_get_sampling_client(kind="inflight")
-    with pytest.warns(FutureWarning, match="ttl_seconds"):
-        training_client.save_weights_for_sampler("kept", ttl_seconds=60).result()
+    with pytest.raises(ValueError, match="user_metadata"):
+        training_client.save_weights_for_sampler("kept", user_metadata={"step": 1})
     caps = service_client.get_server_capabilities()
     assert BASE in [m.model_name for m in caps.supported_models]

@@ -21,7 +21,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     tinker = pytest.importorskip("tinker", reason="the tinker package (requirements.lock) is not installed")
 
-CLIENTS = ("ServiceClient", "TrainingClient", "SamplingClient", "APIFuture")
+CLIENTS = ("ServiceClient", "TrainingClient", "SamplingClient", "APIFuture", "RestClient")
 
 # (class, method): why Trainyard's parameters differ from Tinker's.
 DIFFERENT = {
@@ -42,7 +42,6 @@ MISSING_METHODS = {
     ("ServiceClient", "copy_weights"): "checkpoints of other accounts are not readable",
     ("ServiceClient", "create_custom_loss"): "no server-side custom losses; forward_backward_custom runs the loss "
                                              "in the client",
-    ("ServiceClient", "create_rest_client"): "no RestClient yet",
     ("ServiceClient", "get_console_url"): "no web console URL per session",
     ("ServiceClient", "get_telemetry"): "no client telemetry",
     ("TrainingClient", "get_console_url"): "no web console URL per session",
@@ -54,14 +53,20 @@ MISSING_METHODS = {
     ("SamplingClient", "get_sampler_handle"): "no sampler handles",
     ("SamplingClient", "get_telemetry"): "no client telemetry",
     ("SamplingClient", "on_queue_state_change"): "no queue-state reports",
+    # RestClient: each raises AttributeError with the reason (trainyard/rest_client.py's REFUSED)
+    **{("RestClient", f"{name}{twin}"): "refused: see trainyard.rest_client.REFUSED"
+       for name in ("copy_weights", "get_external_weights_urls", "get_audit_log", "get_billing_usage",
+                    "get_current_checkpoint_storage_usage", "assign_session_project", "export_session_trace",
+                    "get_sampler") for twin in ("", "_async")},
+    ("RestClient", "search_sessions"): "refused: no session search",
+    ("RestClient", "get_telemetry"): "no client telemetry",
 }
 
 # Names in tinker.__all__ that `trainyard` does not export.
 NOT_PROVIDED = {
-    "AdminClient", "RestClient", "auth", "BackcompatTrainingClientFuture", "BackcompatSamplingClientFuture",
-    "LossHandle", "PerDatumLossFn", "AdamOptimizerConfig", "DimuonOptimizerConfig", "DimuonParams", "Checkpoint",
-    "CheckpointType", "DmelChunk", "SampledProvenanceSpan", "PromptProvenanceSpan", "ModelID", "OptimStepRequest",
-    "ParsedCheckpointTinkerPath", "SampleRequest", "TrainingRun", "Timeout", "RequestOptions",
+    "AdminClient", "auth", "BackcompatTrainingClientFuture", "BackcompatSamplingClientFuture",
+    "LossHandle", "PerDatumLossFn", "AdamOptimizerConfig", "DimuonOptimizerConfig", "DimuonParams", "DmelChunk",
+    "SampledProvenanceSpan", "PromptProvenanceSpan", "OptimStepRequest", "ParsedCheckpointTinkerPath", "SampleRequest", "Timeout", "RequestOptions",
     "APIResponseValidationError", "RequestFailedError", "BillingError", "ExperimentalWarning", "__title__",
 }
 
@@ -140,10 +145,15 @@ MISSING_FIELDS = {
     ("SampleResponse", "prompt_alt_tokens"): "prompt_alt_tokens_k is refused",
     ("SampleResponse", "_prompt_logprobs_list"): "private",
     ("SampleResponse", "_topk_prompt_logprobs_list"): "private",
+    ("WeightsInfoResponse", "optimizer_config"): "the optimizer is always Adam(W)",
 }
 TYPES = ("SamplingParams", "AdamParams", "ModelInput", "EncodedTextChunk", "Datum", "TensorData", "LoraConfig",
          "ForwardBackwardOutput", "SampledSequence", "SampleResponse", "OptimStepResponse", "SaveWeightsResponse",
-         "SaveWeightsForSamplerResponse", "LoadWeightsResponse", "GetInfoResponse")
+         "SaveWeightsForSamplerResponse", "LoadWeightsResponse", "GetInfoResponse",
+         # RestClient's
+         "Checkpoint", "Cursor", "CheckpointsListResponse", "TrainingRun", "TrainingRunsResponse",
+         "WeightsInfoResponse", "GetSessionResponse", "ListSessionsResponse", "ExternalWeightsUrlsResponse",
+         "WhoamiResponse")
 
 
 @pytest.mark.parametrize("name", TYPES)

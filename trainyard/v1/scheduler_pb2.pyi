@@ -774,7 +774,7 @@ class CheckpointFile(_message.Message):
     def __init__(self, path: _Optional[str] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class Checkpoint(_message.Message):
-    __slots__ = ("id", "job_id", "step", "kind", "base_model", "files", "final", "metrics", "created_at", "session_id", "name", "checkpoint_type", "weight_version_id", "size_bytes", "public", "user_metadata", "expires_at", "account_id")
+    __slots__ = ("id", "job_id", "step", "kind", "base_model", "files", "final", "metrics", "created_at", "session_id", "name", "checkpoint_type", "weight_version_id", "size_bytes", "public", "user_metadata", "expires_at", "account_id", "lora_rank")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -807,6 +807,7 @@ class Checkpoint(_message.Message):
     USER_METADATA_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     ACCOUNT_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     id: str
     job_id: str
     step: int
@@ -825,19 +826,22 @@ class Checkpoint(_message.Message):
     user_metadata: _containers.ScalarMap[str, str]
     expires_at: _timestamp_pb2.Timestamp
     account_id: str
-    def __init__(self, id: _Optional[str] = ..., job_id: _Optional[str] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[CheckpointKind, str]] = ..., base_model: _Optional[str] = ..., files: _Optional[_Iterable[_Union[CheckpointFile, _Mapping]]] = ..., final: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., session_id: _Optional[str] = ..., name: _Optional[str] = ..., checkpoint_type: _Optional[str] = ..., weight_version_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., public: _Optional[bool] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., account_id: _Optional[str] = ...) -> None: ...
+    lora_rank: int
+    def __init__(self, id: _Optional[str] = ..., job_id: _Optional[str] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[CheckpointKind, str]] = ..., base_model: _Optional[str] = ..., files: _Optional[_Iterable[_Union[CheckpointFile, _Mapping]]] = ..., final: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., session_id: _Optional[str] = ..., name: _Optional[str] = ..., checkpoint_type: _Optional[str] = ..., weight_version_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., public: _Optional[bool] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., account_id: _Optional[str] = ..., lora_rank: _Optional[int] = ...) -> None: ...
 
 class ListCheckpointsRequest(_message.Message):
-    __slots__ = ("job_id", "session_id", "limit", "offset")
+    __slots__ = ("job_id", "session_id", "limit", "offset", "weight_version_id")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_ID_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     session_id: str
     limit: int
     offset: int
-    def __init__(self, job_id: _Optional[str] = ..., session_id: _Optional[str] = ..., limit: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+    weight_version_id: str
+    def __init__(self, job_id: _Optional[str] = ..., session_id: _Optional[str] = ..., limit: _Optional[int] = ..., offset: _Optional[int] = ..., weight_version_id: _Optional[str] = ...) -> None: ...
 
 class ListCheckpointsResponse(_message.Message):
     __slots__ = ("checkpoints", "total")
