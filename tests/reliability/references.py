@@ -29,6 +29,8 @@ BY_FIELD = {
     "GetJobRequest.id": "job", "WatchJobRequest.id": "job", "CancelJobRequest.id": "job",
     "ListJobMetricsRequest.id": "job", "ListJobLogsRequest.id": "job",
     "GetCheckpointRequest.id": "checkpoint", "DownloadCheckpointRequest.id": "checkpoint",
+    "DeleteCheckpointRequest.id": "checkpoint", "SetCheckpointTtlRequest.id": "checkpoint",
+    "PublishCheckpointRequest.id": "checkpoint", "ListCheckpointsRequest.weight_version_id": "version",
     "GetDeploymentRequest.id": "deployment", "DeleteDeploymentRequest.id": "deployment",
     "GetSessionRequest.id": "session", "CloseSessionRequest.id": "session",
     "LoadStateRequest.path": "state_path",

@@ -67,6 +67,13 @@ class Requests:
                 id=owner.refs["deployment"][0], checkpoint_id=owner.refs["checkpoint"][0]),
             "WeightSyncService.Rollback": lambda: wpb.RollbackRequest(lineage=owner.refs["lineage"][0],
                                                                       version_id=owner.refs["version"][0]),
+            # A fresh checkpoint each: the owner's own checkpoints stay private and unexpiring (a published one is
+            # readable by every account, by design).
+            "CheckpointService.PublishCheckpoint": lambda: spb.PublishCheckpointRequest(id=self.fresh("checkpoint")),
+            "CheckpointService.UnpublishCheckpoint": lambda: spb.PublishCheckpointRequest(
+                id=self.fresh("checkpoint")),
+            "CheckpointService.SetCheckpointTtl": lambda: spb.SetCheckpointTtlRequest(id=self.fresh("checkpoint"),
+                                                                                      ttl_seconds=3600),
         }
 
     def build(self, rpc: Rpc, overrides: dict[tuple[str, ...], str]):
@@ -120,6 +127,9 @@ class Requests:
             final = o.refs["checkpoint"][1]  # the job's final checkpoint
             return sg.DeploymentServiceStub(sched).CreateDeployment(
                 spb.CreateDeploymentRequest(name=_unique("fresh"), checkpoint_id=final), metadata=o.md).id
+        if kind == "checkpoint":  # weights for sampling: no session's recorded state, so it can be deleted
+            return s.trainer.SaveWeights(tpb.SaveWeightsRequest(session_id=self._session(), name=_unique("fresh")),
+                                         metadata=o.md).checkpoint_id
         if kind == "session":
             return s.trainer.CreateSession(tpb.CreateSessionRequest(base_model=BASE, lora=tpb.SessionLora(rank=4)),
                                            metadata=o.md).id
