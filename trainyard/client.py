@@ -408,6 +408,11 @@ class Client:
     def get_checkpoint(self, checkpoint_id: str) -> pb.Checkpoint:
         return self.checkpoints.GetCheckpoint(pb.GetCheckpointRequest(id=checkpoint_id), **self._kw())
 
+    def checkpoint_chunks(self, checkpoint_id: str) -> Iterator[common_pb2.FileChunk]:
+        """The raw DownloadCheckpoint stream (the server verifies what it reads; download_checkpoint also checks
+        what arrives). A failure raises grpc.RpcError as the chunks are read."""
+        return self.checkpoints.DownloadCheckpoint(pb.DownloadCheckpointRequest(id=checkpoint_id), **self._kw(3600))
+
     @translate
     def download_checkpoint(self, checkpoint_id: str, dest: str | os.PathLike) -> Path:
         """Write the checkpoint's files under dest, each checked as it arrives against the size and sha256 the
@@ -441,8 +446,7 @@ class Client:
 
         try:
             try:
-                for chunk in self.checkpoints.DownloadCheckpoint(pb.DownloadCheckpointRequest(id=checkpoint_id),
-                                                                 **self._kw(3600)):
+                for chunk in self.checkpoint_chunks(checkpoint_id):
                     if chunk.path not in manifest:
                         raise damaged(chunk.path, "not in the checkpoint's manifest")
                     if chunk.offset != sizes[chunk.path]:

@@ -175,9 +175,7 @@ def routes(ctx: GatewayContext) -> list[Route]:
     async def download(request: Request) -> Response:
         try:
             key, checkpoint_id, f = downloads.get(request.path_params["token"])
-            client = rest(GatewayCaller(account_id="", key=key)).client
-            stream = client.checkpoints.DownloadCheckpoint(
-                scheduler_pb2.DownloadCheckpointRequest(id=checkpoint_id), metadata=client._md)
+            stream = rest(GatewayCaller(account_id="", key=key)).client.checkpoint_chunks(checkpoint_id)
             chunks = _verified(stream, f, checkpoint_id)
             # The first chunk's errors (a checkpoint deleted or expired since) still answer with their status.
             first = await asyncio.to_thread(next, chunks, b"")
