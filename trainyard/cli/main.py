@@ -418,6 +418,35 @@ def checkpoints_download(ctx, checkpoint_id, out_dir):
     console.print(f"wrote {', '.join(sorted(p.name for p in path.iterdir()))} to {path}")
 
 
+@checkpoints.command("delete")
+@click.argument("checkpoint_id")
+@click.pass_context
+def checkpoints_delete(ctx, checkpoint_id):
+    """Delete a checkpoint and its files (refused while a deployment or an open session uses it)."""
+    client(ctx).delete_checkpoint(checkpoint_id)
+    console.print(f"deleted {checkpoint_id}")
+
+
+@checkpoints.command("ttl")
+@click.argument("checkpoint_id")
+@click.argument("seconds", type=int, required=False)
+@click.pass_context
+def checkpoints_ttl(ctx, checkpoint_id, seconds):
+    """Make a checkpoint expire SECONDS from now (leave SECONDS out: never); expired, it is unreadable and removed."""
+    ck = client(ctx).set_checkpoint_ttl(checkpoint_id, seconds)
+    console.print(f"{checkpoint_id} expires {when(ck.expires_at) if ck.HasField('expires_at') else 'never'}")
+
+
+@checkpoints.command("publish")
+@click.argument("checkpoint_id")
+@click.option("--undo", is_flag=True, help="Unpublish: only this account reads it again.")
+@click.pass_context
+def checkpoints_publish(ctx, checkpoint_id, undo):
+    """Let every account read (download, load, sample) a checkpoint; only this account changes it."""
+    ck = client(ctx).publish_checkpoint(checkpoint_id, public=not undo)
+    console.print(f"{checkpoint_id} is {'public' if ck.public else 'private'}")
+
+
 # -- deployments ----------------------------------------------------------------------------------------------------
 @cli.group()
 def deployments():

@@ -155,3 +155,25 @@ def test_published_checkpoints_are_readable_not_changeable_by_other_accounts(env
     assert not a.publish_checkpoint(ckpt.id, public=False).public
     assert _code(lambda: b.get_checkpoint(ckpt.id)) == "NOT_FOUND"
     assert _code(lambda: b.download_checkpoint(ckpt.id, tmp_path / "again")) == "NOT_FOUND"
+
+
+def test_cli_publishes_expires_and_deletes(env, tmp_path):
+    from click.testing import CliRunner
+
+    from trainyard.cli.main import cli
+
+    db, blobs, alice, a, b = env
+    ckpt = _checkpoint(db, blobs, tmp_path, alice, b"via the cli")
+    cli_env = {"TRAINYARD_URL": a.config.url, "TRAINYARD_API_KEY": a.config.api_key}
+
+    def run(*args: str) -> str:
+        result = CliRunner().invoke(cli, ["checkpoints", *args], env=cli_env)
+        assert result.exit_code == 0, result.output
+        return " ".join(result.output.split())
+
+    assert run("publish", ckpt.id) == f"{ckpt.id} is public" and b.get_checkpoint(ckpt.id).public
+    assert run("publish", ckpt.id, "--undo") == f"{ckpt.id} is private"
+    assert run("ttl", ckpt.id, "3600").startswith(f"{ckpt.id} expires 20")
+    assert run("ttl", ckpt.id) == f"{ckpt.id} expires never"
+    assert run("delete", ckpt.id) == f"deleted {ckpt.id}"
+    assert _code(lambda: a.get_checkpoint(ckpt.id)) == "NOT_FOUND"
