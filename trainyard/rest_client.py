@@ -115,10 +115,19 @@ class RestClient:
                          f"(the path save_state or save_weights_for_sampler returned), got {tinker_path!r}")
 
     def _run(self, session: tpb.Session) -> types.TrainingRun:
-        last = {kind: self._checkpoint(self.client.get_checkpoint(cid)) if cid else None
-                for kind, cid in (("state", session.last_state_checkpoint_id),
-                                  ("weights", session.last_weights_checkpoint_id))}
-        return types.TrainingRun.from_proto(session, self._account_id(), last["state"], last["weights"])
+        last = [self._latest(cid) for cid in (session.last_state_checkpoint_id, session.last_weights_checkpoint_id)]
+        return types.TrainingRun.from_proto(session, self._account_id(), *last)
+
+    def _latest(self, checkpoint_id: str) -> types.Checkpoint | None:
+        """A run's newest checkpoint of a kind; None when it has none, or it expired or went since the run was read."""
+        if not checkpoint_id:
+            return None
+        try:
+            return self._checkpoint(self.client.get_checkpoint(checkpoint_id))
+        except TrainyardError as exc:
+            if exc.code != "NOT_FOUND":
+                raise
+            return None
 
     # -- training runs ---------------------------------------------------------------------------------------------
     def get_training_run(self, training_run_id: types.ModelID,

@@ -306,7 +306,10 @@ class SamplingCore:
         with self.db.session() as s:
             ckpt = s.scalar(select(Checkpoint).where(Checkpoint.weight_version_id == version_id))
             if ckpt is not None:  # its checkpoint says who may sample it: the owner, or anyone while published
-                ckpt = registry.readable_checkpoint(s, account_id, ckpt.id)
+                try:
+                    ckpt = registry.readable_checkpoint(s, account_id, ckpt.id)
+                except NotFound:
+                    raise not_found("weight version", version_id) from None
                 if ckpt.account_id != account_id:
                     yield self._published_target(name, ckpt, version_id)
                     return
