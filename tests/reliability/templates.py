@@ -22,8 +22,9 @@ from trainyard.v1 import scheduler_pb2_grpc as sg
 from trainyard.v1 import trainer_pb2 as tpb
 from trainyard.v1 import weightsync_pb2 as wpb
 
-# RPCs that use up the object they name: their control call gets a fresh object of the owner's.
-DESTRUCTIVE = ("Delete", "Close", "Revoke", "Unload")
+# RPCs that use up the object they name: their control call gets a fresh object of the owner's. (SetCheckpointTtl:
+# a short TTL ends the checkpoint.)
+DESTRUCTIVE = ("Delete", "Close", "Revoke", "Unload", "SetCheckpointTtl")
 
 
 def _unique(prefix: str) -> str:
