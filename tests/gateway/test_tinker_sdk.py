@@ -43,6 +43,7 @@ def lora(service: tinker.ServiceClient, seed: int) -> tinker.TrainingClient:
     return service.create_lora_training_client(BASE, rank=8, seed=seed, train_unembed=False).result()
 
 
+@pytest.mark.filterwarnings("ignore:DEPRECATED.*load_state:FutureWarning")  # Tinker 0.38 deprecates load_state
 def test_supervised_loop_state_round_trip_and_sampling(tinker_service):
     tc = lora(tinker_service, seed=0)
     assert tc.get_info().model_data.model_name == BASE
@@ -68,13 +69,13 @@ def test_supervised_loop_state_round_trip_and_sampling(tinker_service):
 
     saved = tc.save_weights_for_sampler("final").result()
     assert saved.path.startswith(f"tinker://{tc.model_id}/sampler_weights/")
-    sampler = tinker_service.create_sampling_client(model_path=saved.path)
+    sampler = tinker_service.create_sampling_client(model_path=saved.path).result()
     assert sampler.get_base_model() == BASE
     prompt = tinker.ModelInput.from_ints(PROMPTS[0])
     out = sampler.sample(prompt, 2, tinker.SamplingParams(max_tokens=12, stop=[], seed=3)).result()
     assert [(len(s.tokens), s.stop_reason) for s in out.sequences] == [(12, "length")] * 2
     assert len({s.sequence_id for s in out.sequences}) == 2
-    topk = sampler.sample(prompt, 1, tinker.SamplingParams(max_tokens=3, temperature=0.0),
+    topk = sampler.sample(prompt, 1, tinker.SamplingParams(max_tokens=3, temperature=0.0, stop=[]),
                           include_prompt_logprobs=True, topk_sample_logprobs=2).result()
     (seq,) = topk.sequences
     assert [len(t) for t in seq.topk_logprobs] == [2, 2, 2] and seq.topk_logprobs[0][0][0] == seq.tokens[0]
@@ -92,6 +93,7 @@ def test_a_batch_in_chunks_gives_the_result_of_one_request(stack, small_gateway,
     for url in (stack.gateway_url(), small_gateway):
         service = tinker.ServiceClient(base_url=url, api_key=tinker_key)
         tc = lora(service, seed=5)
+        assert tc.holder.get_client_config().fwdbwd_max_chunk_len == (2 if url == small_gateway else 1024)
         fb = tc.forward_backward(batch, "cross_entropy").result()
         tc.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
         after = tc.forward(batch, "cross_entropy").result()
@@ -108,7 +110,7 @@ def test_rl_loop_with_importance_sampling_and_a_custom_loss(tinker_service):
     tc = lora(tinker_service, seed=1)
     rewards_per_step = []
     for step in range(2):
-        sampler = tc.save_weights_and_get_sampling_client(name=f"rl-{step}")
+        sampler = tc.save_weights_and_get_sampling_client().result()
         params = tinker.SamplingParams(max_tokens=6, temperature=1.0, seed=step)
         results = [sampler.sample(tinker.ModelInput.from_ints(p), 4, params) for p in PROMPTS]
         data, expected, rewards = [], [], []
@@ -131,7 +133,7 @@ def test_rl_loop_with_importance_sampling_and_a_custom_loss(tinker_service):
 
         def neg_mean_logprob(batch, logprobs_list):
             loss = -torch.cat(logprobs_list).mean()
-            return loss, {"custom_nll": float(loss)}
+            return loss, {"custom_nll": float(loss.detach())}
 
         custom = tc.forward_backward_custom(data, neg_mean_logprob).result()
         assert "custom_nll" in custom.metrics
