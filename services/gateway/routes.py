@@ -104,6 +104,12 @@ class CoreRoutes:
         session = self.ctx.client_sessions.get(caller.account_id, request.path_params["session_id"], "session_id")
         reason = (await read_json(request)).get("reason") or {}
         session.finished = session.finished or (reason.get("type") if isinstance(reason, dict) else "") or "finished"
+        # Its models are done: their trainer sessions close (memory freed; checkpoints and weights stay).
+        models = {k: m for k, m in self.ctx.models.owned_by(caller.account_id).items()
+                  if m.session_id == request.path_params["session_id"]}
+        for model_id in models:
+            self.ctx.models.pop(model_id)
+        await asyncio.gather(*[asyncio.to_thread(m.client.close) for m in models.values()])
         return {}
 
     # -- models ------------------------------------------------------------------------------------------------------

@@ -143,3 +143,17 @@ def test_a_bad_body_is_400_naming_the_field(small_gateway, tinker_key):
     assert result(http, ok.json()["request_id"]).status_code == 200
     r = post_fb(http, b"\x00not zstd")
     assert r.status_code == 400 and r.json()["field"] == "body"
+
+
+def test_finishing_a_session_closes_its_models(small_gateway, tinker_key):
+    http = client(small_gateway, tinker_key)
+    session_id = http.post("/api/v1/create_session", json={}).json()["session_id"]
+    assert http.post("/api/v1/session_heartbeat", json={"session_id": session_id}).status_code == 200
+    created = http.post("/api/v1/create_model", json={"session_id": session_id, "model_seq_id": 0,
+                                                      "base_model": BASE, "lora_config": {"rank": 4,
+                                                                                          "train_unembed": False}})
+    model_id = result(http, created.json()["request_id"]).json()["model_id"]
+    finish = http.post(f"/api/v1/sessions/{session_id}/finish", json={"reason": {"type": "success"}})
+    assert finish.status_code == 200, finish.text
+    assert http.post("/api/v1/session_heartbeat", json={"session_id": session_id}).status_code == 410
+    assert http.post("/api/v1/get_info", json={"model_id": model_id}).json()["closed"] is True
