@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from services.common import metrics
 from services.gateway.errors import GatewayError, classify, response
 from services.gateway.settings import GatewaySettings
 from services.gateway.state import (
@@ -139,6 +140,14 @@ def route(ctx: GatewayContext, path: str, handler: Handler, methods: tuple[str, 
     """A Starlette route whose handler gets the authenticated caller and returns a Response, a dict or a pydantic
     model (answered as JSON); any error it raises is answered by errors.response."""
     async def endpoint(request: Request) -> Response:
+        start = time.monotonic()
+        answer = await _answer(request)
+        status = str(answer.status_code)
+        metrics.GATEWAY_REQUESTS.labels(path, status).inc()
+        metrics.GATEWAY_SECONDS.labels(path, status).observe(time.monotonic() - start)
+        return answer
+
+    async def _answer(request: Request) -> Response:
         try:
             out = await handler(request, await ctx.caller(request))
         except Exception as exc:  # noqa: BLE001 - every error becomes the caller's answer (errors.py)

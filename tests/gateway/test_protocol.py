@@ -157,3 +157,10 @@ def test_finishing_a_session_closes_its_models(small_gateway, tinker_key):
     assert finish.status_code == 200, finish.text
     assert http.post("/api/v1/session_heartbeat", json={"session_id": session_id}).status_code == 410
     assert http.post("/api/v1/get_info", json={"model_id": model_id}).json()["closed"] is True
+
+
+def test_the_stack_gateway_counts_its_requests(stack, tinker_key):
+    http = client(stack.gateway_url(), tinker_key)
+    assert http.post("/api/v1/create_session", json={}).status_code == 200
+    scraped = httpx.get(f"http://{stack.address('gateway', 9100)}/metrics", timeout=10).text
+    assert 'trainyard_gateway_requests_total{route="/api/v1/create_session",status="200"}' in scraped
