@@ -93,15 +93,14 @@ class CoreRoutes:
         return {"type": "create_session", "session_id": self.ctx.new_client_session(caller)}
 
     async def heartbeat(self, request: Request, caller: GatewayCaller) -> dict:
-        session = self.ctx.client_sessions.get(caller.account_id, _field(await read_json(request), "session_id", str),
-                                               "session_id")
+        session = self.ctx.client_session(caller, _field(await read_json(request), "session_id", str))
         if session.finished:
             raise GatewayError("EXPIRED", f"session_id: the session finished ({session.finished})", "session_id")
         session.heartbeat()
         return {"type": "session_heartbeat"}
 
     async def finish_session(self, request: Request, caller: GatewayCaller) -> dict:
-        session = self.ctx.client_sessions.get(caller.account_id, request.path_params["session_id"], "session_id")
+        session = self.ctx.client_session(caller, request.path_params["session_id"])
         reason = (await read_json(request)).get("reason") or {}
         session.finished = session.finished or (reason.get("type") if isinstance(reason, dict) else "") or "finished"
         # Its models are done: their trainer sessions close (memory freed; checkpoints and weights stay).
@@ -116,7 +115,7 @@ class CoreRoutes:
     async def create_model(self, request: Request, caller: GatewayCaller) -> dict:
         body = await read_json(request)
         session_id = _field(body, "session_id", str)
-        self.ctx.client_sessions.get(caller.account_id, session_id, "session_id")
+        self.ctx.client_session(caller, session_id)
         base_model = _field(body, "base_model", str)
         optimizer = body.get("optimizer_config") or {}
         if not isinstance(optimizer, dict) or optimizer.get("type", "adamw") != "adamw":
@@ -276,7 +275,7 @@ class CoreRoutes:
     # -- sampling ----------------------------------------------------------------------------------------------------
     async def create_sampling_session(self, request: Request, caller: GatewayCaller) -> dict:
         body = await read_json(request)
-        self.ctx.client_sessions.get(caller.account_id, _field(body, "session_id", str), "session_id")
+        self.ctx.client_session(caller, _field(body, "session_id", str))
         sampler = await self._sampler_for(caller, body.get("model_path"), body.get("base_model"))
         return {"type": "create_sampling_session", "sampling_session_id": sampler}
 

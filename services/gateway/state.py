@@ -229,6 +229,10 @@ class Registry:
             raise GatewayError("NOT_FOUND", f"{field}: no {self.kind} {item_id!r}", field)
         return item
 
+    def known(self, item_id: str) -> bool:
+        with self._lock:
+            return item_id in self._items
+
     def pop(self, item_id: str) -> Any | None:
         with self._lock:
             return self._items.pop(item_id, None)

@@ -80,6 +80,8 @@ def test_supervised_loop_state_round_trip_and_sampling(tinker_service):
     (seq,) = topk.sequences
     assert [len(t) for t in seq.topk_logprobs] == [2, 2, 2] and seq.topk_logprobs[0][0][0] == seq.tokens[0]
     assert topk.prompt_logprobs[0] is None and len(topk.prompt_logprobs) == len(PROMPTS[0])
+    base = tinker_service.create_sampling_client(base_model=BASE).result()
+    assert len(base.sample(prompt, 3, tinker.SamplingParams(max_tokens=2, stop=[])).result().sequences) == 3
     with pytest.raises(tinker.BadRequestError, match="topk_prompt_logprobs"):
         sampler.sample(prompt, 1, tinker.SamplingParams(max_tokens=2), include_prompt_logprobs=True,
                        topk_prompt_logprobs=2).result()
@@ -140,3 +142,23 @@ def test_rl_loop_with_importance_sampling_and_a_custom_loss(tinker_service):
         tc.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
         rewards_per_step.append(float(np.mean(rewards)))
     assert len(rewards_per_step) == 2 and all(0.0 <= r <= 1.0 for r in rewards_per_step)
+
+
+def test_a_training_client_goes_on_across_a_gateway_restart(stack, tinker_key):
+    """The gateway's state is in memory: after a restart it attaches to the model's trainer session on its next
+    request (resume_training_client) and takes the client session up, so the same SDK objects go on."""
+    service = tinker.ServiceClient(base_url=stack.gateway_url(), api_key=tinker_key)
+    tc = lora(service, seed=7)
+    batch = [sft_datum(s) for s in SEQS]
+    before = mean_nll(tc.forward_backward(batch, "cross_entropy").result(), batch)
+    tc.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
+    stack.stop("gateway")
+    stack.start("gateway")
+    stack.wait_ready("gateway")
+    after = mean_nll(tc.forward_backward(batch, "cross_entropy").result(), batch)
+    tc.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
+    assert after < before, (before, after)
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    out = sampler.sample(tinker.ModelInput.from_ints(PROMPTS[0]), 1, tinker.SamplingParams(max_tokens=4, stop=[]))
+    assert len(out.result().sequences[0].tokens) == 4
+    service.close("success").result()
