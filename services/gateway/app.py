@@ -46,7 +46,7 @@ def build_app(ctx: GatewayContext) -> Starlette:
         yield
         ctx.close()
 
-    return Starlette(routes=routes, lifespan=lifespan)
+    return Starlette(routes=routes, lifespan=lifespan, max_body_size=ctx.settings.max_body_mb * 2**20)
 
 
 def main() -> None:

@@ -5,6 +5,7 @@ future through the trainyard SDK; state.py holds the futures, orders each model'
 from __future__ import annotations
 
 import asyncio
+import io
 from typing import Any
 
 import grpc
@@ -22,8 +23,6 @@ from trainyard.errors import from_rpc_error
 from trainyard.v1 import tinker_wire_pb2, trainer_pb2
 
 IDEMPOTENCY_HEADER = "x-idempotency-key"
-# At most this much decompressed body (a zstd bomb is refused, not inflated).
-MAX_BODY_BYTES = 512 * 1024 * 1024
 
 
 def _field(body: dict, name: str, kind: type | tuple[type, ...], required: bool = True, default: Any = None) -> Any:
@@ -130,7 +129,8 @@ class CoreRoutes:
             config = wire.checked(lambda c: types.LoraConfig(**c), lora, field="lora_config")
             creating = wire.checked(lambda: service.create_lora_training_client(
                 base_model, rank=config.rank, seed=config.seed, train_mlp=config.train_mlp,
-                train_attn=config.train_attn, train_unembed=config.train_unembed))
+                train_attn=config.train_attn, train_unembed=config.train_unembed,
+                user_metadata=body.get("user_metadata")))
 
         async def work():
             client = await creating.result_async()
@@ -207,12 +207,17 @@ class CoreRoutes:
     async def _proto_body(self, request: Request) -> tinker_wire_pb2.ForwardBackwardRequest:
         raw = await request.body()
         if request.headers.get("content-encoding", "").lower() == "zstd":
-            try:
-                raw = zstandard.ZstdDecompressor().decompressobj().decompress(raw)
+            limit = self.ctx.settings.max_body_mb * 2**20
+            out = bytearray()
+            try:  # a body that inflates past the limit is refused once it does, not inflated whole
+                with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw)) as reader:
+                    while chunk := reader.read(1 << 20):
+                        out += chunk
+                        if len(out) > limit:
+                            raise bad_request("body", f"decompresses to more than max_body_mb = {limit >> 20} MiB")
             except zstandard.ZstdError as exc:
                 raise bad_request("body", f"not valid zstd ({exc})") from None
-            if len(raw) > MAX_BODY_BYTES:
-                raise bad_request("body", f"decompresses to more than {MAX_BODY_BYTES} bytes")
+            raw = bytes(out)
         msg = tinker_wire_pb2.ForwardBackwardRequest()
         try:
             msg.ParseFromString(raw)

@@ -20,11 +20,12 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")
 
 @pytest.fixture(scope="session")
 def small_gateway(stack):
-    """Base URL of a gateway with long_poll_s 0.5, future_ttl_s 4, 4 pending futures per account and chunks of 2."""
+    """Base URL of a gateway with long_poll_s 0.5, future_ttl_s 4, 4 pending futures per account, chunks of 2 and
+    bodies of at most 1 MiB."""
     settings = GatewaySettings(scheduler_url=stack.url("scheduler"), trainer_url=stack.url("trainer"),
                                rollout_url=stack.url("rollout"), host="127.0.0.1", gateway_port=free_port(),
                                long_poll_s=0.5, future_ttl_s=4, max_pending_futures_per_account=4,
-                               fwdbwd_max_chunk_len=2)
+                               fwdbwd_max_chunk_len=2, max_body_mb=1)
     server = uvicorn.Server(uvicorn.Config(build_app(GatewayContext(settings)), host="127.0.0.1",
                                            port=settings.gateway_port, log_config=None, ws="none"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -143,6 +143,9 @@ def test_a_bad_body_is_400_naming_the_field(small_gateway, tinker_key):
     assert result(http, ok.json()["request_id"]).status_code == 200
     r = post_fb(http, b"\x00not zstd")
     assert r.status_code == 400 and r.json()["field"] == "body"
+    bomb = post_fb(http, zstandard.ZstdCompressor().compress(bytes(2 << 20)))  # 2 MiB of zeros, over max_body_mb
+    assert bomb.status_code == 400 and "max_body_mb" in bomb.json()["error"], bomb.text
+    assert http.post("/api/v1/optim_step", content=bytes(2 << 20)).status_code == 413
 
 
 def test_finishing_a_session_closes_its_models(small_gateway, tinker_key):
