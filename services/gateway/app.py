@@ -20,8 +20,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from services.common import metrics
+from services.common.config import https_kwargs
 from services.common.logs import configure_logging
 from services.gateway.context import GatewayContext
+from services.gateway.routes import CoreRoutes
 from services.gateway.settings import GatewaySettings
 
 log = logging.getLogger("trainyard.gateway")
@@ -35,7 +38,7 @@ async def healthz(request: Request) -> JSONResponse:
 
 
 def build_app(ctx: GatewayContext) -> Starlette:
-    routes = [Route("/api/v1/healthz", healthz, methods=["GET"])]
+    routes = [Route("/api/v1/healthz", healthz, methods=["GET"]), *CoreRoutes(ctx).routes()]
     if importlib.util.find_spec(REST_ROUTES) is not None:
         routes += importlib.import_module(REST_ROUTES).routes(ctx)
 
@@ -44,7 +47,7 @@ def build_app(ctx: GatewayContext) -> Starlette:
         yield
         ctx.close()
 
-    return Starlette(routes=routes, lifespan=lifespan)
+    return Starlette(routes=routes, lifespan=lifespan, max_body_size=ctx.settings.max_body_mb * 2**20)
 
 
 def main() -> None:
@@ -52,5 +55,8 @@ def main() -> None:
     configure_logging(settings.log_level, settings.log_format)
     log.info("Tinker wire-protocol gateway on port %d (trainer %s, rollout %s)", settings.gateway_port,
              settings.trainer_url, settings.rollout_url)
+    if settings.metrics_port:
+        metrics.serve(settings.host, settings.metrics_port)
     uvicorn.run(build_app(GatewayContext(settings)), host=settings.host, port=settings.gateway_port,
-                log_config=None, access_log=False, ws="none", timeout_graceful_shutdown=settings.shutdown_grace_s)
+                log_config=None, access_log=False, ws="none", timeout_graceful_shutdown=settings.shutdown_grace_s,
+                **https_kwargs(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file))
