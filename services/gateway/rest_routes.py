@@ -12,7 +12,8 @@ built by the same functions (trainyard/rest_types.py).
     GET    /api/v1/training_runs/{run}/checkpoints/external_weights/{id}/external_weights_urls
     GET    /api/v1/checkpoints?limit&offset                  the account's checkpoints, newest first
     POST   /api/v1/weights_info                              {"tinker_path": ...} -> WeightsInfoResponse
-    GET    /api/v1/sessions?limit&offset, /api/v1/sessions/{id}
+    GET    /api/v1/sessions?limit&offset, /api/v1/sessions/{id}   the caller's Tinker client sessions in this gateway
+                                                      (newest first) and the training runs each created
     GET    /api/v1/files/{token}                             a file of a checkpoint (no API key: the token is it)
 
 A checkpoint's Tinker id is "weights/<checkpoint id>" (a training state) or "sampler_weights/<weight version id>";
@@ -189,13 +190,21 @@ def routes(ctx: GatewayContext) -> list[Route]:
         return StreamingResponse(body(), media_type="application/octet-stream",
                                  headers={"content-length": str(f.size_bytes), "x-sha256": f.sha256})
 
-    # -- sessions ----------------------------------------------------------------------------------------------------
+    # -- sessions: Tinker's client sessions (create_session), which live in this gateway ---------------------------
     async def list_sessions(request: Request, caller: GatewayCaller):
         limit, offset = _page(request, 20)
-        return await rest(caller).list_sessions(limit, offset, _scope(request))
+        _scope(request)
+        owned = sorted(ctx.client_sessions.owned_by(caller.account_id).items(), key=lambda kv: -kv[1].created)
+        return types.ListSessionsResponse(sessions=[sid for sid, _ in owned[offset:offset + limit]])
 
     async def get_session(request: Request, caller: GatewayCaller):
-        return await rest(caller).get_session(request.path_params["session"], _scope(request))
+        _scope(request)
+        session_id = request.path_params["session"]
+        if ctx.client_sessions.find(caller.account_id, session_id) is None:
+            raise GatewayError("NOT_FOUND", f"session_id: no session {session_id!r}", "session_id")
+        runs = {m.client.model_id: None for m in ctx.models.owned_by(caller.account_id).values()
+                if m.session_id == session_id}
+        return types.GetSessionResponse(training_run_ids=list(runs), sampler_ids=[])
 
     # Most specific first: a checkpoint id spans two path segments, and Starlette tries the routes in order.
     return [

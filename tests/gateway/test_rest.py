@@ -2,8 +2,9 @@
 runs and their checkpoints in Tinker's form, publishing (another account reads, never changes), TTL expiry, deletion,
 and downloads through get_external_weights_urls checked against each file's sha256 in the checkpoint's manifest.
 
-The checkpoints are made with trainyard's drop-in SDK over gRPC (the same services the gateway calls): what is under
-test here is the REST surface, not the training routes."""
+Most checkpoints are made with trainyard's drop-in SDK over gRPC (the same services the gateway calls), so what is
+under test is the REST surface; the last test saves through the gateway with the tinker SDK itself and finds the
+paths it got back among the run's checkpoints, and its client session with the run."""
 from __future__ import annotations
 
 import hashlib
@@ -30,13 +31,7 @@ def _trainyard(stack, key: str) -> trainyard.ServiceClient:
 
 
 def _rest(stack, key: str):
-    """The SDK's session-less REST client, as RestClient(base_url=..., api_key=...) builds it, given the client
-    config instead of fetching it (/api/v1/client/config belongs to the gateway's core routes, tested with them)."""
-    from tinker.lib.internal_client_holder import InternalClientHolder
-
-    holder = InternalClientHolder(base_url=stack.gateway_url(), api_key=f"tml-{key}", _skip_session=True,
-                                  _client_config={"use_pyqwest_transport": False}, _client_dynamic_config={})
-    return tinker.RestClient(holder)
+    return tinker.RestClient(base_url=stack.gateway_url(), api_key=f"tml-{key}")
 
 
 @pytest.fixture()
@@ -81,8 +76,8 @@ def test_runs_and_checkpoints(stack, api_key, saved):
     assert (info.base_model, info.is_lora, info.lora_rank) == (BASE, True, 4)
     page = rest.list_user_checkpoints(limit=2).result()
     assert len(page.checkpoints) == 2 and page.cursor.total_count >= 3
-    assert run in rest.list_sessions(limit=50).result().sessions
-    assert rest.get_session(run).result().training_run_ids == [run]
+    with pytest.raises(tinker.NotFoundError):  # a trainer session is not one of Tinker's client sessions
+        rest.get_session(run).result()
 
     with pytest.raises(tinker.NotFoundError):  # a path whose run is not the checkpoint's
         rest.get_weights_info_by_tinker_path(f"tinker://sess_other/weights/{state.checkpoint_id}").result()
@@ -136,3 +131,29 @@ def test_download_through_external_weights_urls(stack, api_key, other_api_key, s
     with pytest.raises(tinker.NotFoundError):  # not theirs, and not published
         _rest(stack, other_api_key).get_external_weights_urls(
             f"tinker://{run}/external_weights/{state.checkpoint_id}").result()
+
+
+def test_what_the_tinker_sdk_saved_through_the_gateway(tinker_service, stack, api_key, other_api_key):
+    # train_unembed=False: the tiny model ties its output layer to the embeddings, which the trainer refuses to adapt.
+    tc = tinker_service.create_lora_training_client(BASE, rank=4, seed=1, train_unembed=False).result()
+    datum = tinker.Datum(model_input=tinker.ModelInput.from_ints(SEQ[:-1]),
+                         loss_fn_inputs={"target_tokens": SEQ[1:], "weights": [1.0] * (len(SEQ) - 1)})
+    tc.forward_backward([datum], "cross_entropy").result()
+    tc.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
+    state = tc.save_state("via-sdk", ttl_seconds=7200).result()
+    sampler = tc.save_weights_for_sampler("via-sdk-w").result()
+    rest = _rest(stack, api_key)
+    run = tinker.ParsedCheckpointTinkerPath.from_tinker_path(state.path).training_run_id
+    assert run == tc.model_id
+    listed = {c.tinker_path: c for c in rest.list_checkpoints(run).result().checkpoints}
+    assert listed[state.path].checkpoint_type == "training" and listed[state.path].expires_at is not None
+    assert listed[sampler.path].checkpoint_type == "sampler"
+    assert rest.get_training_run(run).result().last_sampler_checkpoint.tinker_path == sampler.path
+
+    session_id = tinker_service.holder.get_session_id()
+    assert session_id in rest.list_sessions(limit=100).result().sessions
+    assert rest.get_session(session_id).result().training_run_ids == [run]
+    with pytest.raises(tinker.NotFoundError):  # another account's client session
+        _rest(stack, other_api_key).get_session(session_id).result()
+    with pytest.raises(tinker.BadRequestError):
+        rest.list_sessions(limit=-1).result()
