@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 
+import sqlalchemy.exc
 from sqlalchemy import func, select
 
 from models.lora import LoraConfig
@@ -145,8 +146,13 @@ class SessionStates:
             s.get(Checkpoint, checkpoint_id).weight_version_id = version_id
 
     def touch(self, session_id: str) -> None:
-        with self.db.session() as s:
-            s.get(TrainingSession, session_id).last_request_at = utcnow()
+        """Note a call's arrival on the session's row. Only ListSessions reads it: a database that cannot take it
+        now costs that note (the next comes a minute later), never the call."""
+        try:
+            with self.db.session() as s:
+                s.get(TrainingSession, session_id).last_request_at = utcnow()
+        except sqlalchemy.exc.SQLAlchemyError:
+            log.warning("session %s: its last request time was not recorded", session_id, exc_info=True)
 
     def latest_checkpoints(self, session_id: str) -> tuple[str, str]:
         """(the session's newest training state's checkpoint id, its newest SaveWeights checkpoint id); "" when

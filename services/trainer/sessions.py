@@ -471,8 +471,8 @@ class SessionManager(StateCalls):
                 raise Unavailable(f"the trainer is restarting; seq_id {seq_id} did not run: send it again (the "
                                   f"session continues at seq_id {sess.next_seq_id} after the restart)")
             sess.running = True
-        self._touch(sess)
         try:
+            self._touch(sess)
             if sess.error:
                 raise FailedPrecondition(f"session '{sess.id}' failed earlier ({sess.error}); create a new one")
             return fn()
