@@ -72,8 +72,9 @@ class StackState:
     def urls(self) -> dict[str, str]:
         """What a person opens or points a client at."""
         out = {s.name: s.address for s in self.services if s.address}
-        if "dashboard" in out:
-            out["dashboard"] = f"http://{out['dashboard']}"
+        for name in ("dashboard", "gateway"):  # the gateway's URL is the tinker SDK's base_url (docs/gateway.md)
+            if name in out:
+                out[name] = f"http://{out[name]}"
         rollout_http = self.ports.get("rollout:8000")
         if rollout_http and "rollout" in out:
             out["openai"] = f"http://127.0.0.1:{rollout_http}/v1"
