@@ -4,7 +4,9 @@ API SaveWeights returns).
 Resolution, on every request:
 1. GetVersion from the weight-sync service with the caller's API key: a version of another account, or none, is
    NotFound (the weight-sync service scopes versions to their account). Versions never change, so an account's
-   successful lookups are remembered.
+   successful lookups are remembered; except an ephemeral version's (services/weightsync/store.py), which is looked
+   up on every request: once newer ones replaced it the weight-sync service answers FAILED_PRECONDITION naming it,
+   passed on as it is, and this rollout drops its copy (the adapter and its files).
 2. A LoRA adapter version: its files are fetched once into <root>/adapters/<version id>/ and handed to the engine under
    the adapter id "weights@<version id>"; the engine's adapter LRU (max_loaded_adapters) loads its weights on use and
    evicts the least recently used idle adapter, so versions share the slots with deployments.
@@ -18,6 +20,7 @@ A version is never followed or replaced: requests naming it always run on exactl
 from __future__ import annotations
 
 import contextlib
+import shutil
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -86,13 +89,24 @@ class PinnedWeights:
         except grpc.RpcError as exc:
             if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
                 raise not_found("weight version", version_id) from None
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # a deleted ephemeral version
+                self._drop_copy(version_id)
+                raise FailedPrecondition(exc.details()) from None
             raise Unavailable(f"cannot look up weight version '{version_id}' in the weight-sync service: "
                               f"{exc.details()}") from None
+        if version.ephemeral:
+            return version
         with self._lock:
             self._lookups[key] = version
             while len(self._lookups) > LOOKUPS_KEPT:
                 self._lookups.popitem(last=False)
         return version
+
+    def _drop_copy(self, version_id: str) -> None:
+        """Forget a deleted ephemeral LoRA version's adapter (requests running on it finish) and its fetched files."""
+        if self.engine.unload_adapter(f"{ADAPTER_PREFIX}{version_id}"):
+            with self._turn(version_id):
+                shutil.rmtree(self.root / "adapters" / version_id, ignore_errors=True)
 
     def _turn(self, version_id: str) -> threading.Lock:
         with self._lock:

@@ -141,8 +141,9 @@ def session_proto(info: SessionInfo) -> pb.Session:
 
 
 class TrainerServicer(rpc.TrainerServiceServicer):
-    def __init__(self, sessions: SessionManager):
+    def __init__(self, sessions: SessionManager, endpoints: pb.Endpoints | None = None):
         self.sessions = sessions
+        self.endpoints = endpoints or pb.Endpoints()  # what GetEndpoints advertises (the trainer's settings)
 
     def _session(self, sess) -> pb.Session:
         return session_proto(self.sessions.info(sess))
@@ -154,7 +155,8 @@ class TrainerServicer(rpc.TrainerServiceServicer):
         return session_proto(self.sessions.describe(current_caller().account_id, request.id))
 
     def CloseSession(self, request, context):
-        return session_proto(self.sessions.close(current_caller().account_id, request.id))
+        caller = current_caller()
+        return session_proto(self.sessions.close(caller.account_id, request.id, caller.api_key))
 
     def Forward(self, request, context):
         return forward_response(*self.sessions.forward(
@@ -184,7 +186,7 @@ class TrainerServicer(rpc.TrainerServiceServicer):
     def SaveWeights(self, request, context):
         caller = current_caller()
         ckpt_id, version_id, path = self.sessions.save_weights(caller.account_id, caller.api_key, request.session_id,
-                                                               request.seq_id, request.name,
+                                                               request.seq_id, request.name, request.ephemeral,
                                                                answered=answered_seq_id(context),
                                                                cancel=calls.current())
         return pb.SaveWeightsResponse(checkpoint_id=ckpt_id, version_id=version_id, path=path)
@@ -208,3 +210,6 @@ class TrainerServicer(rpc.TrainerServiceServicer):
                     yield common_pb2.FileChunk(path=path.name, offset=offset, data=data, file_size=size,
                                                sha256=hashlib.sha256(data).hexdigest())
                     offset += len(data)
+
+    def GetEndpoints(self, request, context):
+        return self.endpoints

@@ -254,14 +254,16 @@ class OptimStepResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class SaveWeightsRequest(_message.Message):
-    __slots__ = ("session_id", "seq_id", "name")
+    __slots__ = ("session_id", "seq_id", "name", "ephemeral")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    EPHEMERAL_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     seq_id: int
     name: str
-    def __init__(self, session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+    ephemeral: bool
+    def __init__(self, session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., name: _Optional[str] = ..., ephemeral: _Optional[bool] = ...) -> None: ...
 
 class SaveWeightsResponse(_message.Message):
     __slots__ = ("checkpoint_id", "version_id", "path")
@@ -308,3 +310,15 @@ class GetTokenizerRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class GetEndpointsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Endpoints(_message.Message):
+    __slots__ = ("rollout_url", "scheduler_url")
+    ROLLOUT_URL_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_URL_FIELD_NUMBER: _ClassVar[int]
+    rollout_url: str
+    scheduler_url: str
+    def __init__(self, rollout_url: _Optional[str] = ..., scheduler_url: _Optional[str] = ...) -> None: ...

@@ -102,7 +102,7 @@ def test_a_crash_goes_back_to_the_last_record(api_env):
 @pytest.mark.parametrize("save", ["save_state", "save_weights"])
 def test_save_state_and_save_weights_record_the_session(api_env, save):
     alice = api_env.alice
-    first = api_env.manager(state_with_weights=True, publish=lambda key, sess, directory, kind: "wv_1")
+    first = api_env.manager(state_with_weights=True, publish=lambda key, sess, directory, kind, ephemeral: "wv_1")
     sess = first.create(alice, lora(rank=4, seed=2))
     _fb(first, alice, sess, 1)
     _step(first, alice, sess)
@@ -120,7 +120,7 @@ def test_save_state_and_save_weights_record_the_session(api_env, save):
 
 def test_save_weights_without_the_state_records_nothing(api_env):
     alice = api_env.alice
-    first = api_env.manager(publish=lambda key, sess, directory, kind: "wv_1")
+    first = api_env.manager(publish=lambda key, sess, directory, kind, ephemeral: "wv_1")
     sess = first.create(alice, lora(rank=4, seed=2))
     created = weights(sess)
     _fb(first, alice, sess, 1)
