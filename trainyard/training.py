@@ -154,12 +154,12 @@ class ServiceClient:
 
     # -- training clients: each returns a future of the client, as Tinker 0.38 (ClientFuture) --------------------
     def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None,
-                                    train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = False,
+                                    train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True,
                                     user_metadata: dict[str, str] | None = None, optimizer: Any = None, *,
                                     alpha: float | None = None) -> ClientFuture[TrainingClient]:
         """A LoRA adapter over base_model (alpha, a Trainyard keyword, defaults to 32 whatever the rank, as
-        Tinker's). seed None: random. train_unembed defaults to False where Tinker's defaults to True: the trainer
-        refuses an adapter on an output layer tied to the input embeddings, as the small Qwen3 models' are."""
+        Tinker's). seed None: random. train_unembed (Tinker's default, True) adapts lm_head too, also where it is
+        tied to the input embeddings (the small Qwen3 models): the adapter runs next to the shared frozen weight."""
         if not (train_mlp or train_attn or train_unembed):
             raise ValueError("train_mlp, train_attn, train_unembed: at least one must be True")
         _check_optimizer(optimizer)
