@@ -183,7 +183,8 @@ class TrainerServiceServicer:
 
     def SaveWeights(self, request, context):
         """Saves the session's weights for sampling: a PEFT adapter (LoRA) or the full model, stored as a checkpoint the
-        scheduler can deploy and published to the weight-sync service as the next version of the session's lineage.
+        scheduler can deploy and published to the weight-sync service as the next version of the session's lineage
+        (with ephemeral set: published only, as an ephemeral version; no checkpoint).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
