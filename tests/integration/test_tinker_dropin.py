@@ -181,6 +181,10 @@ def test_the_trainers_address_is_enough(stack, api_key, monkeypatch, tmp_path):
                               rollout_url="127.0.0.1:1") as service:
         with pytest.raises(tinker.APIConnectionError, match="127.0.0.1:1.*rollout_url"):
             service.create_sampling_client(base_model=BASE).result()
+    monkeypatch.setenv("TRAINYARD_URL", "127.0.0.1:2")  # the environment wins too
+    with tinker.ServiceClient(base_url=stack.url("trainer"), api_key=api_key) as service:
+        assert service.rollout is not None  # asks the trainer
+        assert (service.config.rollout_url, service.config.url) == (stack.url("rollout"), "127.0.0.1:2")
 
 
 def test_unsupported_tinker_options_are_refused_naming_them(service_client):
