@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         eval_after = tc.forward(eval_data).result().metrics["loss:mean"] if eval_data else float("nan")
 
         sampler = tc.save_weights_and_get_sampling_client("sft-final").result()
-        print(f"trained weights saved as {sampler.model_path}; greedy answers:")
+        print(f"trained weights published for sampling as {sampler.model_path}; greedy answers:")
         params = types.SamplingParams(max_tokens=32, temperature=0.0)
         shown = train[:2] + train[4:5] + held_out
         futures = [sampler.sample(types.ModelInput.from_ints(prompt_tokens(tokenizer, m[:-1])), 1, params)

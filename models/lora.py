@@ -81,9 +81,10 @@ def _require_adapter(model: nn.Module, name: str) -> None:
 
 
 def _linears(model: nn.Module) -> tuple[dict[str, nn.Module], list[str]]:
-    """(Linear layers LoRA may wrap, names of those it may not because they share their weight with an embedding:
-    a tied lm_head, where merging would silently change the input embeddings too). A last pipeline stage holds a
-    tied lm_head without the embedding; its config still says they are tied."""
+    """(Linear layers by path, the paths of the Linear layers that share their weight with an embedding: a tied
+    lm_head, which LoRA may wrap too, its adapter running next to the shared frozen weight, but whose adapter cannot be
+    merged, which would change the input embeddings too). A last pipeline stage holds a tied lm_head without the
+    embedding; its config still says they are tied."""
     embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     tied_head = "lm_head" if getattr(getattr(model, "args", None), "tie_word_embeddings", False) else None
     inside_lora = tuple(f"{name}." for name, m in _lora_layers(model) if isinstance(m, LoRALinear))
@@ -106,7 +107,7 @@ def _resolve_targets(
     linears, tied = _linears(model)
     experts = [name for name, m in model.named_modules() if isinstance(m, Experts)]
     chosen, expert_weights = resolve_targets(ModuleNames(list(linears), tied, experts), targets, strict)
-    return {n: linears[n] for n in chosen}, expert_weights
+    return {n: linears[n] if n in linears else model.get_submodule(n) for n in chosen}, expert_weights
 
 
 def apply_lora(
@@ -260,6 +261,12 @@ def merge_adapter(model: nn.Module, name: str) -> None:
     if merged is not None:
         raise ValueError(f"Adapter {merged!r} is already merged; unmerge_adapter it first")
     layers = _lora_layers(model)
+    adapted = {p for p, layer in layers if name in layer.lora_A}
+    tied = [p for p in _linears(model)[1] if p in adapted]
+    if tied:
+        raise ValueError(f"Cannot merge adapter {name!r}: it adapts {tied}, whose weight is the input embeddings' "
+                         "(tie_word_embeddings), so merging would change the embeddings too; serve it unmerged "
+                         "(set_active_adapter)")
     quantized = [p for p, layer in layers if isinstance(layer, ExpertsLoRA) and model.get_submodule(p).is_quantized]
     if quantized:
         raise ValueError(f"Cannot merge into 4-bit experts ({quantized[0]}, ...): the sum is not representable in the "

@@ -25,7 +25,9 @@ class ModuleNames:
     """A model's module names as LoRA sees them."""
 
     linears: list[str] = field(default_factory=list)  # nn.Linear modules LoRA may wrap
-    tied: list[str] = field(default_factory=list)  # Linear layers sharing their weight with an embedding (lm_head)
+    # Linear layers sharing their weight with an embedding (a tied lm_head): LoRA may wrap them (the shared weight
+    # stays frozen and unchanged), but an adapter on one cannot be merged (models/lora.py's merge_adapter).
+    tied: list[str] = field(default_factory=list)
     experts: list[str] = field(default_factory=list)  # routed-expert blocks
 
 
@@ -50,21 +52,15 @@ def resolve_targets(names: ModuleNames, targets: tuple[str, ...],
     """(Linear module names to adapt, expert block path -> fused tensor names to adapt). strict: every target must
     match something; otherwise (the DEFAULT_TARGETS menu, adapters read from files) only at least one. ValueError
     naming the targets that do not fit, and the valid names."""
+    linears = names.linears + names.tied
     hits = {
-        t: [n for n in names.linears if matches(n, t)]
+        t: [n for n in linears if matches(n, t)]
         + [(p, w) for p in names.experts for w in EXPERT_WEIGHT_NAMES if matches_expert_weight(p, w, t)]
         for t in targets
     }
     unmatched = [t for t in targets if not hits[t]]
     if unmatched and (strict or len(unmatched) == len(targets)):
-        on_tied = [t for t in unmatched if any(matches(n, t) for n in names.tied)]
-        if on_tied:
-            raise ValueError(
-                f"LoRA target_modules {on_tied} name a layer that shares its weight with the input embeddings "
-                "(tie_word_embeddings=true, e.g. lm_head): an adapter there would change the embeddings too; remove "
-                "it from target_modules"
-            )
-        valid = {n.rsplit(".", 1)[-1] for n in names.linears}
+        valid = {n.rsplit(".", 1)[-1] for n in linears}
         if names.experts:
             valid |= {EXPERTS_TARGET, *(f"{EXPERTS_TARGET}.{w}" for w in EXPERT_WEIGHT_NAMES)}
         raise ValueError(f"Unknown LoRA target_modules {unmatched}; valid module names are {sorted(valid)}")
@@ -74,7 +70,7 @@ def resolve_targets(names: ModuleNames, targets: tuple[str, ...],
         weights = [w for w in EXPERT_WEIGHT_NAMES if (p, w) in chosen]
         if weights:
             expert_weights[p] = weights
-    return [n for n in names.linears if n in chosen], expert_weights
+    return [n for n in linears if n in chosen], expert_weights
 
 
 def check_targets_for_config(config: dict, targets: tuple[str, ...]) -> None:
@@ -89,7 +85,7 @@ def decoder_module_names(num_layers: int, attention: tuple[str, ...], *, tie_wor
                          is_moe_layer=lambda i: False, shared_experts: bool = False) -> ModuleNames:
     """The module names of a decoder stack: per layer its attention projections, then a dense MLP or (where
     is_moe_layer) a routed-expert block and, with shared_experts, a shared dense MLP; then lm_head, tied to the
-    embeddings (LoRA may not wrap it) or a Linear of its own."""
+    embeddings or a Linear of its own."""
     names = ModuleNames()
     for i in range(num_layers):
         layer = f"model.layers.{i}"

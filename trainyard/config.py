@@ -15,6 +15,8 @@ from pathlib import Path
 DEFAULT_URL = "127.0.0.1:50051"
 DEFAULT_ROLLOUT_URL = "127.0.0.1:50053"
 DEFAULT_TRAINER_URL = "127.0.0.1:50052"  # the Training API (trainyard.training.ServiceClient)
+# The environment variable of each address.
+ENV = {"url": "TRAINYARD_URL", "rollout_url": "TRAINYARD_ROLLOUT_URL", "trainer_url": "TRAINYARD_TRAINER_URL"}
 
 
 def config_path() -> Path:
@@ -47,14 +49,20 @@ class ClientConfig:
         files = {name: tls.get(name) or os.environ.get(f"TRAINYARD_{name.upper()}") or saved.get(name) or ""
                  for name in ("tls_ca_file", "tls_client_cert_file", "tls_client_key_file")}
         return cls(
-            url=url or os.environ.get("TRAINYARD_URL") or saved.get("url") or DEFAULT_URL,
-            rollout_url=rollout_url or os.environ.get("TRAINYARD_ROLLOUT_URL") or saved.get("rollout_url")
+            url=url or os.environ.get(ENV["url"]) or saved.get("url") or DEFAULT_URL,
+            rollout_url=rollout_url or os.environ.get(ENV["rollout_url"]) or saved.get("rollout_url")
             or DEFAULT_ROLLOUT_URL,
             api_key=api_key or os.environ.get("TRAINYARD_API_KEY") or saved.get("api_key") or "",
-            trainer_url=trainer_url or os.environ.get("TRAINYARD_TRAINER_URL") or saved.get("trainer_url")
+            trainer_url=trainer_url or os.environ.get(ENV["trainer_url"]) or saved.get("trainer_url")
             or DEFAULT_TRAINER_URL,
             **files,
         )
+
+    @staticmethod
+    def given(name: str, value: str | None) -> bool:
+        """Whether the address name ("url", "rollout_url") is set by an argument (value) or the environment, the
+        two places that win over what a trainer advertises (trainyard.training.ServiceClient)."""
+        return bool(value or os.environ.get(ENV[name]))
 
     def save(self) -> Path:
         path = config_path()

@@ -150,6 +150,10 @@ class Stack:
         for k, v in list(env.items()):  # a published port the service reads from its environment (OPENAI_PORT)
             if k.endswith("_PORT") and f"{name}:{v}" in self.ports:
                 env[k] = str(self.ports[f"{name}:{v}"])
+        for var, service in (("TRAINYARD_ADVERTISED_ROLLOUT_URL", "rollout"),
+                             ("TRAINYARD_ADVERTISED_SCHEDULER_URL", "scheduler")):
+            if var in env:  # what the trainer tells clients: this stack's local address, not the host's ports
+                env[var] = self.url(service)
         env.update(self.extra_env)
         if "LD_PRELOAD" in env and not preloadable(env["LD_PRELOAD"]):
             del env["LD_PRELOAD"]  # e.g. jemalloc where it is not installed: the default allocator serves

@@ -20,6 +20,7 @@ import hashlib
 import secrets
 import shutil
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -53,11 +54,14 @@ CustomLossFn = Callable[[list[types.Datum], list[Any]], tuple[Any, dict[str, flo
 class ServiceClient:
     """Entry point: creates training clients (trainer sessions) and sampling clients; Tinker's signature.
 
-    base_url is the trainer's address (host:port); rollout_url (a Trainyard keyword) the rollout's; url the
-    scheduler's (get_server_capabilities only). Unset ones come from the same place as trainyard.Client's: the
-    environment (TRAINYARD_TRAINER_URL, TRAINYARD_ROLLOUT_URL, TRAINYARD_URL, TRAINYARD_API_KEY), then the file
-    `trainyard login` writes, then the local defaults. create_sampling_client's future checks that the rollout
-    answers, so a wrong rollout address fails there, not at the first sample.
+    base_url is the trainer's address (host:port), the one address a client needs, as Tinker's: the rollout's
+    (sampling) and the scheduler's (get_server_capabilities) are asked of the trainer (its GetEndpoints, what its
+    operator advertises) when first needed. rollout_url and url (Trainyard keywords) or the environment
+    (TRAINYARD_ROLLOUT_URL, TRAINYARD_URL) win over that; a trainer that does not answer it leaves them to the file
+    `trainyard login` writes, then the local defaults. base_url and api_key unset come from the environment
+    (TRAINYARD_TRAINER_URL, TRAINYARD_API_KEY), the file, the defaults, as trainyard.Client's.
+    create_sampling_client's future checks that the rollout answers, so a wrong rollout address fails there, not
+    at the first sample.
     user_metadata, project_id and display_name are kept on this client only (Trainyard sessions have no such
     fields); default_headers_overrides travel as gRPC metadata with every call. Other keywords are ignored with a
     FutureWarning, as Tinker's."""
@@ -80,10 +84,13 @@ class ServiceClient:
         # How long a Training API call waits for an unreachable or restarting trainer (ordered_calls.py, "Restarts").
         self.retry_unavailable_s = retry_unavailable_s
         self._trainer_channel = _channel(self.config.trainer_url, self.config)
-        self._rollout_channel = _channel(self.config.rollout_url, self.config)
+        self._rollout_channel: grpc.Channel | None = None
         self._scheduler_channel: grpc.Channel | None = None
         self.trainer = trainer_pb2_grpc.TrainerServiceStub(self._trainer_channel)
-        self.rollout = rollout_pb2_grpc.RolloutServiceStub(self._rollout_channel)
+        self._rollout: rollout_pb2_grpc.RolloutServiceStub | None = None
+        # Addresses to ask the trainer for (neither argument nor environment gave them), until asked.
+        self._to_discover = [n for n, v in (("rollout_url", rollout_url), ("url", url)) if not ClientConfig.given(n, v)]
+        self._discover_lock = threading.Lock()
         headers = tuple((k.lower(), v) for k, v in (default_headers_overrides or {}).items())
         self.metadata = headers + ((("authorization", f"Bearer {self.config.api_key}"),) if self.config.api_key
                                    else ())
@@ -95,6 +102,35 @@ class ServiceClient:
             if channel is not None:
                 channel.close()
 
+    def _discover(self) -> None:
+        """Once: the addresses left to the trainer, from its GetEndpoints. A trainer that cannot tell (an older one,
+        or one not answering now) leaves the login file's or the defaults; a later use does not ask again."""
+        with self._discover_lock:
+            if not self._to_discover:
+                return
+            try:
+                endpoints = self.trainer.GetEndpoints(tpb.GetEndpointsRequest(), metadata=self.metadata)
+            except grpc.RpcError as exc:
+                if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                    raise from_rpc_error(exc) from None
+            else:
+                advertised = {"rollout_url": endpoints.rollout_url, "url": endpoints.scheduler_url}
+                for name in self._to_discover:
+                    if advertised[name]:
+                        setattr(self.config, name, advertised[name])
+            self._to_discover = []
+
+    @property
+    def rollout(self) -> rollout_pb2_grpc.RolloutServiceStub:
+        """The rollout service's stub (its address asked of the trainer first, if it is left to it)."""
+        if self._rollout is None:
+            self._discover()
+            with self._discover_lock:
+                if self._rollout is None:
+                    self._rollout_channel = _channel(self.config.rollout_url, self.config)
+                    self._rollout = rollout_pb2_grpc.RolloutServiceStub(self._rollout_channel)
+        return self._rollout
+
     def __enter__(self) -> ServiceClient:
         return self
 
@@ -104,6 +140,7 @@ class ServiceClient:
     def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:
         """The base models this account can train and sample (the scheduler's model registry, TRAINYARD_URL)."""
         if self._scheduler_channel is None:
+            self._discover()
             self._scheduler_channel = _channel(self.config.url, self.config)
         try:
             models = scheduler_pb2_grpc.ModelServiceStub(self._scheduler_channel).ListModels(
@@ -122,12 +159,12 @@ class ServiceClient:
 
     # -- training clients: each returns a future of the client, as Tinker 0.38 (ClientFuture) --------------------
     def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None,
-                                    train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = False,
+                                    train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True,
                                     user_metadata: dict[str, str] | None = None, optimizer: Any = None, *,
                                     alpha: float | None = None) -> ClientFuture[TrainingClient]:
         """A LoRA adapter over base_model (alpha, a Trainyard keyword, defaults to 32 whatever the rank, as
-        Tinker's). seed None: random. train_unembed defaults to False where Tinker's defaults to True: the trainer
-        refuses an adapter on an output layer tied to the input embeddings, as the small Qwen3 models' are."""
+        Tinker's). seed None: random. train_unembed (Tinker's default, True) adapts lm_head too, also where it is
+        tied to the input embeddings (the small Qwen3 models): the adapter runs next to the shared frozen weight."""
         if not (train_mlp or train_attn or train_unembed):
             raise ValueError("train_mlp, train_attn, train_unembed: at least one must be True")
         _check_optimizer(optimizer)
@@ -217,6 +254,7 @@ class ServiceClient:
 
     def _rollout_answering(self, client: SamplingClient) -> SamplingClient:
         """client, once the rollout's health service answered (UNAVAILABLE at once when nothing listens there)."""
+        self.rollout  # noqa: B018 - opens the rollout's channel (its address asked of the trainer first)
         try:
             health_pb2_grpc.HealthStub(self._rollout_channel).Check(health_pb2.HealthCheckRequest(),
                                                                     metadata=self.metadata)
@@ -473,11 +511,15 @@ class TrainingClient(OrderedCalls):
         ("trainyard://weights/<version id>") is what a SamplingClient samples, pinned to that version, as long as its
         checkpoint lives: it expires ttl_seconds after the save (None: kept until deleted) and carries
         user_metadata."""
-        options = _save_options(ttl_seconds, user_metadata)
+        return self._save_weights(name, ephemeral=False, options=_save_options(ttl_seconds, user_metadata))
+
+    def _save_weights(self, name: str, ephemeral: bool,
+                      options: dict | None = None) -> APIFuture[types.SaveWeightsForSamplerResponse]:
+        options = options or {}
 
         def body(seq_id: int) -> types.SaveWeightsForSamplerResponse:
             resp = self._ordered("SaveWeights", tpb.SaveWeightsRequest(session_id=self.model_id, seq_id=seq_id,
-                                                                       name=name, **options))
+                                                                       name=name, ephemeral=ephemeral, **options))
             return types.SaveWeightsForSamplerResponse(path=resp.path or f"{WEIGHTS_PREFIX}{resp.version_id}",
                                                        version_id=resp.version_id, checkpoint_id=resp.checkpoint_id)
 
@@ -486,12 +528,14 @@ class TrainingClient(OrderedCalls):
     def save_weights_and_get_sampling_client(self, name: str | None = None, retry_config: Any = None,
                                              record_stability_info: bool = False,
                                              kind: str = "snapshot") -> ClientFuture[SamplingClient]:
-        """save_weights_for_sampler, then a SamplingClient pinned to that version (a future of it, as Tinker 0.38).
-        Unlike Tinker's, the save is durable: each call publishes a weight version and a checkpoint."""
+        """The current weights published for sampling only, then a SamplingClient pinned to them (a future of it,
+        as Tinker 0.38). Ephemeral, as Tinker's: no checkpoint is written, and the weight-sync service keeps only the
+        session's few newest such versions (a SamplingClient of an older one fails with FAILED_PRECONDITION naming
+        it) and none once the session is closed; save_weights_for_sampler(name) keeps a version."""
         _check_sampling_options(retry_config, record_stability_info)
         if kind != "snapshot":
             raise ValueError(f"kind: only 'snapshot' is supported, got {kind!r}")
-        saved = self.save_weights_for_sampler(name or "")
+        saved = self._save_weights(name or "", ephemeral=True)
         return ClientFuture(_then(
             saved.future(), lambda r: SamplingClient(self.service, r.path, self.base_model, self.get_tokenizer)))
 

@@ -282,6 +282,10 @@ class WeightVersion(Base):
     files: Mapped[list[Any]] = mapped_column(default=list)
     meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # For sampling only (services/weightsync/store.py, "Ephemeral versions"): deleted once newer ephemeral versions
+    # replace it, or its session closes; then deleted_at is set and files emptied (the row names it as replaced).
+    ephemeral: Mapped[bool] = mapped_column(default=False)
+    deleted_at: Mapped[datetime | None] = mapped_column(default=None)
 
 
 class WeightLineage(Base):

@@ -4,7 +4,11 @@ API SaveWeights returns).
 Resolution, on every request:
 1. GetVersion from the weight-sync service with the caller's API key: a version of another account, or none, is
    NotFound (the weight-sync service scopes versions to their account). Versions never change, so an account's
-   successful lookups are remembered.
+   successful lookups are remembered; except an ephemeral version's (services/weightsync/store.py), which is looked
+   up on every request: once newer ones replaced it the weight-sync service answers FAILED_PRECONDITION naming it,
+   passed on as it is, and this rollout drops its copy (the adapter and its files). The first request for a new
+   ephemeral version of a lineage also looks up the lineage's older ephemeral versions held here and drops those
+   deleted, so an RL loop sampling each version once leaves the lineage's few live ones here, not all it saved.
 2. A LoRA adapter version: its files are fetched once into <root>/adapters/<version id>/ and handed to the engine under
    the adapter id "weights@<version id>"; the engine's adapter LRU (max_loaded_adapters) loads its weights on use and
    evicts the least recently used idle adapter, so versions share the slots with deployments.
@@ -18,6 +22,7 @@ A version is never followed or replaced: requests naming it always run on exactl
 from __future__ import annotations
 
 import contextlib
+import shutil
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -26,7 +31,7 @@ from pathlib import Path
 import grpc
 
 from services.common.channels import auth_metadata
-from services.common.errors import DataLoss, FailedPrecondition, Unavailable, not_found
+from services.common.errors import DataLoss, FailedPrecondition, NotFound, Unavailable, not_found
 from services.rollout.weights import Served, fetch_files, layout_full_version
 from trainyard.v1 import weightsync_pb2 as wpb
 
@@ -45,6 +50,8 @@ class PinnedWeights:
         self._lookups: OrderedDict[tuple[str, str], wpb.WeightVersion] = OrderedDict()
         self._fetching: dict[str, threading.Lock] = {}  # one fetch per version at a time
         self._full: OrderedDict[str, int] = OrderedDict()  # loaded full versions (least recent first) -> users
+        # (account, lineage) -> the ids of its ephemeral LoRA versions held here, oldest first.
+        self._ephemeral: dict[tuple[str, str], dict[str, None]] = {}
 
     @contextlib.contextmanager
     def using(self, account_id: str, api_key: str, version_id: str,
@@ -54,6 +61,8 @@ class PinnedWeights:
         version = self.version(account_id, api_key, version_id)
         base_dir = base_model_dir(version.base_model)
         if version.kind == wpb.WEIGHT_KIND_LORA_ADAPTER:
+            if version.ephemeral:
+                self._prune_ephemeral(account_id, api_key, version)
             files = self._fetch(api_key, version, self.root / "adapters" / version.id)
             adapter_id = f"{ADAPTER_PREFIX}{version.id}"
             self.engine.load_adapter(adapter_id, base_dir, files, eager=False)
@@ -86,13 +95,42 @@ class PinnedWeights:
         except grpc.RpcError as exc:
             if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
                 raise not_found("weight version", version_id) from None
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # a deleted ephemeral version
+                self._drop_copy(version_id)
+                raise FailedPrecondition(exc.details()) from None
             raise Unavailable(f"cannot look up weight version '{version_id}' in the weight-sync service: "
                               f"{exc.details()}") from None
+        if version.ephemeral:
+            return version
         with self._lock:
             self._lookups[key] = version
             while len(self._lookups) > LOOKUPS_KEPT:
                 self._lookups.popitem(last=False)
         return version
+
+    def _prune_ephemeral(self, account_id: str, api_key: str, version: wpb.WeightVersion) -> None:
+        """Note version as held here; when it is new, drop the lineage's older held ones the weight-sync service
+        has deleted (a lookup that cannot be made now leaves them for the next new version)."""
+        with self._lock:
+            held = self._ephemeral.setdefault((account_id, version.lineage), {})
+            if version.id in held:
+                return
+            older = list(held)
+            held[version.id] = None
+        for version_id in older:
+            try:
+                self.version(account_id, api_key, version_id)
+            except FailedPrecondition:  # deleted: version() dropped the copy
+                with self._lock:
+                    held.pop(version_id, None)
+            except (NotFound, Unavailable):
+                pass
+
+    def _drop_copy(self, version_id: str) -> None:
+        """Forget a deleted ephemeral LoRA version's adapter (requests running on it finish) and its fetched files."""
+        if self.engine.unload_adapter(f"{ADAPTER_PREFIX}{version_id}"):
+            with self._turn(version_id):
+                shutil.rmtree(self.root / "adapters" / version_id, ignore_errors=True)
 
     def _turn(self, version_id: str) -> threading.Lock:
         with self._lock:

@@ -58,6 +58,11 @@ class TrainerSettings(TrainyardSettings):
     # others leave), cp, ep, pp and pipeline_schedule (with pp > 1; 1f1b by default); e.g.
     # TRAINYARD_TRAINER_PARALLEL='{"dp_shard": 2}'. Empty: FSDP over every rank.
     trainer_parallel: dict[str, int | str] = Field(default_factory=dict)
+    # The addresses GetEndpoints gives clients for the rollout and the scheduler (host:port as a client reaches them,
+    # e.g. the host's published ports), so that an SDK given only the trainer's address finds the others. Empty:
+    # rollout_url / scheduler_url, the addresses this trainer itself uses.
+    advertised_rollout_url: str = ""
+    advertised_scheduler_url: str = ""
 
     def parallel_dims(self, world_size: int) -> ParallelDims:
         """trainer_parallel for world_size ranks, checked; errors name the setting's knob."""
@@ -77,9 +82,11 @@ WEIGHT_KINDS = {"lora_adapter": weightsync_pb2.WEIGHT_KIND_LORA_ADAPTER, "full":
 
 
 def make_publisher(weightsync: weightsync_pb2_grpc.WeightSyncServiceStub):
-    """SessionManager's publish: the saved directory as the next version of the session's lineage."""
+    """SessionManager's publish: the saved directory as the next version of the session's lineage (ephemeral: one
+    for sampling only, services/weightsync/store.py)."""
 
-    def publish(api_key: str, sess, directory: Path, kind: str, checkpoint_id: str = "") -> str:
+    def publish(api_key: str, sess, directory: Path, kind: str, checkpoint_id: str = "",
+                ephemeral: bool = False) -> str:
         try:
             parent = sess.weight_version_id
             if parent is None:  # a restored session goes on from its lineage's newest version
@@ -88,12 +95,28 @@ def make_publisher(weightsync: weightsync_pb2_grpc.WeightSyncServiceStub):
                 parent = versions[-1].id if versions else ""
             version = publish_dir(weightsync, api_key, lineage=sess.id, parent_id=parent, kind=WEIGHT_KINDS[kind],
                                   base_model=sess.base_model, directory=directory,
-                                  metadata={"optim_steps": str(sess.optim_steps), "checkpoint_id": checkpoint_id})
+                                  metadata={"optim_steps": str(sess.optim_steps), "checkpoint_id": checkpoint_id},
+                                  ephemeral=ephemeral)
         except grpc.RpcError as exc:  # the session's state is intact: the caller can save again
             raise Unavailable(f"the weights were not published to the weight-sync service: {exc.details()}") from None
         return version.id
 
     return publish
+
+
+def make_ephemeral_dropper(weightsync: weightsync_pb2_grpc.WeightSyncServiceStub):
+    """SessionManager's drop_ephemeral: delete the ephemeral versions of a closed session's lineage (none published:
+    the lineage does not exist, nothing to do)."""
+
+    def drop(api_key: str, session_id: str) -> None:
+        try:
+            weightsync.DeleteEphemeralVersions(weightsync_pb2.DeleteEphemeralVersionsRequest(lineage=session_id),
+                                               metadata=auth_metadata(api_key))
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                raise Unavailable(f"the weight-sync service did not delete them: {exc.details()}") from None
+
+    return drop
 
 
 def build(settings: TrainerSettings, group: trainer_group.EngineGroup | None = None) -> Server:
@@ -112,7 +135,10 @@ def build(settings: TrainerSettings, group: trainer_group.EngineGroup | None = N
                               settings.deterministic, settings.micro_batch_tokens,
                               state_every_steps=settings.session_state_every_steps,
                               state_with_weights=settings.session_state_with_weights,
-                              max_sessions_per_account=settings.max_sessions_per_account, group=group)
+                              max_sessions_per_account=settings.max_sessions_per_account, group=group,
+                              drop_ephemeral=make_ephemeral_dropper(weightsync))
+    endpoints = pb.Endpoints(rollout_url=settings.advertised_rollout_url or settings.rollout_url,
+                             scheduler_url=settings.advertised_scheduler_url or settings.scheduler_url)
 
     def refuse_waiting_calls(stopping) -> None:
         stopping.wait()
@@ -128,7 +154,8 @@ def build(settings: TrainerSettings, group: trainer_group.EngineGroup | None = N
 
     spec = ServiceSpec(
         name="trainer",
-        register=lambda server: rpc.add_TrainerServiceServicer_to_server(TrainerServicer(sessions), server),
+        register=lambda server: rpc.add_TrainerServiceServicer_to_server(TrainerServicer(sessions, endpoints),
+                                                                          server),
         service_names=[pb.DESCRIPTOR.services_by_name["TrainerService"].full_name],
         on_shutdown=shutdown,
         background=[sessions.restore_all, refuse_waiting_calls],

@@ -148,8 +148,9 @@ def save_options(request: pb.SaveWeightsRequest | pb.SaveStateRequest) -> SaveOp
 
 
 class TrainerServicer(rpc.TrainerServiceServicer):
-    def __init__(self, sessions: SessionManager):
+    def __init__(self, sessions: SessionManager, endpoints: pb.Endpoints | None = None):
         self.sessions = sessions
+        self.endpoints = endpoints or pb.Endpoints()  # what GetEndpoints advertises (the trainer's settings)
 
     def _session(self, sess) -> pb.Session:
         return session_proto(self.sessions.info(sess))
@@ -161,7 +162,8 @@ class TrainerServicer(rpc.TrainerServiceServicer):
         return session_proto(self.sessions.describe(current_caller().account_id, request.id))
 
     def CloseSession(self, request, context):
-        return session_proto(self.sessions.close(current_caller().account_id, request.id))
+        caller = current_caller()
+        return session_proto(self.sessions.close(caller.account_id, request.id, caller.api_key))
 
     def Forward(self, request, context):
         return forward_response(*self.sessions.forward(
@@ -191,7 +193,7 @@ class TrainerServicer(rpc.TrainerServiceServicer):
     def SaveWeights(self, request, context):
         caller = current_caller()
         ckpt_id, version_id, path = self.sessions.save_weights(caller.account_id, caller.api_key, request.session_id,
-                                                               request.seq_id, request.name,
+                                                               request.seq_id, request.name, request.ephemeral,
                                                                answered=answered_seq_id(context),
                                                                cancel=calls.current(), options=save_options(request))
         return pb.SaveWeightsResponse(checkpoint_id=ckpt_id, version_id=version_id, path=path)
@@ -219,3 +221,5 @@ class TrainerServicer(rpc.TrainerServiceServicer):
     def ListSessions(self, request, context):
         infos, total = self.sessions.list_sessions(current_caller().account_id, request.limit, request.offset)
         return pb.ListSessionsResponse(sessions=[session_proto(i) for i in infos], total=total)
+    def GetEndpoints(self, request, context):
+        return self.endpoints

@@ -220,19 +220,27 @@ class StateCalls:
 
     # -- weights and states ----------------------------------------------------------------------------------------
     def save_weights(self, account_id: str, api_key: str, session_id: str, seq_id: int, name: str,
-                     answered: int = 0, cancel: Cancellation = NEVER,
+                     ephemeral: bool = False, answered: int = 0, cancel: Cancellation = NEVER,
                      options: SaveOptions = SaveOptions()) -> tuple[str, str, str]:
         """(checkpoint id, weight version id, path "trainyard://weights/<version id>"). With state_with_weights the
-        checkpoint holds the session's state next to the weights and becomes its recorded state."""
+        checkpoint holds the session's state next to the weights and becomes its recorded state. ephemeral: the
+        weights are only published, as an ephemeral version (kept while it is among the lineage's few newest ones,
+        services/weightsync/store.py); no checkpoint, no recorded state, checkpoint id ""."""
         sess = self.get(account_id, session_id)
 
         def run():
             check_name(name)
             options.check()
+            if ephemeral:
+                with tempfile.TemporaryDirectory(prefix="weights-", dir=self.blobs.staging_dir()) as tmp:
+                    directory = self._write_weights(sess, Path(tmp), full_model=True)
+                    version_id = self.publish(api_key, sess, directory, _publish_kind(sess), ephemeral=True)
+                sess.weight_version_id, sess.published_ephemeral = version_id, True
+                return "", version_id, WEIGHTS_PREFIX + version_id
             ckpt, version_id = self._store_state(
                 sess, name or f"{sess.id}-step{sess.optim_steps}", final=True,
                 next_seq_id=sess.next_seq_id + 1 if self.state_with_weights else None,
-                publish_kind="full" if sess.full_parameter else "lora_adapter", api_key=api_key, options=options)
+                publish_kind=_publish_kind(sess), api_key=api_key, options=options)
             sess.weight_version_id = version_id
             return ckpt.id, version_id, WEIGHTS_PREFIX + version_id
 
@@ -287,15 +295,13 @@ class StateCalls:
         service saves under that lock too. (checkpoint row, version id or "")."""
         with tempfile.TemporaryDirectory(prefix="state-", dir=self.blobs.staging_dir()) as tmp:
             root = Path(tmp)
-            with sess.use():
-                if next_seq_id is None:
-                    sess.engine.save_weights(root / WEIGHTS_DIR, base_model=sess.base_model)
-                else:
+            if next_seq_id is None:
+                self._write_weights(sess, root, full_model=bool(publish_kind))
+            else:
+                with sess.use():
                     sess.engine.save(root, base_model=sess.base_model, progress={"next_seq_id": next_seq_id})
-            if publish_kind and sess.full_parameter:  # a complete Hugging Face model directory
-                for extra in MODEL_EXTRA_FILES:
-                    if (Path(sess.model_path) / extra).is_file():
-                        shutil.copyfile(Path(sess.model_path) / extra, root / WEIGHTS_DIR / extra)
+                if publish_kind:
+                    _copy_model_files(sess, root / WEIGHTS_DIR)
             ckpt, created = self.states.store(root, account_id=sess.account_id, session=sess, name=name, final=final,
                                               options=options)
             version_id = ""
@@ -314,6 +320,16 @@ class StateCalls:
             self.states.record(sess.id, ckpt.id, next_seq_id)
             sess.recorded_seq_id = next_seq_id
         return ckpt, version_id
+
+    @staticmethod
+    def _write_weights(sess, root: Path, *, full_model: bool) -> Path:
+        """The session's weights saved under root/weights (full_model: a full-parameter session's as a complete
+        Hugging Face model directory, for sampling); that directory."""
+        with sess.use():
+            sess.engine.save_weights(root / WEIGHTS_DIR, base_model=sess.base_model)
+        if full_model:
+            _copy_model_files(sess, root / WEIGHTS_DIR)
+        return root / WEIGHTS_DIR
 
     def _record_step(self, sess) -> None:
         """The automatic record every state_every_steps optimizer steps, in the OptimStep's turn. Its failure (a
@@ -377,7 +393,7 @@ class StateCalls:
                                saved, "state", optimizer=rec.with_optimizer, gradients=rec.own_checkpoint)
         sess.created_at = rec.created_at
         sess.next_seq_id = sess.recorded_seq_id = rec.next_seq_id
-        sess.weight_version_id, sess.restored_at = None, rec.next_seq_id
+        sess.weight_version_id, sess.restored_at, sess.published_ephemeral = None, rec.next_seq_id, True
         return sess
 
     def begin_shutdown(self) -> None:
@@ -409,3 +425,16 @@ class StateCalls:
                     continue
                 log.info("session %s recorded at seq_id %d (optimizer step %d) for the restart", sess.id,
                          sess.next_seq_id, sess.optim_steps)
+
+
+def _publish_kind(sess) -> str:
+    return "full" if sess.full_parameter else "lora_adapter"
+
+
+def _copy_model_files(sess, weights_dir: Path) -> None:
+    """Next to a full-parameter session's weights, the base model's tokenizer and generation config: a complete
+    Hugging Face model directory (a LoRA adapter needs none)."""
+    if sess.full_parameter:
+        for extra in MODEL_EXTRA_FILES:
+            if (Path(sess.model_path) / extra).is_file():
+                shutil.copyfile(Path(sess.model_path) / extra, weights_dir / extra)

@@ -56,6 +56,7 @@ requests into the plain values and DatumInputs it takes.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import threading
 import time
@@ -90,6 +91,8 @@ from services.trainer.session_states import (  # noqa: F401 - the prefixes and T
     STATE_PREFIX, TOKENIZER_FILES, WEIGHTS_PREFIX, SessionStates, StateCalls, state_checkpoint_id,
 )
 
+log = logging.getLogger("trainyard.trainer.sessions")
+
 
 @dataclass
 class Session:
@@ -108,6 +111,9 @@ class Session:
     # The newest version this session published to its lineage (the parent of its next); None when not known here
     # (a restored session): the lineage's newest, asked of the weight-sync service when it publishes.
     weight_version_id: str | None = ""
+    # It may have published ephemeral versions (SaveWeights ephemeral; a restored session: not known), which its
+    # close deletes.
+    published_ephemeral: bool = False
     recorded_seq_id: int = 1  # next_seq_id as of the session's recorded state: a later one means unrecorded calls
     compute_s: float = 0.0  # compute of the calls since the last OptimStep (trainyard_training_step_seconds)
     restored_at: int = 0  # the seq_id a restarted trainer restored the session at (0: never restored)
@@ -182,12 +188,15 @@ class SessionManager(StateCalls):
     def __init__(self, db: Database, blobs: BlobStore, publish, order_timeout_s: float = 600.0,
                  deterministic: bool = False, micro_batch_tokens: int = 2048, device: str | None = None,
                  state_every_steps: int = 0, state_with_weights: bool = False, max_sessions_per_account: int = 64,
-                 group=None):
+                 group=None, drop_ephemeral=None):
         self.db = db
         self.blobs = blobs
         self.states = SessionStates(db, blobs)
         # (api_key, session, directory, kind "lora_adapter" | "full") -> version id; Unavailable when it cannot
         self.publish = publish
+        # (api_key, session) -> None: delete the ephemeral versions the session published (at its close); None: the
+        # sessions publish nowhere that keeps them.
+        self.drop_ephemeral = drop_ephemeral
         self.order_timeout_s = order_timeout_s
         # Batch-invariant numerics (services/trainer/engine/forward_backward.py): logprobs bitwise the deterministic
         # rollout's.
@@ -392,9 +401,10 @@ class SessionManager(StateCalls):
             out.append(info)
         return out, total
 
-    def close(self, account_id: str, session_id: str) -> SessionInfo:
+    def close(self, account_id: str, session_id: str, api_key: str = "") -> SessionInfo:
         """Free the session; it is never restored again. One a restarted trainer has not restored (or could not)
-        closes without being loaded."""
+        closes without being loaded. The ephemeral weight versions it published are deleted (with api_key, the
+        caller's, as they were published)."""
         with self._lock:
             sess = self._sessions.get(session_id)
         if sess is None or sess.account_id != account_id:
@@ -407,6 +417,7 @@ class SessionManager(StateCalls):
                     self._to_restore.discard(session_id)
                     self._unrestorable.pop(session_id, None)
                     self._mark_closed(session_id)
+                    self._drop_ephemeral(api_key, session_id)
                     return self.describe(account_id, session_id)
         with sess.cond:  # after the running call, if any; waiting ones then see closed
             sess.cond.wait_for(lambda: not sess.running)
@@ -418,7 +429,19 @@ class SessionManager(StateCalls):
             self._sessions.pop(session_id, None)
         self._free(sess)
         self._mark_closed(session_id)
+        if sess.published_ephemeral:
+            self._drop_ephemeral(api_key, session_id)
         return self.info(sess)
+
+    def _drop_ephemeral(self, api_key: str, session_id: str) -> None:
+        """After the close: a failure (the weight-sync service away) leaves at most its lineage's few newest
+        ephemeral versions, which is logged, not the close's failure."""
+        if self.drop_ephemeral is None:
+            return
+        try:
+            self.drop_ephemeral(api_key, session_id)
+        except TrainyardError as exc:
+            log.warning("session %s: its ephemeral weight versions were not deleted: %s", session_id, exc)
 
     def _mark_closed(self, session_id: str) -> None:
         with self.db.session() as s:

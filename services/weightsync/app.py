@@ -29,7 +29,7 @@ def version_pb(v) -> pb.WeightVersion:
                             kind=KINDS_BACK[v.kind], base_model=v.base_model,
                             files=[pb.WeightFile(path=f["path"], sha256=f["sha256"], size_bytes=f["size_bytes"])
                                    for f in v.files],
-                            metadata=v.meta, created_at=ts(v.created_at))
+                            metadata=v.meta, created_at=ts(v.created_at), ephemeral=v.ephemeral)
 
 
 def lineage_pb(row, current, latest: int) -> pb.Lineage:
@@ -53,7 +53,7 @@ class WeightSyncServicer(rpc.WeightSyncServiceServicer):
     def PublishVersion(self, request_iterator, context):
         h, chunks = split_header(request_iterator)
         header = PublishHeader(lineage=h.lineage, parent_id=h.parent_id, kind=KINDS.get(h.kind, ""),
-                               base_model=h.base_model, metadata=dict(h.metadata),
+                               base_model=h.base_model, metadata=dict(h.metadata), ephemeral=h.ephemeral,
                                files=[FileSpec(f.path, f.sha256, f.size_bytes) for f in h.files])
         return version_pb(self.store.publish(current_caller().account_id, header, (
             received(Chunk(path=c.path, offset=c.offset, data=c.data, sha256=c.sha256)) for c in chunks),
@@ -76,6 +76,10 @@ class WeightSyncServicer(rpc.WeightSyncServiceServicer):
     def Rollback(self, request, context):
         return lineage_pb(*self.store.rollback(current_caller().account_id, request.lineage, request.version_id))
 
+    def DeleteEphemeralVersions(self, request, context):
+        return pb.DeleteEphemeralVersionsResponse(
+            deleted=self.store.delete_ephemeral(current_caller().account_id, request.lineage))
+
     def FetchVersion(self, request, context):
         for c in self.store.fetch(current_caller().account_id, request.id, request.from_path, request.from_offset,
                                   request.base_version_id):
@@ -90,6 +94,9 @@ class WeightSyncSettings(TrainyardSettings):
     # fetchable and a rollback target). PublishVersion beyond either is RESOURCE_EXHAUSTED, before any byte travels.
     max_versions_per_lineage: int = Field(default=10_000, ge=1)
     max_versions_per_account: int = Field(default=100_000, ge=1)
+    # Ephemeral versions (published for sampling only, services/weightsync/store.py) a lineage keeps: publishing
+    # another deletes the oldest beyond this many (rows stay as tombstones, files go unless shared).
+    max_ephemeral_versions_per_lineage: int = Field(default=4, ge=1)
     # Quota: WatchLineage streams one account may hold open (a rollout holds one per lineage deployment). They wait
     # on the event loop, no thread each; an idle one wakes every watch_heartbeat_s to look at its call.
     max_watches_per_account: int = Field(default=1024, ge=1)
@@ -101,7 +108,8 @@ def build(settings: WeightSyncSettings) -> Server:
     db = Database(settings.database_url)
     blobs = BlobStore(settings.blob_dir)
     blobs.sweep_staging()  # publishes cut by a killed weight-sync service
-    store = WeightStore(db, blobs, VersionQuotas(settings.max_versions_per_lineage, settings.max_versions_per_account))
+    store = WeightStore(db, blobs, VersionQuotas(settings.max_versions_per_lineage, settings.max_versions_per_account),
+                        max_ephemeral=settings.max_ephemeral_versions_per_lineage)
     stopping = threading.Event()  # set at shutdown: WatchLineage streams end instead of holding the grace period
     watchers = LineageWatchers(store, settings.watch_poll_s, settings.watch_heartbeat_s, stopping,
                                settings.max_watches_per_account)

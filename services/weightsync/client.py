@@ -25,7 +25,7 @@ RESUMABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grp
 
 def publish_dir(stub: rpc.WeightSyncServiceStub, api_key: str, *, lineage: str, parent_id: str, kind: int,
                 base_model: str, directory: Path, metadata: dict[str, str] | None = None,
-                timeout_s: float = 600) -> pb.WeightVersion:
+                timeout_s: float = 600, ephemeral: bool = False) -> pb.WeightVersion:
     files = sorted(p for p in Path(directory).rglob("*") if p.is_file())
     specs = [pb.WeightFile(path=p.relative_to(directory).as_posix(), sha256=sha256_file(p), size_bytes=p.stat().st_size)
              for p in files]
@@ -33,7 +33,7 @@ def publish_dir(stub: rpc.WeightSyncServiceStub, api_key: str, *, lineage: str, 
     def requests() -> Iterator[pb.PublishVersionRequest]:
         yield pb.PublishVersionRequest(header=pb.PublishVersionHeader(
             lineage=lineage, parent_id=parent_id, kind=kind, base_model=base_model, files=specs,
-            metadata=metadata or {}))
+            metadata=metadata or {}, ephemeral=ephemeral))
         for p, spec in zip(files, specs):
             offset = 0
             with open(p, "rb") as f:

@@ -11,6 +11,15 @@ removes the blobs it had just created (BlobStore.saving).
 
 Fetch ordering: every file (and every cached delta) is read verified against the sha256 its row names, so damage
 at rest ends the stream with DATA_LOSS naming the version and file (or the delta) instead of reaching a consumer.
+
+Ephemeral versions (published for sampling only: the Training API's save_weights_and_get_sampling_client) are
+versions of the lineage like any other (numbered, parented, followed by lineage deployments, deltas between full
+ones), but a lineage keeps only its `max_ephemeral` newest ones: the publish that inserts one deletes, in the same
+transaction, the lineage's ephemeral versions older than the max_ephemeral newest (deleted_at set, their files and
+cached deltas dropped from the rows), then releases those blobs unless another row still names them.
+DeleteEphemeralVersions (the trainer, when the session closes) deletes all of a lineage's. A deleted version's row
+stays: GetVersion, FetchVersion and a delta from it answer FAILED_PRECONDITION naming it as replaced; listings and
+quotas leave it out. Durable versions never count against max_ephemeral and are never deleted by it.
 """
 from __future__ import annotations
 
@@ -22,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from safetensors.torch import load
-from sqlalchemy import delete, func, select, tuple_
+from sqlalchemy import delete, func, or_, select, tuple_
 from sqlalchemy.exc import IntegrityError
 
 from services.common import blobrefs
@@ -54,6 +63,7 @@ class PublishHeader:
     base_model: str
     files: list[FileSpec]
     metadata: dict[str, str]
+    ephemeral: bool = False
 
 
 @dataclass
@@ -106,10 +116,11 @@ class VersionQuotas:
 
 
 class WeightStore:
-    def __init__(self, db: Database, blobs: BlobStore, quotas: VersionQuotas = VersionQuotas()):
+    def __init__(self, db: Database, blobs: BlobStore, quotas: VersionQuotas = VersionQuotas(), max_ephemeral: int = 4):
         self.db = db
         self.blobs = blobs
         self.quotas = quotas
+        self.max_ephemeral = max_ephemeral  # ephemeral versions a lineage keeps (the module docstring)
 
     def latest(self, account_id: str, lineage: str) -> WeightVersion | None:
         with self.db.session() as s:
@@ -156,17 +167,21 @@ class WeightStore:
                                 version=(parent.version + 1) if parent else 1, parent_id=parent.id if parent else "",
                                 kind=header.kind, base_model=header.base_model,
                                 files=[{"path": f.path, "sha256": f.sha256, "size_bytes": f.size_bytes}
-                                       for f in header.files], meta=dict(header.metadata), created_at=utcnow())
+                                       for f in header.files], meta=dict(header.metadata),
+                                ephemeral=header.ephemeral, created_at=utcnow())
             with self.blobs.saving(blobrefs.checker(self.db)) as save:  # a lost race takes the new blobs back
                 for spec, tmp in staged:
                     save.commit(tmp, spec.sha256)
-                self._insert(account_id, header, row)
+                released = self._insert(account_id, header, row)
         finally:
             for _, tmp in staged:
                 tmp.unlink(missing_ok=True)
+        self.blobs.release(released, blobrefs.checker(self.db))
         return row
 
-    def _insert(self, account_id: str, header: PublishHeader, row: WeightVersion) -> None:
+    def _insert(self, account_id: str, header: PublishHeader, row: WeightVersion) -> set[str]:
+        """Insert the version; with an ephemeral one, delete the lineage's ephemeral versions beyond max_ephemeral.
+        Returns the blobs the deleted ones named (to release after the commit)."""
         try:
             with self.db.session() as s:
                 s.get(Account, account_id, with_for_update=True)  # one account's publishes count one at a time
@@ -181,17 +196,55 @@ class WeightStore:
                                         created_at=row.created_at, updated_at=row.created_at))
                 else:
                     lineage.current_version_id, lineage.updated_at = row.id, row.created_at
+                if not row.ephemeral:
+                    return set()
+                beyond = select(WeightVersion.id).where(
+                    WeightVersion.account_id == account_id, WeightVersion.lineage == header.lineage,
+                    WeightVersion.ephemeral.is_(True), WeightVersion.deleted_at.is_(None),
+                ).order_by(WeightVersion.version.desc()).offset(self.max_ephemeral)
+                return self._delete_versions(s, list(s.scalars(beyond)))
         except IntegrityError:
             raise FailedPrecondition(f"lineage '{header.lineage}' gained version {row.version} while this one was "
                                      "uploading; publish again on top of the latest version") from None
 
+    @staticmethod
+    def _delete_versions(s, version_ids: list[str]) -> set[str]:
+        """Mark the versions deleted, dropping their files and the cached deltas from or to them, in session s.
+        Returns the blobs those named (release them after the commit: another row may name them too)."""
+        if not version_ids:
+            return set()
+        digests: set[str] = set()
+        now = utcnow()
+        for v in s.scalars(select(WeightVersion).where(WeightVersion.id.in_(version_ids))):
+            digests.update(f["sha256"] for f in v.files)
+            v.files, v.deleted_at = [], now
+        touching = or_(WeightDelta.base_version_id.in_(version_ids), WeightDelta.version_id.in_(version_ids))
+        digests.update(s.scalars(select(WeightDelta.sha256).where(touching)))
+        s.execute(delete(WeightDelta).where(touching))
+        return digests
+
+    def delete_ephemeral(self, account_id: str, lineage: str) -> int:
+        """Delete every ephemeral version of the lineage (its session closed); how many there were. NOT_FOUND for a
+        lineage the account does not have."""
+        with self.db.session() as s:
+            if not lineage or s.scalar(select(WeightLineage.id).where(WeightLineage.account_id == account_id,
+                                                                      WeightLineage.lineage == lineage)) is None:
+                raise not_found("lineage", lineage)
+            ids = list(s.scalars(select(WeightVersion.id).where(
+                WeightVersion.account_id == account_id, WeightVersion.lineage == lineage,
+                WeightVersion.ephemeral.is_(True), WeightVersion.deleted_at.is_(None))))
+            released = self._delete_versions(s, ids)
+        self.blobs.release(released, blobrefs.checker(self.db))
+        return len(ids)
+
     def _check_quotas(self, s, account_id: str, lineage: str) -> None:
         in_lineage = s.scalar(select(func.count()).select_from(WeightVersion).where(
-            WeightVersion.account_id == account_id, WeightVersion.lineage == lineage))
+            WeightVersion.account_id == account_id, WeightVersion.lineage == lineage,
+            WeightVersion.deleted_at.is_(None)))
         check_quota("max_versions_per_lineage", self.quotas.per_lineage, in_lineage,
                     f"lineage '{lineage}' holds that many weight versions")
         in_account = s.scalar(select(func.count()).select_from(WeightVersion).where(
-            WeightVersion.account_id == account_id))
+            WeightVersion.account_id == account_id, WeightVersion.deleted_at.is_(None)))
         check_quota("max_versions_per_account", self.quotas.per_account, in_account,
                     "the account holds that many weight versions")
 
@@ -254,10 +307,15 @@ class WeightStore:
             v = s.get(WeightVersion, version_id) if version_id else None
             if v is None or v.account_id != account_id:
                 raise not_found("weight version", version_id)
-            return v
+        if v.deleted_at is not None:
+            raise FailedPrecondition(
+                f"ephemeral weight version '{v.id}' (lineage '{v.lineage}', version {v.version}) was replaced by "
+                f"newer ones (a lineage keeps its {self.max_ephemeral} newest ephemeral versions, and none once its "
+                "session is closed); save_weights_for_sampler(name) keeps one")
+        return v
 
     def list(self, account_id: str, lineage: str) -> list[WeightVersion]:
-        q = select(WeightVersion).where(WeightVersion.account_id == account_id)
+        q = select(WeightVersion).where(WeightVersion.account_id == account_id, WeightVersion.deleted_at.is_(None))
         if lineage:
             q = q.where(WeightVersion.lineage == lineage)
         with self.db.session() as s:

@@ -89,5 +89,5 @@ def test_sft_loop_as_a_script_with_its_own_stack(tmp_path):
     assert "embedded stack up" in out
     losses = numbers(r"step +\d+  loss ([\d.]+)", out)
     assert len(losses) == 4 and losses[-1] < losses[0], out
-    assert "trained weights saved as trainyard://weights/" in out
+    assert "trained weights published for sampling as trainyard://weights/" in out
     assert len(re.findall(r"^  A: ", out, flags=re.M)) == 5

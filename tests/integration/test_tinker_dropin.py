@@ -118,6 +118,75 @@ def test_tinker_style_grpo_loop(service_client):
     assert len(rewards) == 2 and all(0.0 <= r <= 1.0 for r in rewards)
 
 
+def test_sampling_clients_of_an_rl_loop_are_ephemeral(stack, api_key, client, service_client):
+    """Ten save_weights_and_get_sampling_client calls, as an RL loop makes them: no checkpoint is written, the
+    session's lineage keeps at most the weight-sync service's max_ephemeral_versions_per_lineage (4) versions, each
+    sampler samples the newest weights (its logprobs are the trainer's after that step, not the step before), an
+    evicted one is refused naming it, and closing the session deletes them all."""
+    import grpc
+
+    from services.common.channels import auth_metadata
+    from trainyard.v1 import weightsync_pb2 as wpb, weightsync_pb2_grpc
+
+    training_client = service_client.create_lora_training_client(BASE, rank=8, seed=4).result()
+    session_id = training_client.model_id
+    batch = [sft_datum(s) for s in SEQS]
+    probe = SEQS[0]
+    samplers, previous = [], None
+    for _ in range(10):
+        training_client.forward_backward(batch, "cross_entropy")
+        training_client.optim_step(tinker.AdamParams(learning_rate=1e-2))
+        sampler = training_client.save_weights_and_get_sampling_client().result()
+        trained = training_client.forward([sft_datum(probe)], "cross_entropy").result()
+        sampled = sampler.compute_logprobs(tinker.ModelInput.from_ints(probe)).result()[1:]
+        np.testing.assert_allclose(sampled, trained.loss_fn_outputs[0]["logprobs"].tolist(), atol=SAME_LOGPROBS)
+        if previous is not None:  # the newest weights, not the previous sampler's
+            assert np.abs(np.array(sampled) - np.array(previous)).max() > 100 * SAME_LOGPROBS
+        samplers.append(sampler)
+        previous = sampled
+
+    assert [c for c in client.list_checkpoints() if c.session_id == session_id] == []
+    with grpc.insecure_channel(stack.url("weightsync")) as ch:
+        weightsync, md = weightsync_pb2_grpc.WeightSyncServiceStub(ch), auth_metadata(api_key)
+        versions = weightsync.ListVersions(wpb.ListVersionsRequest(lineage=session_id), metadata=md).versions
+        assert [v.version for v in versions] == [7, 8, 9, 10] and all(v.ephemeral for v in versions)
+        evicted = samplers[0].model_path.removeprefix("trainyard://weights/")
+        with pytest.raises(tinker.UnprocessableEntityError, match=f"ephemeral weight version '{evicted}'.*replaced"):
+            samplers[0].sample(tinker.ModelInput.from_ints(PROMPTS[0]), 1, tinker.SamplingParams(max_tokens=2)).result()
+        training_client.close()
+        assert weightsync.ListVersions(wpb.ListVersionsRequest(lineage=session_id), metadata=md).versions == []
+    with pytest.raises(tinker.UnprocessableEntityError, match="replaced"):
+        samplers[-1].sample(tinker.ModelInput.from_ints(PROMPTS[0]), 1, tinker.SamplingParams(max_tokens=2)).result()
+
+
+def test_the_trainers_address_is_enough(stack, api_key, monkeypatch, tmp_path):
+    """ServiceClient(base_url=<trainer>) alone, as Tinker's: the rollout and scheduler addresses come from the trainer
+    (GetEndpoints; the stack's ports are not the defaults, so nothing else could find them). An explicit address
+    still wins over the trainer's."""
+    for var in ("TRAINYARD_URL", "TRAINYARD_ROLLOUT_URL", "TRAINYARD_TRAINER_URL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("TRAINYARD_CLIENT_CONFIG", str(tmp_path / "no-login.json"))
+    with tinker.ServiceClient(base_url=stack.url("trainer"), api_key=api_key) as service:
+        assert BASE in [m.model_name for m in service.get_server_capabilities().supported_models]
+        training_client = service.create_lora_training_client(BASE, rank=4, seed=5).result()
+        training_client.forward_backward([sft_datum(s) for s in SEQS], "cross_entropy")
+        training_client.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
+        sampler = training_client.save_weights_and_get_sampling_client().result()
+        out = sampler.sample(tinker.ModelInput.from_ints(PROMPTS[0]), 2,
+                             tinker.SamplingParams(max_tokens=4, stop=[], seed=1)).result()
+        assert [len(s.tokens) for s in out.sequences] == [4, 4]
+        assert (service.config.rollout_url, service.config.url) == (stack.url("rollout"), stack.url("scheduler"))
+        training_client.close()
+    with tinker.ServiceClient(base_url=stack.url("trainer"), api_key=api_key,
+                              rollout_url="127.0.0.1:1") as service:
+        with pytest.raises(tinker.APIConnectionError, match="127.0.0.1:1.*rollout_url"):
+            service.create_sampling_client(base_model=BASE).result()
+    monkeypatch.setenv("TRAINYARD_URL", "127.0.0.1:2")  # the environment wins too
+    with tinker.ServiceClient(base_url=stack.url("trainer"), api_key=api_key) as service:
+        assert service.rollout is not None  # asks the trainer
+        assert (service.config.rollout_url, service.config.url) == (stack.url("rollout"), "127.0.0.1:2")
+
+
 def test_unsupported_tinker_options_are_refused_naming_them(service_client):
     training_client = service_client.create_lora_training_client(BASE, rank=4, seed=2).result()
     with pytest.raises(ValueError, match="weights_access_token"):

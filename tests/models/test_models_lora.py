@@ -174,12 +174,59 @@ def test_several_adapters_switch_and_remove(tiny_model_dir):
     assert set(model.state_dict()) == base_keys
 
 
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True` and a tied layer:UserWarning")  # peft's
+def test_an_adapter_on_the_tied_unembedding(tiny_model_dir, tmp_path):
+    """LoRA on lm_head when it is tied to the input embeddings E (the tiny Qwen3 ties them, as the small Qwen3 models
+    do): the logits are h E^T + (alpha / r) (h A^T) B^T, checked against that formula computed naively in float64
+    from the float32 tensors (tolerance 1e-5 absolute: float32 products summed in another order, logits of order
+    1). Training moves A and B only: E, shared by the embedding and the head, is unchanged and still one Parameter.
+    The PEFT files (lm_head in target_modules) give the same logits in peft.PeftModel, and merging is refused."""
+    model = load_pretrained(tiny_model_dir)
+    assert model.args.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    embeddings = model.model.embed_tokens.weight.detach().clone()
+    cfg = LoraConfig(rank=4, alpha=8.0, target_modules=("lm_head",))
+    params = apply_lora(model, cfg, "head", seed=0)
+    assert isinstance(model.lm_head, LoRALinear) and model.lm_head.weight is model.model.embed_tokens.weight
+    assert [p.shape for p in params] == [(4, model.args.hidden_size), (model.args.vocab_size, 4)]
+    with torch.no_grad():
+        params[1].normal_(0, 0.5, generator=torch.Generator().manual_seed(2))
+
+    ids = _ids(seed=3)
+    hidden = []
+    hook = model.lm_head.register_forward_pre_hook(lambda module, args: hidden.append(args[0].detach()))
+    with torch.no_grad():
+        logits = model(ids)
+    hook.remove()
+    h, (a, b) = hidden[0].double(), (p.detach().double() for p in params)
+    reference = h @ embeddings.double().T + (cfg.alpha / cfg.rank) * (h @ a.T) @ b.T
+    torch.testing.assert_close(logits.double(), reference, atol=1e-5, rtol=0)
+
+    losses = _train(model, params)
+    assert losses[-1] < losses[0]
+    assert model.model.embed_tokens.weight.grad is None
+    assert torch.equal(model.model.embed_tokens.weight, embeddings)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with pytest.raises(ValueError, match=r"Cannot merge adapter 'head': it adapts \['lm_head'\].*embeddings"):
+        merge_adapter(model, "head")
+
+    save_peft_adapter(model, cfg, tmp_path, base_model_name_or_path=str(tiny_model_dir), adapter_name="head")
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["target_modules"] == ["lm_head"]
+    model.eval()
+    reloaded = load_pretrained(tiny_model_dir)
+    load_peft_adapter(reloaded, tmp_path, "head")
+    ids = _ids(seed=4)
+    with torch.no_grad():
+        ours = model(ids)
+        assert torch.equal(reloaded(ids), ours)
+        ref = peft.PeftModel.from_pretrained(_hf_model(tiny_model_dir), tmp_path).eval()(ids).logits
+    # Logits reach ~10 here (B drawn large), so float32 rounding of the reordered sums is relative: 1e-5 of them.
+    torch.testing.assert_close(ours, ref, atol=PEFT_ATOL, rtol=1e-5)
+
+
 def test_bad_targets_and_bad_adapter_files(tiny_model_dir, tmp_path):
     model = load_pretrained(tiny_model_dir)
     with pytest.raises(ValueError, match=r"Unknown LoRA target_modules \['qproj'\]; valid module names are .*'q_proj'"):
         apply_lora(model, LoraConfig(target_modules=("qproj",)))
-    with pytest.raises(ValueError, match="lm_head"):  # tied to the embeddings, so not a valid target here
-        apply_lora(model, LoraConfig(target_modules=("lm_head",)))
 
     good = tmp_path / "good"
     apply_lora(model, LoraConfig(rank=4, target_modules=("q_proj",)), adapter_name="x", seed=0)

@@ -376,10 +376,12 @@ def test_set_trainable_full_and_lora(hf_dir):
         set_trainable(model, "half")
 
 
-def test_tied_unembedding_is_refused_with_the_reason():
+def test_a_tied_unembedding_takes_an_adapter_beside_the_shared_weight_and_refuses_merging():
     config = {**_hf_config(tie_word_embeddings=True).to_dict(), "architectures": ["Qwen3MoeForCausalLM"]}
     model = CausalLM(ModelArgs.from_hf_config(config))
-    with pytest.raises(ValueError, match=r"\['lm_head'\] name a layer that shares its weight with the input "
-                                         r"embeddings \(tie_word_embeddings=true"):
-        apply_lora(model, LoraConfig(target_modules=("q_proj", "lm_head")))
-    assert adapter_names(model) == []
+    apply_lora(model, LoraConfig(target_modules=("q_proj", "lm_head")), "tied")
+    assert adapter_names(model) == ["tied"] and model.lm_head.weight is model.model.embed_tokens.weight
+    assert not model.model.embed_tokens.weight.requires_grad
+    with pytest.raises(ValueError, match=r"Cannot merge adapter 'tied': it adapts \['lm_head'\], whose weight is "
+                                         r"the input embeddings' \(tie_word_embeddings\)"):
+        merge_adapter(model, "tied")

@@ -9,7 +9,7 @@ import torch
 from kernels import Packing
 from models import KVCache, load_pretrained
 from models.common import pipeline_stage
-from models.lora import LoraConfig, apply_lora
+from models.lora import LoraConfig, apply_lora, merge_adapter
 from models.moe import RouterReplay
 
 FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3")
@@ -93,7 +93,7 @@ def test_a_stage_names_layers_the_model_holds(model):
 @torch.no_grad()
 def test_stages_of_a_model_with_lora_and_lora_on_a_stage(family_dirs):
     """A LoRA adapter splits with its layers (bitwise the same logits); apply_lora on a stage adapts only the stage's
-    layers, and refuses a tied lm_head on a last stage that holds no embedding."""
+    layers; a last stage that holds no embedding takes an adapter on its tied lm_head but refuses to merge it."""
     model = load_pretrained(family_dirs["qwen3"])
     apply_lora(model, LoraConfig(rank=4), seed=0)
     gen = torch.Generator().manual_seed(1)
@@ -108,5 +108,6 @@ def test_stages_of_a_model_with_lora_and_lora_on_a_stage(family_dirs):
     apply_lora(first, LoraConfig(rank=4))
     assert {n.split(".")[2] for n, _ in first.named_parameters() if "lora_" in n} == {"0", "1"}
     last = pipeline_stage(base, [2, 3], first=False, last=True)
-    with pytest.raises(ValueError, match="shares its weight with the input embeddings"):
-        apply_lora(last, LoraConfig(target_modules=("lm_head",)))
+    apply_lora(last, LoraConfig(target_modules=("lm_head",)), "head")  # beside the tied weight the stage holds
+    with pytest.raises(ValueError, match=r"Cannot merge adapter 'head': it adapts \['lm_head'\]"):
+        merge_adapter(last, "head")  # its config still says the weight is the embeddings'

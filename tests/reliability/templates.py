@@ -134,6 +134,10 @@ class Requests:
         if kind == "session":
             return s.trainer.CreateSession(tpb.CreateSessionRequest(base_model=BASE, lora=tpb.SessionLora(rank=4)),
                                            metadata=o.md).id
+        if kind == "lineage":  # a new session's, holding an ephemeral version (what DeleteEphemeralVersions deletes)
+            session = self.fresh("session")
+            s.trainer.SaveWeights(tpb.SaveWeightsRequest(session_id=session, ephemeral=True), metadata=o.md)
+            return session
         raise KeyError(kind)
 
     # -- builders -------------------------------------------------------------------------------------------------

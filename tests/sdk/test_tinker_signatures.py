@@ -27,9 +27,7 @@ CLIENTS = ("ServiceClient", "TrainingClient", "SamplingClient", "APIFuture", "Re
 DIFFERENT = {
     ("ServiceClient", "close"): "closes the channels now and returns nothing; there is no server-side session to "
                                 "close with a status",
-    ("ServiceClient", "create_lora_training_client"): "train_unembed defaults to False: the trainer refuses an "
-                                                      "adapter on an lm_head tied to the embeddings (the small Qwen3 "
-                                                      "models); keyword-only alpha added",
+    ("ServiceClient", "create_lora_training_client"): "keyword-only alpha added",
     ("TrainingClient", "forward"): "loss_fn defaults to 'cross_entropy'",
     ("TrainingClient", "forward_backward"): "keyword-only micro_batch_tokens added",
     ("TrainingClient", "save_state"): "name may be left out (an unnamed checkpoint)",

@@ -276,7 +276,7 @@ class OptimStepResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class SaveWeightsRequest(_message.Message):
-    __slots__ = ("session_id", "seq_id", "name", "ttl_seconds", "user_metadata")
+    __slots__ = ("session_id", "seq_id", "name", "ttl_seconds", "user_metadata", "ephemeral")
     class UserMetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -289,12 +289,14 @@ class SaveWeightsRequest(_message.Message):
     NAME_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    EPHEMERAL_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     seq_id: int
     name: str
     ttl_seconds: int
     user_metadata: _containers.ScalarMap[str, str]
-    def __init__(self, session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., name: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., user_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    ephemeral: bool
+    def __init__(self, session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., name: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., ephemeral: _Optional[bool] = ...) -> None: ...
 
 class SaveWeightsResponse(_message.Message):
     __slots__ = ("checkpoint_id", "version_id", "path")
@@ -352,3 +354,15 @@ class GetTokenizerRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class GetEndpointsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Endpoints(_message.Message):
+    __slots__ = ("rollout_url", "scheduler_url")
+    ROLLOUT_URL_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_URL_FIELD_NUMBER: _ClassVar[int]
+    rollout_url: str
+    scheduler_url: str
+    def __init__(self, rollout_url: _Optional[str] = ..., scheduler_url: _Optional[str] = ...) -> None: ...

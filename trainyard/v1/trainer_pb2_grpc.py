@@ -112,6 +112,11 @@ class TrainerServiceStub:
                 request_serializer=trainyard_dot_v1_dot_trainer__pb2.ListSessionsRequest.SerializeToString,
                 response_deserializer=trainyard_dot_v1_dot_trainer__pb2.ListSessionsResponse.FromString,
                 _registered_method=True)
+        self.GetEndpoints = channel.unary_unary(
+                '/trainyard.v1.TrainerService/GetEndpoints',
+                request_serializer=trainyard_dot_v1_dot_trainer__pb2.GetEndpointsRequest.SerializeToString,
+                response_deserializer=trainyard_dot_v1_dot_trainer__pb2.Endpoints.FromString,
+                _registered_method=True)
 
 
 class TrainerServiceServicer:
@@ -183,7 +188,8 @@ class TrainerServiceServicer:
 
     def SaveWeights(self, request, context):
         """Saves the session's weights for sampling: a PEFT adapter (LoRA) or the full model, stored as a checkpoint the
-        scheduler can deploy and published to the weight-sync service as the next version of the session's lineage.
+        scheduler can deploy and published to the weight-sync service as the next version of the session's lineage
+        (with ephemeral set: published only, as an ephemeral version; no checkpoint).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -212,6 +218,16 @@ class TrainerServiceServicer:
 
     def ListSessions(self, request, context):
         """The account's sessions (open and closed), newest first, a page at a time (Tinker's training runs).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetEndpoints(self, request, context):
+        """The addresses clients should use besides the trainer's: the rollout (sampling) and the scheduler (the control
+        plane), as this trainer's operator advertises them (settings advertised_rollout_url / advertised_scheduler_url,
+        by default the addresses the trainer itself uses). Lets a client configured with the trainer's address alone
+        (Tinker's one base_url) find the others.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -279,6 +295,11 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     servicer.ListSessions,
                     request_deserializer=trainyard_dot_v1_dot_trainer__pb2.ListSessionsRequest.FromString,
                     response_serializer=trainyard_dot_v1_dot_trainer__pb2.ListSessionsResponse.SerializeToString,
+            ),
+            'GetEndpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetEndpoints,
+                    request_deserializer=trainyard_dot_v1_dot_trainer__pb2.GetEndpointsRequest.FromString,
+                    response_serializer=trainyard_dot_v1_dot_trainer__pb2.Endpoints.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -622,6 +643,33 @@ class TrainerService:
             '/trainyard.v1.TrainerService/ListSessions',
             trainyard_dot_v1_dot_trainer__pb2.ListSessionsRequest.SerializeToString,
             trainyard_dot_v1_dot_trainer__pb2.ListSessionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetEndpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainyard.v1.TrainerService/GetEndpoints',
+            trainyard_dot_v1_dot_trainer__pb2.GetEndpointsRequest.SerializeToString,
+            trainyard_dot_v1_dot_trainer__pb2.Endpoints.FromString,
             options,
             channel_credentials,
             insecure,

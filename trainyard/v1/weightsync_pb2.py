@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from trainyard.v1 import common_pb2 as trainyard_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtrainyard/v1/weightsync.proto\x12\x0ctrainyard.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x19trainyard/v1/common.proto\"\xcc\x01\n\x07Lineage\x12\x0f\n\x07lineage\x18\x01 \x01(\t\x12&\n\x04kind\x18\x02 \x01(\x0e\x32\x18.trainyard.v1.WeightKind\x12\x12\n\nbase_model\x18\x03 \x01(\t\x12,\n\x07\x63urrent\x18\x04 \x01(\x0b\x32\x1b.trainyard.v1.WeightVersion\x12\x16\n\x0elatest_version\x18\x05 \x01(\x03\x12.\n\nupdated_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"$\n\x11GetLineageRequest\x12\x0f\n\x07lineage\x18\x01 \x01(\t\"&\n\x13WatchLineageRequest\x12\x0f\n\x07lineage\x18\x01 \x01(\t\"6\n\x0fRollbackRequest\x12\x0f\n\x07lineage\x18\x01 \x01(\t\x12\x12\n\nversion_id\x18\x02 \x01(\t\">\n\nWeightFile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\"\xd3\x02\n\rWeightVersion\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07lineage\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x11\n\tparent_id\x18\x04 \x01(\t\x12&\n\x04kind\x18\x05 \x01(\x0e\x32\x18.trainyard.v1.WeightKind\x12\x12\n\nbase_model\x18\x06 \x01(\t\x12\'\n\x05\x66iles\x18\x07 \x03(\x0b\x32\x18.trainyard.v1.WeightFile\x12;\n\x08metadata\x18\x08 \x03(\x0b\x32).trainyard.v1.WeightVersion.MetadataEntry\x12.\n\ncreated_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x94\x02\n\x14PublishVersionHeader\x12\x0f\n\x07lineage\x18\x01 \x01(\t\x12\x11\n\tparent_id\x18\x02 \x01(\t\x12&\n\x04kind\x18\x03 \x01(\x0e\x32\x18.trainyard.v1.WeightKind\x12\x12\n\nbase_model\x18\x04 \x01(\t\x12\'\n\x05\x66iles\x18\x05 \x03(\x0b\x32\x18.trainyard.v1.WeightFile\x12\x42\n\x08metadata\x18\x06 \x03(\x0b\x32\x30.trainyard.v1.PublishVersionHeader.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x7f\n\x15PublishVersionRequest\x12\x34\n\x06header\x18\x01 \x01(\x0b\x32\".trainyard.v1.PublishVersionHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.trainyard.v1.FileChunkH\x00\x42\x06\n\x04part\"\x1f\n\x11GetVersionRequest\x12\n\n\x02id\x18\x01 \x01(\t\"&\n\x13ListVersionsRequest\x12\x0f\n\x07lineage\x18\x01 \x01(\t\"E\n\x14ListVersionsResponse\x12-\n\x08versions\x18\x01 \x03(\x0b\x32\x1b.trainyard.v1.WeightVersion\"b\n\x13\x46\x65tchVersionRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x11\n\tfrom_path\x18\x02 \x01(\t\x12\x13\n\x0b\x66rom_offset\x18\x03 \x01(\x03\x12\x17\n\x0f\x62\x61se_version_id\x18\x04 \x01(\t*]\n\nWeightKind\x12\x1b\n\x17WEIGHT_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18WEIGHT_KIND_LORA_ADAPTER\x10\x01\x12\x14\n\x10WEIGHT_KIND_FULL\x10\x02\x32\xae\x04\n\x11WeightSyncService\x12T\n\x0ePublishVersion\x12#.trainyard.v1.PublishVersionRequest\x1a\x1b.trainyard.v1.WeightVersion(\x01\x12J\n\nGetVersion\x12\x1f.trainyard.v1.GetVersionRequest\x1a\x1b.trainyard.v1.WeightVersion\x12U\n\x0cListVersions\x12!.trainyard.v1.ListVersionsRequest\x1a\".trainyard.v1.ListVersionsResponse\x12L\n\x0c\x46\x65tchVersion\x12!.trainyard.v1.FetchVersionRequest\x1a\x17.trainyard.v1.FileChunk0\x01\x12\x44\n\nGetLineage\x12\x1f.trainyard.v1.GetLineageRequest\x1a\x15.trainyard.v1.Lineage\x12J\n\x0cWatchLineage\x12!.trainyard.v1.WatchLineageRequest\x1a\x15.trainyard.v1.Lineage0\x01\x12@\n\x08Rollback\x12\x1d.trainyard.v1.RollbackRequest\x1a\x15.trainyard.v1.Lineageb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtrainyard/v1/weightsync.proto\x12\x0ctrainyard.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x19trainyard/v1/common.proto\"\xcc\x01\n\x07Lineage\x12\x0f\n\x07lineage\x18\x01 \x01(\t\x12&\n\x04kind\x18\x02 \x01(\x0e\x32\x18.trainyard.v1.WeightKind\x12\x12\n\nbase_model\x18\x03 \x01(\t\x12,\n\x07\x63urrent\x18\x04 \x01(\x0b\x32\x1b.trainyard.v1.WeightVersion\x12\x16\n\x0elatest_version\x18\x05 \x01(\x03\x12.\n\nupdated_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"$\n\x11GetLineageRequest\x12\x0f\n\x07lineage\x18\x01 \x01(\t\"&\n\x13WatchLineageRequest\x12\x0f\n\x07lineage\x18\x01 \x01(\t\"6\n\x0fRollbackRequest\x12\x0f\n\x07lineage\x18\x01 \x01(\t\x12\x12\n\nversion_id\x18\x02 \x01(\t\">\n\nWeightFile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\"\xe6\x02\n\rWeightVersion\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07lineage\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x11\n\tparent_id\x18\x04 \x01(\t\x12&\n\x04kind\x18\x05 \x01(\x0e\x32\x18.trainyard.v1.WeightKind\x12\x12\n\nbase_model\x18\x06 \x01(\t\x12\'\n\x05\x66iles\x18\x07 \x03(\x0b\x32\x18.trainyard.v1.WeightFile\x12;\n\x08metadata\x18\x08 \x03(\x0b\x32).trainyard.v1.WeightVersion.MetadataEntry\x12.\n\ncreated_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tephemeral\x18\n \x01(\x08\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa7\x02\n\x14PublishVersionHeader\x12\x0f\n\x07lineage\x18\x01 \x01(\t\x12\x11\n\tparent_id\x18\x02 \x01(\t\x12&\n\x04kind\x18\x03 \x01(\x0e\x32\x18.trainyard.v1.WeightKind\x12\x12\n\nbase_model\x18\x04 \x01(\t\x12\'\n\x05\x66iles\x18\x05 \x03(\x0b\x32\x18.trainyard.v1.WeightFile\x12\x42\n\x08metadata\x18\x06 \x03(\x0b\x32\x30.trainyard.v1.PublishVersionHeader.MetadataEntry\x12\x11\n\tephemeral\x18\x07 \x01(\x08\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x7f\n\x15PublishVersionRequest\x12\x34\n\x06header\x18\x01 \x01(\x0b\x32\".trainyard.v1.PublishVersionHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.trainyard.v1.FileChunkH\x00\x42\x06\n\x04part\"\x1f\n\x11GetVersionRequest\x12\n\n\x02id\x18\x01 \x01(\t\"&\n\x13ListVersionsRequest\x12\x0f\n\x07lineage\x18\x01 \x01(\t\"E\n\x14ListVersionsResponse\x12-\n\x08versions\x18\x01 \x03(\x0b\x32\x1b.trainyard.v1.WeightVersion\"b\n\x13\x46\x65tchVersionRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x11\n\tfrom_path\x18\x02 \x01(\t\x12\x13\n\x0b\x66rom_offset\x18\x03 \x01(\x03\x12\x17\n\x0f\x62\x61se_version_id\x18\x04 \x01(\t\"1\n\x1e\x44\x65leteEphemeralVersionsRequest\x12\x0f\n\x07lineage\x18\x01 \x01(\t\"2\n\x1f\x44\x65leteEphemeralVersionsResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x03*]\n\nWeightKind\x12\x1b\n\x17WEIGHT_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18WEIGHT_KIND_LORA_ADAPTER\x10\x01\x12\x14\n\x10WEIGHT_KIND_FULL\x10\x02\x32\xa6\x05\n\x11WeightSyncService\x12T\n\x0ePublishVersion\x12#.trainyard.v1.PublishVersionRequest\x1a\x1b.trainyard.v1.WeightVersion(\x01\x12J\n\nGetVersion\x12\x1f.trainyard.v1.GetVersionRequest\x1a\x1b.trainyard.v1.WeightVersion\x12U\n\x0cListVersions\x12!.trainyard.v1.ListVersionsRequest\x1a\".trainyard.v1.ListVersionsResponse\x12L\n\x0c\x46\x65tchVersion\x12!.trainyard.v1.FetchVersionRequest\x1a\x17.trainyard.v1.FileChunk0\x01\x12\x44\n\nGetLineage\x12\x1f.trainyard.v1.GetLineageRequest\x1a\x15.trainyard.v1.Lineage\x12J\n\x0cWatchLineage\x12!.trainyard.v1.WatchLineageRequest\x1a\x15.trainyard.v1.Lineage0\x01\x12@\n\x08Rollback\x12\x1d.trainyard.v1.RollbackRequest\x1a\x15.trainyard.v1.Lineage\x12v\n\x17\x44\x65leteEphemeralVersions\x12,.trainyard.v1.DeleteEphemeralVersionsRequest\x1a-.trainyard.v1.DeleteEphemeralVersionsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,8 +37,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WEIGHTVERSION_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_PUBLISHVERSIONHEADER_METADATAENTRY']._loaded_options = None
   _globals['_PUBLISHVERSIONHEADER_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_WEIGHTKIND']._serialized_start=1506
-  _globals['_WEIGHTKIND']._serialized_end=1599
+  _globals['_WEIGHTKIND']._serialized_start=1647
+  _globals['_WEIGHTKIND']._serialized_end=1740
   _globals['_LINEAGE']._serialized_start=108
   _globals['_LINEAGE']._serialized_end=312
   _globals['_GETLINEAGEREQUEST']._serialized_start=314
@@ -50,23 +50,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WEIGHTFILE']._serialized_start=448
   _globals['_WEIGHTFILE']._serialized_end=510
   _globals['_WEIGHTVERSION']._serialized_start=513
-  _globals['_WEIGHTVERSION']._serialized_end=852
-  _globals['_WEIGHTVERSION_METADATAENTRY']._serialized_start=805
-  _globals['_WEIGHTVERSION_METADATAENTRY']._serialized_end=852
-  _globals['_PUBLISHVERSIONHEADER']._serialized_start=855
-  _globals['_PUBLISHVERSIONHEADER']._serialized_end=1131
-  _globals['_PUBLISHVERSIONHEADER_METADATAENTRY']._serialized_start=805
-  _globals['_PUBLISHVERSIONHEADER_METADATAENTRY']._serialized_end=852
-  _globals['_PUBLISHVERSIONREQUEST']._serialized_start=1133
-  _globals['_PUBLISHVERSIONREQUEST']._serialized_end=1260
-  _globals['_GETVERSIONREQUEST']._serialized_start=1262
-  _globals['_GETVERSIONREQUEST']._serialized_end=1293
-  _globals['_LISTVERSIONSREQUEST']._serialized_start=1295
-  _globals['_LISTVERSIONSREQUEST']._serialized_end=1333
-  _globals['_LISTVERSIONSRESPONSE']._serialized_start=1335
-  _globals['_LISTVERSIONSRESPONSE']._serialized_end=1404
-  _globals['_FETCHVERSIONREQUEST']._serialized_start=1406
-  _globals['_FETCHVERSIONREQUEST']._serialized_end=1504
-  _globals['_WEIGHTSYNCSERVICE']._serialized_start=1602
-  _globals['_WEIGHTSYNCSERVICE']._serialized_end=2160
+  _globals['_WEIGHTVERSION']._serialized_end=871
+  _globals['_WEIGHTVERSION_METADATAENTRY']._serialized_start=824
+  _globals['_WEIGHTVERSION_METADATAENTRY']._serialized_end=871
+  _globals['_PUBLISHVERSIONHEADER']._serialized_start=874
+  _globals['_PUBLISHVERSIONHEADER']._serialized_end=1169
+  _globals['_PUBLISHVERSIONHEADER_METADATAENTRY']._serialized_start=824
+  _globals['_PUBLISHVERSIONHEADER_METADATAENTRY']._serialized_end=871
+  _globals['_PUBLISHVERSIONREQUEST']._serialized_start=1171
+  _globals['_PUBLISHVERSIONREQUEST']._serialized_end=1298
+  _globals['_GETVERSIONREQUEST']._serialized_start=1300
+  _globals['_GETVERSIONREQUEST']._serialized_end=1331
+  _globals['_LISTVERSIONSREQUEST']._serialized_start=1333
+  _globals['_LISTVERSIONSREQUEST']._serialized_end=1371
+  _globals['_LISTVERSIONSRESPONSE']._serialized_start=1373
+  _globals['_LISTVERSIONSRESPONSE']._serialized_end=1442
+  _globals['_FETCHVERSIONREQUEST']._serialized_start=1444
+  _globals['_FETCHVERSIONREQUEST']._serialized_end=1542
+  _globals['_DELETEEPHEMERALVERSIONSREQUEST']._serialized_start=1544
+  _globals['_DELETEEPHEMERALVERSIONSREQUEST']._serialized_end=1593
+  _globals['_DELETEEPHEMERALVERSIONSRESPONSE']._serialized_start=1595
+  _globals['_DELETEEPHEMERALVERSIONSRESPONSE']._serialized_end=1645
+  _globals['_WEIGHTSYNCSERVICE']._serialized_start=1743
+  _globals['_WEIGHTSYNCSERVICE']._serialized_end=2421
 # @@protoc_insertion_point(module_scope)

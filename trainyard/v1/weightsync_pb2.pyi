@@ -67,7 +67,7 @@ class WeightFile(_message.Message):
     def __init__(self, path: _Optional[str] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class WeightVersion(_message.Message):
-    __slots__ = ("id", "lineage", "version", "parent_id", "kind", "base_model", "files", "metadata", "created_at")
+    __slots__ = ("id", "lineage", "version", "parent_id", "kind", "base_model", "files", "metadata", "created_at", "ephemeral")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class WeightVersion(_message.Message):
     FILES_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    EPHEMERAL_FIELD_NUMBER: _ClassVar[int]
     id: str
     lineage: str
     version: int
@@ -93,10 +94,11 @@ class WeightVersion(_message.Message):
     files: _containers.RepeatedCompositeFieldContainer[WeightFile]
     metadata: _containers.ScalarMap[str, str]
     created_at: _timestamp_pb2.Timestamp
-    def __init__(self, id: _Optional[str] = ..., lineage: _Optional[str] = ..., version: _Optional[int] = ..., parent_id: _Optional[str] = ..., kind: _Optional[_Union[WeightKind, str]] = ..., base_model: _Optional[str] = ..., files: _Optional[_Iterable[_Union[WeightFile, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    ephemeral: bool
+    def __init__(self, id: _Optional[str] = ..., lineage: _Optional[str] = ..., version: _Optional[int] = ..., parent_id: _Optional[str] = ..., kind: _Optional[_Union[WeightKind, str]] = ..., base_model: _Optional[str] = ..., files: _Optional[_Iterable[_Union[WeightFile, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ephemeral: _Optional[bool] = ...) -> None: ...
 
 class PublishVersionHeader(_message.Message):
-    __slots__ = ("lineage", "parent_id", "kind", "base_model", "files", "metadata")
+    __slots__ = ("lineage", "parent_id", "kind", "base_model", "files", "metadata", "ephemeral")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -110,13 +112,15 @@ class PublishVersionHeader(_message.Message):
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    EPHEMERAL_FIELD_NUMBER: _ClassVar[int]
     lineage: str
     parent_id: str
     kind: WeightKind
     base_model: str
     files: _containers.RepeatedCompositeFieldContainer[WeightFile]
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, lineage: _Optional[str] = ..., parent_id: _Optional[str] = ..., kind: _Optional[_Union[WeightKind, str]] = ..., base_model: _Optional[str] = ..., files: _Optional[_Iterable[_Union[WeightFile, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    ephemeral: bool
+    def __init__(self, lineage: _Optional[str] = ..., parent_id: _Optional[str] = ..., kind: _Optional[_Union[WeightKind, str]] = ..., base_model: _Optional[str] = ..., files: _Optional[_Iterable[_Union[WeightFile, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., ephemeral: _Optional[bool] = ...) -> None: ...
 
 class PublishVersionRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -155,3 +159,15 @@ class FetchVersionRequest(_message.Message):
     from_offset: int
     base_version_id: str
     def __init__(self, id: _Optional[str] = ..., from_path: _Optional[str] = ..., from_offset: _Optional[int] = ..., base_version_id: _Optional[str] = ...) -> None: ...
+
+class DeleteEphemeralVersionsRequest(_message.Message):
+    __slots__ = ("lineage",)
+    LINEAGE_FIELD_NUMBER: _ClassVar[int]
+    lineage: str
+    def __init__(self, lineage: _Optional[str] = ...) -> None: ...
+
+class DeleteEphemeralVersionsResponse(_message.Message):
+    __slots__ = ("deleted",)
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    deleted: int
+    def __init__(self, deleted: _Optional[int] = ...) -> None: ...

@@ -73,6 +73,11 @@ class WeightSyncServiceStub:
                 request_serializer=trainyard_dot_v1_dot_weightsync__pb2.RollbackRequest.SerializeToString,
                 response_deserializer=trainyard_dot_v1_dot_weightsync__pb2.Lineage.FromString,
                 _registered_method=True)
+        self.DeleteEphemeralVersions = channel.unary_unary(
+                '/trainyard.v1.WeightSyncService/DeleteEphemeralVersions',
+                request_serializer=trainyard_dot_v1_dot_weightsync__pb2.DeleteEphemeralVersionsRequest.SerializeToString,
+                response_deserializer=trainyard_dot_v1_dot_weightsync__pb2.DeleteEphemeralVersionsResponse.FromString,
+                _registered_method=True)
 
 
 class WeightSyncServiceServicer:
@@ -128,6 +133,14 @@ class WeightSyncServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteEphemeralVersions(self, request, context):
+        """Delete every ephemeral version of the lineage (the trainer calls it when the session publishing them closes):
+        their rows stay as tombstones that name them, their files go unless another version or checkpoint holds them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightSyncServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -165,6 +178,11 @@ def add_WeightSyncServiceServicer_to_server(servicer, server):
                     servicer.Rollback,
                     request_deserializer=trainyard_dot_v1_dot_weightsync__pb2.RollbackRequest.FromString,
                     response_serializer=trainyard_dot_v1_dot_weightsync__pb2.Lineage.SerializeToString,
+            ),
+            'DeleteEphemeralVersions': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteEphemeralVersions,
+                    request_deserializer=trainyard_dot_v1_dot_weightsync__pb2.DeleteEphemeralVersionsRequest.FromString,
+                    response_serializer=trainyard_dot_v1_dot_weightsync__pb2.DeleteEphemeralVersionsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -359,6 +377,33 @@ class WeightSyncService:
             '/trainyard.v1.WeightSyncService/Rollback',
             trainyard_dot_v1_dot_weightsync__pb2.RollbackRequest.SerializeToString,
             trainyard_dot_v1_dot_weightsync__pb2.Lineage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteEphemeralVersions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainyard.v1.WeightSyncService/DeleteEphemeralVersions',
+            trainyard_dot_v1_dot_weightsync__pb2.DeleteEphemeralVersionsRequest.SerializeToString,
+            trainyard_dot_v1_dot_weightsync__pb2.DeleteEphemeralVersionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

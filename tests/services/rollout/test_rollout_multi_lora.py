@@ -161,12 +161,14 @@ def test_threads_submitting_to_one_engine_get_their_alone_results(tiny_model_dir
         seed: [(s.tokens, s.logprobs) for s in r] for seed, r in alone.items()}
 
 
-def test_an_adapter_on_the_unembedding_applies_per_row(tiny_model_dir, tmp_path):
-    """lm_head runs on the rows that need logits only, so it gets its own per-row adapter map."""
+@pytest.mark.parametrize("tied", [False, True])
+def test_an_adapter_on_the_unembedding_applies_per_row(tiny_model_dir, tmp_path, tied):
+    """lm_head runs on the rows that need logits only, so it gets its own per-row adapter map; tied to the input
+    embeddings (as the small Qwen3 models' is), the adapter runs next to the shared weight, which stays as it was."""
     untied = tmp_path / "untied"
     shutil.copytree(tiny_model_dir, untied)
     config = json.loads((untied / "config.json").read_text())
-    config["tie_word_embeddings"] = False
+    config["tie_word_embeddings"] = tied
     model = CausalLM(ModelArgs.from_hf_config(config))
     _init_weights(model, seed=3)
     save_pretrained(model, untied)

@@ -13,7 +13,7 @@ import torch
 from models import load_pretrained, save_pretrained
 from rollout_reference import write_adapter
 from services.common.auth import create_account
-from services.common.errors import NotFound
+from services.common.errors import FailedPrecondition, NotFound
 from services.rollout.pinned import PinnedWeights
 from test_rollout_weights import SAMPLE, Env, adapter_model, check_against
 from trainyard.v1 import weightsync_pb2 as wpb
@@ -49,6 +49,27 @@ def test_lora_versions_are_served_exactly_and_only_to_their_account(env, engine,
     for key, version_id in ((other_key, v1.id), (env.key, "wv_unknown")):
         with pytest.raises(NotFound, match=version_id):
             with pinned.using("acct-other", key, version_id, base_dir(env)):
+                pass
+
+
+def test_ephemeral_versions_are_dropped_here_once_deleted(env, engine, prompt_ids, tmp_path):
+    """An RL loop's sampler versions (ephemeral; the weight-sync service keeps a lineage's 4 newest): each served
+    exactly while it lives; a deleted one is refused naming it, and its adapter and files leave this rollout when a
+    newer version of the lineage arrives, so the rollout holds the live ones only."""
+    pinned = PinnedWeights(engine, env.stub, tmp_path / "root")
+    versions = []
+    for i in range(6):
+        directory = write_adapter(env.model_dir, tmp_path / f"e{i}", seed=40 + i, b_scale=0.5)
+        versions.append(env.publish("pin-ephemeral", wpb.WEIGHT_KIND_LORA_ADAPTER, directory, ephemeral=True))
+        with pinned.using("acct-alice", env.key, versions[-1].id, base_dir(env)) as (served, meta):
+            assert meta.ephemeral
+            handle = engine.submit(served.model_dir, served.adapter_id, prompt_ids, SAMPLE)
+        check_against(adapter_model(env.model_dir, directory), prompt_ids, handle.result().sequences)
+    live = {v.id for v in versions[2:]}
+    assert {p.name for p in (tmp_path / "root" / "adapters").iterdir()} == live
+    for gone in versions[:2]:
+        with pytest.raises(FailedPrecondition, match=f"ephemeral weight version '{gone.id}'.*replaced"):
+            with pinned.using("acct-alice", env.key, gone.id, base_dir(env)):
                 pass
 
 

@@ -49,9 +49,9 @@ class Env:
         self.model_dir = tiny_model_dir
         self.parents: dict[str, str] = {}
 
-    def publish(self, lineage: str, kind: int, directory: Path) -> wpb.WeightVersion:
+    def publish(self, lineage: str, kind: int, directory: Path, ephemeral: bool = False) -> wpb.WeightVersion:
         v = publish_dir(self.stub, self.key, lineage=lineage, parent_id=self.parents.get(lineage, ""), kind=kind,
-                        base_model="tiny", directory=directory)
+                        base_model="tiny", directory=directory, ephemeral=ephemeral)
         self.parents[lineage] = v.id
         return v
 

@@ -163,28 +163,37 @@ def test_deterministic_logprobs_are_target_logprobs_bitwise(api_env):
             assert torch.equal(got, target_logprobs(model, tokens, targets, deterministic=True)[0])
 
 
-def test_train_unembed_on_an_untied_model(api_env, tmp_path):
-    """train_unembed adapts lm_head (an untied copy of the tiny model): LoRA then wraps the unembedding, whose logprobs
-    are computed chunk by chunk through the adapter (recomputed in backward); they and the gradients match the
-    unpacked reference."""
-    untied = tmp_path / "untied"
-    model = load_pretrained(api_env.model_dir)
-    model.args.tie_word_embeddings = False
-    model.lm_head = torch.nn.Linear(model.args.hidden_size, model.args.vocab_size, bias=False)
-    with torch.no_grad():
-        model.lm_head.weight.copy_(model.model.embed_tokens.weight)
-    save_pretrained(model, untied)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(api_env.model_dir / name, untied / name)
-    with api_env.db.session() as s:
-        registry.register_model(s, SHARED_SCOPE, "tiny-untied", str(untied))
+@pytest.mark.parametrize("tied", [False, True])
+def test_train_unembed(api_env, tmp_path, tied):
+    """train_unembed adapts lm_head, untied (a copy of the tiny model with a head of its own) or tied to the input
+    embeddings (the tiny model itself): LoRA then wraps the unembedding, whose logprobs are computed chunk by chunk
+    through the adapter (recomputed in backward); they and the gradients match the unpacked reference. A tied head's
+    weight, the embeddings, stays frozen, unchanged and shared."""
+    base = "tiny"
+    if not tied:
+        base, untied = "tiny-untied", tmp_path / "untied"
+        model = load_pretrained(api_env.model_dir)
+        model.args.tie_word_embeddings = False
+        model.lm_head = torch.nn.Linear(model.args.hidden_size, model.args.vocab_size, bias=False)
+        with torch.no_grad():
+            model.lm_head.weight.copy_(model.model.embed_tokens.weight)
+        save_pretrained(model, untied)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(api_env.model_dir / name, untied / name)
+        with api_env.db.session() as s:
+            registry.register_model(s, SHARED_SCOPE, base, str(untied))
     manager = api_env.manager()
-    sess = manager.create(api_env.alice, CreateSpec(base_model="tiny-untied", lora=LoraSpec(rank=4, train_unembed=True),
+    sess = manager.create(api_env.alice, CreateSpec(base_model=base, lora=LoraSpec(rank=4, train_unembed=True),
                                                     seed=1))
     assert sess.lora.target_modules[-1] == "lm_head"
+    with sess.use() as model:
+        embeddings = model.model.embed_tokens.weight.detach().clone()
     gen = torch.Generator().manual_seed(8)
     manager.forward(api_env.alice, sess.id, 0, [sft_datum(random_tokens(gen, 20))], "", {}, backward=True)
     manager.optim_step(api_env.alice, sess.id, 0, ADAM)
+    with sess.use() as model:
+        assert torch.equal(model.model.embed_tokens.weight, embeddings)
+        assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     data = [sft_datum(random_tokens(gen, n)) for n in (9, 26)]
     outputs, _ = manager.forward(api_env.alice, sess.id, 0, data, "", {}, backward=True)
     want_outputs, _, want_grads = _reference(sess, data, "cross_entropy", {})

@@ -130,11 +130,12 @@ def test_lora_defaults_targets_and_bad_settings(api_env):
     assert list(mlp.lora.target_modules) == projections[4:] and mlp.lora.alpha == 8.0
     explicit = manager.create(api_env.alice, lora(target_modules=("q_proj", "down_proj"), train_mlp=False))
     assert list(explicit.lora.target_modules) == ["q_proj", "down_proj"]
+    unembed = manager.create(api_env.alice, lora(rank=4, train_unembed=True))  # tiny ties lm_head to the embeddings
+    assert list(unembed.lora.target_modules) == projections + ["lm_head"]
     bad = [
         (lora(rank=0), "lora.rank"),
         (lora(alpha=-1.0), "lora.alpha"),
         (lora(target_modules=("nope_proj",)), "lora.target_modules"),
-        (lora(train_unembed=True), "lora.train_unembed"),  # tiny ties lm_head to the embeddings
         (lora(train_attn=False, train_mlp=False), "lora"),
         (CreateSpec(base_model="tiny", lora=LoraSpec(rank=4), full_parameter=True), "lora"),
         (CreateSpec(base_model="nope"), "base_model"),
@@ -144,7 +145,7 @@ def test_lora_defaults_targets_and_bad_settings(api_env):
         with pytest.raises(InvalidArgument) as exc:
             manager.create(api_env.alice, spec)
         assert [v.field for v in exc.value.violations] == [field], exc.value
-    assert len(adapter_names(default.holder.model)) == 4  # the failed creates left nothing behind
+    assert len(adapter_names(default.holder.model)) == 5  # the failed creates left nothing behind
 
 
 def test_sessions_are_invisible_to_other_accounts(api_env):

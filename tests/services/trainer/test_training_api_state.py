@@ -202,3 +202,34 @@ def test_a_save_whose_publish_fails_leaves_no_orphan_blobs(api_env):
     manager.save_state(api_env.alice, sess.id, 0, "")
     report = fsck.check(api_env.blobs, api_env.db)
     assert report.blobs > 0 and report.findings == []
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_an_ephemeral_save_publishes_and_writes_nothing_else(api_env, kind):
+    """SaveWeights with ephemeral (Tinker's save_weights_and_get_sampling_client): the weights go to the publisher
+    marked ephemeral (a full-parameter session's as a complete model directory), no checkpoint row, no blob, no
+    recorded state even with state_with_weights; closing the session deletes what it published ephemerally."""
+    published, dropped = [], []
+
+    def publish(api_key, sess, directory, kind, checkpoint_id="", ephemeral=False):
+        published.append((kind, ephemeral, sorted(p.name for p in directory.iterdir())))
+        return f"wv_{len(published)}"
+
+    manager = api_env.manager(state_with_weights=True, publish=publish,
+                              drop_ephemeral=lambda api_key, session_id: dropped.append((api_key, session_id)))
+    spec = lora(rank=4, seed=3) if kind == "lora" else CreateSpec(base_model="tiny", full_parameter=True)
+    sess, durable = manager.create(api_env.alice, spec), manager.create(api_env.alice, lora(rank=4, seed=4))
+    _steps(manager, api_env.alice, sess, [1])
+    assert manager.save_weights(api_env.alice, "ty_key", sess.id, 0, "", ephemeral=True) == (
+        "", "wv_1", "trainyard://weights/wv_1")
+    ((published_kind, ephemeral, files),) = published
+    assert (published_kind, ephemeral) == ("lora_adapter" if kind == "lora" else "full", True)
+    assert set(files) >= ({"adapter_config.json", "adapter_model.safetensors"} if kind == "lora" else
+                          {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"})
+    with api_env.db.session() as s:
+        assert s.query(Checkpoint).count() == 0
+    assert fsck.blob_files(api_env.blobs) == []
+    manager.save_weights(api_env.alice, "ty_key", durable.id, 0, "kept")  # a durable save: its session drops nothing
+    manager.close(api_env.alice, durable.id, "ty_key")
+    manager.close(api_env.alice, sess.id, "ty_key")
+    assert dropped == [("ty_key", sess.id)]

@@ -66,6 +66,17 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 STORED_ADAPTER = "default"  # the adapter name LoRA parameters are stored under (the module docstring)
 
 
+def _register_sharded(engine) -> None:
+    """FSDP2 leaves a root unit's parameters unsharded after a forward (fsdp.py), registered on the modules in place
+    of the sharded ones the engine trains: reshard them (local, nothing is communicated), so that named_parameters()
+    names the engine's parameters again. It matters for the root's trainable ones: a LoRA adapter on lm_head."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in engine.stage_models:
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 class _Layout:
     """How one engine's trainable tensors map to the checkpoint's whole tensors.
 
@@ -75,6 +86,7 @@ class _Layout:
     docstring)."""
 
     def __init__(self, engine):
+        _register_sharded(engine)
         models = engine.stage_models  # the whole model, or this rank's pipeline stages (the whole model's names)
         named = {id(p): n for m in models for n, p in m.named_parameters()}
         for m in models:  # a pipeline's tied lm_head copy is the embeddings (pipeline.py): stored under their name
@@ -336,6 +348,7 @@ def export_weights(engine, out: Path, *, base_model: str) -> None:
     from models import save_pretrained
     from models.lora import save_peft_adapter
 
+    _register_sharded(engine)
     if engine.lora is None:
         tensors = {k: v for m in engine.stage_models for k, v in m.state_dict().items()}
         whole = _from_stages(engine, gather_whole(engine, tensors))
