@@ -15,6 +15,7 @@ from services.scheduler.devices import DeviceCore
 
 
 from services.scheduler.evaluators import EvaluatorCore
+from services.scheduler.exports import ExportCore
 from services.scheduler.jobs import JobCore, NewJob
 from trainyard.methods import BY_PROTO, proto as method_proto
 from trainyard.v1 import common_pb2, scheduler_pb2 as pb, scheduler_pb2_grpc as rpc
@@ -183,8 +184,9 @@ class JobServicer(rpc.JobServiceServicer):
 
 
 class CheckpointServicer(rpc.CheckpointServiceServicer):
-    def __init__(self, core: AccountCore):
+    def __init__(self, core: AccountCore, exports: ExportCore):
         self.core = core
+        self.exports = exports
 
     def ListCheckpoints(self, request, context):
         rows = self.core.list_checkpoints(current_caller().account_id, request.job_id)
@@ -196,6 +198,11 @@ class CheckpointServicer(rpc.CheckpointServiceServicer):
     def DownloadCheckpoint(self, request, context):
         for f, offset, data in self.core.checkpoint_chunks(current_caller().account_id, request.id):
             yield common_pb2.FileChunk(path=f["path"], offset=offset, data=data, file_size=f["size_bytes"],
+                                       sha256=hashlib.sha256(data).hexdigest())
+
+    def ExportMergedModel(self, request, context):
+        for path, offset, data, size in self.exports.merged_chunks(current_caller().account_id, request.id):
+            yield common_pb2.FileChunk(path=path, offset=offset, data=data, file_size=size,
                                        sha256=hashlib.sha256(data).hexdigest())
 
 

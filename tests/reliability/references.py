@@ -29,6 +29,7 @@ BY_FIELD = {
     "GetJobRequest.id": "job", "WatchJobRequest.id": "job", "CancelJobRequest.id": "job",
     "ListJobMetricsRequest.id": "job", "ListJobLogsRequest.id": "job",
     "GetCheckpointRequest.id": "checkpoint", "DownloadCheckpointRequest.id": "checkpoint",
+    "ExportMergedModelRequest.id": "checkpoint",
     "GetDeploymentRequest.id": "deployment", "DeleteDeploymentRequest.id": "deployment",
     "GetSessionRequest.id": "session", "CloseSessionRequest.id": "session",
     "LoadStateRequest.path": "state_path",

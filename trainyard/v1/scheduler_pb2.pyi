@@ -830,6 +830,12 @@ class DownloadCheckpointRequest(_message.Message):
     id: str
     def __init__(self, id: _Optional[str] = ...) -> None: ...
 
+class ExportMergedModelRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
 class Deployment(_message.Message):
     __slots__ = ("id", "name", "checkpoint_id", "base_model", "status", "error", "created_at", "job_id", "lineage")
     ID_FIELD_NUMBER: _ClassVar[int]

@@ -1125,6 +1125,11 @@ class CheckpointServiceStub:
                 request_serializer=trainyard_dot_v1_dot_scheduler__pb2.DownloadCheckpointRequest.SerializeToString,
                 response_deserializer=trainyard_dot_v1_dot_common__pb2.FileChunk.FromString,
                 _registered_method=True)
+        self.ExportMergedModel = channel.unary_stream(
+                '/trainyard.v1.CheckpointService/ExportMergedModel',
+                request_serializer=trainyard_dot_v1_dot_scheduler__pb2.ExportMergedModelRequest.SerializeToString,
+                response_deserializer=trainyard_dot_v1_dot_common__pb2.FileChunk.FromString,
+                _registered_method=True)
 
 
 class CheckpointServiceServicer:
@@ -1152,6 +1157,16 @@ class CheckpointServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportMergedModel(self, request, context):
+        """A LoRA adapter checkpoint merged into its base model (W + B A * scaling, computed in float32 and stored at the
+        base's dtype), streamed as a Hugging Face model directory: config.json, safetensors weights and the base's
+        tokenizer files, which transformers' from_pretrained loads. A full-parameter checkpoint is FAILED_PRECONDITION
+        (it is a whole model already: DownloadCheckpoint); too many exports at once, RESOURCE_EXHAUSTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CheckpointServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1168,6 +1183,11 @@ def add_CheckpointServiceServicer_to_server(servicer, server):
             'DownloadCheckpoint': grpc.unary_stream_rpc_method_handler(
                     servicer.DownloadCheckpoint,
                     request_deserializer=trainyard_dot_v1_dot_scheduler__pb2.DownloadCheckpointRequest.FromString,
+                    response_serializer=trainyard_dot_v1_dot_common__pb2.FileChunk.SerializeToString,
+            ),
+            'ExportMergedModel': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportMergedModel,
+                    request_deserializer=trainyard_dot_v1_dot_scheduler__pb2.ExportMergedModelRequest.FromString,
                     response_serializer=trainyard_dot_v1_dot_common__pb2.FileChunk.SerializeToString,
             ),
     }
@@ -1254,6 +1274,33 @@ class CheckpointService:
             target,
             '/trainyard.v1.CheckpointService/DownloadCheckpoint',
             trainyard_dot_v1_dot_scheduler__pb2.DownloadCheckpointRequest.SerializeToString,
+            trainyard_dot_v1_dot_common__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportMergedModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/trainyard.v1.CheckpointService/ExportMergedModel',
+            trainyard_dot_v1_dot_scheduler__pb2.ExportMergedModelRequest.SerializeToString,
             trainyard_dot_v1_dot_common__pb2.FileChunk.FromString,
             options,
             channel_credentials,
