@@ -266,12 +266,21 @@ class Client:
 
     @translate
     def test_evaluator(self, evaluator: str, rows: Iterable[dict] = (), completions: Iterable[str] = (),
-                       dataset_id: str = "", num_rows: int = 0, timeout_s: float = 600) -> pb.EvaluatorTestResponse:
+                       dataset_id: str = "", num_rows: int = 0, timeout_s: float = 600, *,
+                       content: bytes = b"") -> pb.EvaluatorTestResponse:
         """Run the evaluator in the server's sandbox on rows (dicts, completions[i] for rows[i]) or on the first
-        num_rows rows of a dataset: per-row reward or error, and a summary."""
+        num_rows rows of a dataset: per-row reward or error, and a summary. content (with evaluator ""): an unsaved
+        evaluator's source or package instead of a stored one, run and stored nowhere."""
         request = pb.EvaluatorTestRequest(evaluator=evaluator, rows=[json.dumps(r) for r in rows],
-                                          completions=list(completions), dataset_id=dataset_id, num_rows=num_rows)
+                                          completions=list(completions), dataset_id=dataset_id, num_rows=num_rows,
+                                          content=content)
         return self.evaluators.TestEvaluator(request, **self._kw(timeout_s))
+
+    @translate
+    def get_evaluator_source(self, evaluator: str) -> pb.EvaluatorSource:
+        """A version's stored bytes (evaluator.py's source or its package), as uploaded; evaluator: a name (the
+        latest version), name@N or a version's id."""
+        return self.evaluators.GetEvaluatorSource(pb.EvaluatorGetRequest(evaluator=evaluator), **self._kw())
 
     # -- jobs ----------------------------------------------------------------------------------------------------
     @translate

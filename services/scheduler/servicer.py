@@ -275,5 +275,9 @@ class EvaluatorServicer(rpc.EvaluatorServiceServicer):
 
     def TestEvaluator(self, request, context):
         report = self.core.test(current_caller().account_id, request.evaluator, request.rows, request.completions,
-                                request.dataset_id, request.num_rows)
+                                request.dataset_id, request.num_rows, request.content)
         return convert.evaluator_test(report)
+
+    def GetEvaluatorSource(self, request, context):
+        row, content = self.core.store.source(current_caller().account_id, request.evaluator)
+        return pb.EvaluatorSource(evaluator=convert.evaluator(row), content=content)

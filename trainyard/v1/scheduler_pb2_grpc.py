@@ -1687,6 +1687,11 @@ class EvaluatorServiceStub:
                 request_serializer=trainyard_dot_v1_dot_scheduler__pb2.EvaluatorTestRequest.SerializeToString,
                 response_deserializer=trainyard_dot_v1_dot_scheduler__pb2.EvaluatorTestResponse.FromString,
                 _registered_method=True)
+        self.GetEvaluatorSource = channel.unary_unary(
+                '/trainyard.v1.EvaluatorService/GetEvaluatorSource',
+                request_serializer=trainyard_dot_v1_dot_scheduler__pb2.EvaluatorGetRequest.SerializeToString,
+                response_deserializer=trainyard_dot_v1_dot_scheduler__pb2.EvaluatorSource.FromString,
+                _registered_method=True)
 
 
 class EvaluatorServiceServicer:
@@ -1727,6 +1732,14 @@ class EvaluatorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetEvaluatorSource(self, request, context):
+        """A version's stored bytes (evaluator.py's source, or its .zip / .tar.gz), verified against their sha256: what the
+        dashboard's editor opens.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EvaluatorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1749,6 +1762,11 @@ def add_EvaluatorServiceServicer_to_server(servicer, server):
                     servicer.TestEvaluator,
                     request_deserializer=trainyard_dot_v1_dot_scheduler__pb2.EvaluatorTestRequest.FromString,
                     response_serializer=trainyard_dot_v1_dot_scheduler__pb2.EvaluatorTestResponse.SerializeToString,
+            ),
+            'GetEvaluatorSource': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetEvaluatorSource,
+                    request_deserializer=trainyard_dot_v1_dot_scheduler__pb2.EvaluatorGetRequest.FromString,
+                    response_serializer=trainyard_dot_v1_dot_scheduler__pb2.EvaluatorSource.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1865,6 +1883,33 @@ class EvaluatorService:
             '/trainyard.v1.EvaluatorService/TestEvaluator',
             trainyard_dot_v1_dot_scheduler__pb2.EvaluatorTestRequest.SerializeToString,
             trainyard_dot_v1_dot_scheduler__pb2.EvaluatorTestResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetEvaluatorSource(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainyard.v1.EvaluatorService/GetEvaluatorSource',
+            trainyard_dot_v1_dot_scheduler__pb2.EvaluatorGetRequest.SerializeToString,
+            trainyard_dot_v1_dot_scheduler__pb2.EvaluatorSource.FromString,
             options,
             channel_credentials,
             insecure,
