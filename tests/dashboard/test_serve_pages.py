@@ -120,6 +120,16 @@ def ok(at: AppTest) -> None:
 
 
 @pytest.mark.integration
+def test_pages_of_a_new_account_say_what_to_do_first(stack, monkeypatch):
+    monkeypatch.setenv("TRAINYARD_API_KEY", create_account(stack.env_for("scheduler"), "dashboard-serve-newcomer"))
+    for page, message in {"pages_deployments.py": "No deployments yet", "pages_export.py": "No checkpoints yet",
+                          "pages_playground.py": "No deployments yet"}.items():
+        at = open_page(page)
+        assert message in text(at.info), page
+        assert not [b for b in at.button if b.label == "Deploy" and not b.disabled], "nothing to deploy yet"
+
+
+@pytest.mark.integration
 def test_deployments_page_deploys_lists_snippets_tries_repoints_and_deletes(stack, sdk, key, job):
     ckpts = sdk.list_checkpoints(job.id)
     final = next(c for c in ckpts if c.final)

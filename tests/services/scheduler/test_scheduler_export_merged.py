@@ -92,6 +92,15 @@ def test_merged_weights_are_base_plus_scaled_update_and_load_in_transformers(sch
             assert torch.equal(merged[name], w), name
     assert changed == 2 * json.loads((tiny_model_dir / "config.json").read_text())["num_hidden_layers"]
 
+    from click.testing import CliRunner
+
+    from trainyard.cli.main import cli
+
+    result = CliRunner().invoke(cli, ["checkpoints", "download", lora.id, str(tmp_path / "cli"), "--merged"],
+                                env={"TRAINYARD_URL": url, "TRAINYARD_API_KEY": key})
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "cli" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
