@@ -79,6 +79,12 @@ max_tokens = cols[2].number_input("Max tokens", min_value=1, max_value=bound, va
                                   key=MAX_TOKENS,
                                   help=f"At most {bound}: the model's context ({max_positions} tokens) less the "
                                        "longest conversation so far.")
+# A column's max_tokens that did not fit its conversation is said under the input it concerns, not in the column.
+too_long = {key: e for key, e in errors.items() if any(v.field == "params.max_tokens" for v in e.violations)}
+titles = {key: title for key, title, _ in columns}
+for key, exc in too_long.items():
+    reasons = "; ".join(v.reason for v in exc.violations if v.field == "params.max_tokens")
+    cols[2].error(f"{md_escape(titles.get(key, key))}: {md_escape(reasons)}")
 seed = cols[3].number_input("Seed", value=0, step=1, help="The same seed and conversation give the same answer.")
 message = st.text_area("Message", height=100, placeholder="One message, sent to every column")
 send, reset = st.columns([1, 4])
@@ -122,5 +128,5 @@ for col, (key, title, _), chat in zip(st.columns(len(columns)), columns, convers
                     st.caption("(empty output)")
                 st.caption(f"{turn.prompt_tokens} prompt tokens · {turn.generated_tokens} generated · "
                            f"stopped by {turn.finish_reason or 'unknown'}")
-        if key in errors:
-            api.show_error(errors[key], {"params.max_tokens": "Max tokens", "messages": "Message"})
+        if key in errors and key not in too_long:
+            api.show_error(errors[key], {"messages": "Message"})

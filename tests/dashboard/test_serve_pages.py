@@ -246,7 +246,10 @@ def test_playground_keeps_a_conversation_per_column_with_a_bounded_max_tokens(sd
     at.text_area[0].set_value(" ".join(["many more words"] * 20))
     button(at, "Send to all").click().run()
     assert not at.exception
-    assert "params.max_tokens" in text(at.error) and "does not fit" in text(at.error)
+    max_tokens_column = next(c for c in at.columns if any(n.label == "Max tokens" for n in c.number_input))
+    errors = [e.value for e in max_tokens_column.error]
+    assert len(errors) == 3 and all("does not fit: the model's context is" in e for e in errors), errors
+    assert len(at.error) == 3, "each said once, under Max tokens"
 
     button(at, "Reset conversations").click().run()
     ok(at)
