@@ -18,7 +18,8 @@ from dashboard import logic_serve
 from dashboard.logic_serve import Conversation, Turn
 from tests.conftest import ROOT, create_account
 from tests.integration.data import chat_rows, jsonl
-from trainyard import Client
+from trainyard import Client, TrainyardError
+from trainyard.localstack import free_port
 from trainyard.client import status_name
 from trainyard.v1 import scheduler_pb2 as pb
 
@@ -255,3 +256,16 @@ def test_playground_keeps_a_conversation_per_column_with_a_bounded_max_tokens(sd
     ok(at)
     assert not at.code and next(n for n in at.number_input if n.label == "Max tokens").max == context - 1
     assert sdk.get_deployment(f"playground-{early.id}").status == pb.DEPLOYMENT_STATUS_READY
+
+
+@pytest.mark.integration
+def test_try_endpoint_errors_read_like_the_sdks(stack, key):
+    url = f"http://{stack.address('rollout', 8000)}/v1"
+    cases = [(url, key, "no-such-model", "NOT_FOUND", "model"), (url, "ty_wrong", "tiny-qwen3", "UNAUTHENTICATED", ""),
+             (f"http://127.0.0.1:{free_port()}/v1", key, "tiny-qwen3", "UNAVAILABLE", "cannot reach")]
+    for base_url, api_key, model, code, words in cases:
+        with pytest.raises(TrainyardError) as err:
+            logic_serve.try_endpoint(base_url, api_key, model, "hi")
+        assert err.value.code == code and words in err.value.message, err.value
+    answer = logic_serve.try_endpoint(url, key, "tiny-qwen3", "hi", max_tokens=3)
+    assert answer["model"] == "tiny-qwen3" and answer["usage"]["completion_tokens"] <= 3
