@@ -269,3 +269,12 @@ def test_try_endpoint_errors_read_like_the_sdks(stack, key):
         assert err.value.code == code and words in err.value.message, err.value
     answer = logic_serve.try_endpoint(url, key, "tiny-qwen3", "hi", max_tokens=3)
     assert answer["model"] == "tiny-qwen3" and answer["usage"]["completion_tokens"] <= 3
+
+
+@pytest.mark.integration
+def test_local_stack_points_the_dashboards_openai_urls_at_the_rollout(stack):
+    """docker-compose.yml gives people localhost:8000 and the dashboard rollout:8000; run as local processes, both
+    are the rollout's own OpenAI port (trainyard/localstack.py maps published ports as it maps service names)."""
+    env = stack.env_for("dashboard")
+    local = f"http://{stack.address('rollout', 8000)}/v1"
+    assert env["TRAINYARD_OPENAI_URL"] == local and env["TRAINYARD_OPENAI_INTERNAL_URL"] == local
