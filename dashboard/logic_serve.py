@@ -97,12 +97,14 @@ def deployments_frame(deployments: list[pb.Deployment]) -> pd.DataFrame:
                                                          "created (UTC)", "id"])
 
 
-def served_together(deployments: list[pb.Deployment]) -> dict[str, list[str]]:
-    """Base model -> the live deployments whose adapters the rollout serves on it at once (multi-LoRA: one copy of
-    the base, each request batched with the others whatever adapter it names)."""
+def served_together(deployments: list[pb.Deployment], checkpoints: list[pb.Checkpoint]) -> dict[str, list[str]]:
+    """Base model -> the live deployments of LoRA adapter checkpoints that the rollout serves on it at once
+    (multi-LoRA: one copy of the base, each request batched with the others whatever adapter it names). A deployment
+    of a full-parameter checkpoint is a whole model of its own, and a lineage's kind is not known here: both left out."""
+    adapters = {c.id for c in checkpoints if c.kind == pb.CHECKPOINT_KIND_LORA_ADAPTER}
     out: dict[str, list[str]] = defaultdict(list)
     for d in deployments:
-        if d.status in (pb.DEPLOYMENT_STATUS_READY, pb.DEPLOYMENT_STATUS_DEPLOYING):
+        if d.status in (pb.DEPLOYMENT_STATUS_READY, pb.DEPLOYMENT_STATUS_DEPLOYING) and d.checkpoint_id in adapters:
             out[d.base_model].append(d.name)
     return dict(out)
 

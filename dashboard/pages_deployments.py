@@ -57,7 +57,7 @@ if not deployments:
     st.info("No deployments yet: deploy a finished job or a checkpoint above.")
     st.stop()
 st.dataframe(logic_serve.deployments_frame(deployments), hide_index=True)
-for base, names in logic_serve.served_together(deployments).items():
+for base, names in logic_serve.served_together(deployments, checkpoints).items():
     if len(names) > 1:
         st.markdown(f"**{md_escape(base)}** serves {len(names)} LoRA adapters at once (multi-LoRA: one copy of the "
                     f"base, requests for any of them batched together): {md_escape(', '.join(names))}")

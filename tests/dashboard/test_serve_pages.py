@@ -54,6 +54,19 @@ def test_snippets_name_the_model_and_read_the_key_from_the_environment():
     assert json.loads(argv[argv.index("-d") + 1])["model"] == model
 
 
+def test_served_together_counts_live_adapter_deployments_per_base():
+    ready, failed = pb.DEPLOYMENT_STATUS_READY, pb.DEPLOYMENT_STATUS_FAILED
+    lora, full = pb.CHECKPOINT_KIND_LORA_ADAPTER, pb.CHECKPOINT_KIND_FULL
+    checkpoints = [pb.Checkpoint(id=i, kind=k) for i, k in (("a", lora), ("b", lora), ("c", lora), ("f", full))]
+    deps = [pb.Deployment(name="one", base_model="m", checkpoint_id="a", status=ready),
+            pb.Deployment(name="two", base_model="m", checkpoint_id="b", status=ready),
+            pb.Deployment(name="broken", base_model="m", checkpoint_id="c", status=failed),
+            pb.Deployment(name="whole", base_model="m", checkpoint_id="f", status=ready),
+            pb.Deployment(name="follows", base_model="m", lineage="sess_1", status=ready),
+            pb.Deployment(name="other", base_model="n", checkpoint_id="c", status=ready)]
+    assert logic_serve.served_together(deps, checkpoints) == {"m": ["one", "two"], "n": ["other"]}
+
+
 def test_max_tokens_bound_is_the_context_less_the_longest_conversation():
     short, long = Conversation(), Conversation()
     assert logic_serve.max_tokens_bound(256, [short, long]) == 255
