@@ -10,6 +10,8 @@ from dashboard.logic import when
 from trainyard.v1 import scheduler_pb2 as pb
 
 UPLOAD_TYPES = ["py", "zip", "gz", "tgz"]
+EDITOR_TEST_ROWS = 5  # "Test on 5 rows" of the editor
+_ARCHIVE_MAGIC = (b"PK\x03\x04", b"\x1f\x8b")  # .zip, .tar.gz
 
 
 def evaluators_frame(evaluators: list[pb.Evaluator]) -> pd.DataFrame:
@@ -44,3 +46,13 @@ def results_frame(resp: pb.EvaluatorTestResponse) -> pd.DataFrame:
     """One line per tested row: its completion and reward, or the error that replaced the reward."""
     return pd.DataFrame([{"row": r.row, "completion": r.completion, "reward": r.reward if r.ok else None,
                           "error": r.error} for r in resp.results])
+
+
+def source_text(source: pb.EvaluatorSource) -> str | None:
+    """evaluator.py's text for the editor; None for a package (.zip / .tar.gz), which is edited as files."""
+    if source.content.startswith(_ARCHIVE_MAGIC):
+        return None
+    try:
+        return source.content.decode()
+    except UnicodeDecodeError:
+        return None

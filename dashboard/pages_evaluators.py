@@ -1,5 +1,6 @@
 """Evaluators: upload a reward function or environment (evaluator.py, or a .zip / .tar.gz package), list the versions,
-and test one on N rows of a dataset or on pasted rows, in the server's sandbox."""
+edit one's source (test the edit on 5 rows of a dataset before saving it as the next version), and test one on N rows
+of a dataset or on pasted rows, in the server's sandbox."""
 from __future__ import annotations
 
 import streamlit as st
@@ -9,6 +10,27 @@ from dashboard.logic import md_escape
 from trainyard import TrainyardError
 
 LAST_TEST = "last_evaluator_test"  # session state: the EvaluatorTestResponse shown under the test button
+
+EDITING = "editing_evaluator"  # session state: the evaluator id whose source the editor holds
+EDITOR = "evaluator_editor"  # session state: the editor's text (None: the version is a package)
+EDIT_TEST = "evaluator_editor_test"  # session state: the edited source's EvaluatorTestResponse
+SAVED = "evaluator_editor_saved"  # session state: the message of a save, shown after the rerun it causes
+SAVED_ID = "evaluator_editor_saved_id"  # session state: the version a save made, for the editor's selectbox
+
+
+def show_test(resp) -> None:
+    """A test's summary, per-row results and what the evaluator printed."""
+    s = resp.summary
+    cols = st.columns(4)
+    cols[0].metric("Rows scored", f"{s.num_ok}/{s.num_rows}")
+    cols[1].metric("Errors", s.num_errors)
+    cols[2].metric("Mean reward", f"{s.reward_mean:.4g}")
+    cols[3].metric("Time", f"{s.elapsed_s:.2f} s")
+    st.dataframe(logic_ev.results_frame(resp), hide_index=True)
+    if resp.output_tail:
+        with st.expander("What the evaluator printed (last few KB)"):
+            st.code(resp.output_tail)
+
 
 client = api.require_client()
 st.title("Evaluators")
@@ -36,8 +58,57 @@ if not evaluators:
     st.stop()
 st.dataframe(logic_ev.evaluators_frame(evaluators), hide_index=True)
 
-st.subheader("Test on sample rows")
+st.subheader("Edit an evaluator")
+st.caption("Change an evaluator's source, test the change on the first rows of a dataset in the sandbox, then save "
+           "it as the evaluator's next version (the versions before it stay as they are).")
 by_id = {e.id: e for e in evaluators}
+if SAVED_ID in st.session_state:  # a save just made a new version: edit that one (set before the widget exists)
+    st.session_state["edit_evaluator"] = st.session_state.pop(SAVED_ID)
+edit_id = st.selectbox("Evaluator to edit", list(by_id), key="edit_evaluator",
+                       format_func=lambda i: logic_ev.evaluator_label(by_id[i]))
+if st.session_state.get(EDITING) != edit_id:  # a new choice loads its stored source into the editor
+    st.session_state[EDITING] = edit_id
+    st.session_state[EDITOR] = logic_ev.source_text(client.get_evaluator_source(edit_id))
+    st.session_state.pop(EDIT_TEST, None)
+if st.session_state[EDITOR] is None:
+    st.info(f"{md_escape(by_id[edit_id].filename)} is a package of several files: edit them on your machine and "
+            "upload the package above.")
+else:
+    code = st.text_area("Source (evaluator.py)", key=EDITOR, height=320)
+    datasets = client.list_datasets()
+    ds_by_id = {d.id: d for d in datasets}
+    test_ds = st.selectbox("Dataset to test on", list(ds_by_id), key="edit_dataset",
+                           format_func=lambda i: logic.dataset_label(ds_by_id[i]))
+    if not datasets:
+        st.caption("Upload a dataset on the Datasets page to test on its rows.")
+    n = logic_ev.EDITOR_TEST_ROWS
+    left, right = st.columns(2)
+    if left.button(f"Test on {n} rows", key="edit_test", disabled=test_ds is None or not code.strip()):
+        st.session_state.pop(EDIT_TEST, None)
+        try:
+            with st.spinner("Running the edited evaluator in the sandbox..."):
+                st.session_state[EDIT_TEST] = client.test_evaluator("", dataset_id=test_ds, num_rows=n,
+                                                                    content=code.encode())
+        except TrainyardError as exc:
+            api.show_error(exc)
+    ev = by_id[edit_id]
+    if right.button(f"Save as {ev.name}@{max(e.version for e in evaluators if e.name == ev.name) + 1}",
+                    key="edit_save", type="primary", disabled=not code.strip()):
+        try:
+            with st.spinner("Checking the source in the sandbox..."):
+                stored = client.upload_evaluator(code.encode(), name=ev.name, filename="evaluator.py")
+            st.session_state[SAVED_ID] = stored.id
+            st.session_state[SAVED] = f"Saved **{md_escape(stored.name)}@{stored.version}** ({stored.kind})."
+            st.rerun()
+        except TrainyardError as exc:
+            api.show_error(exc)
+    if st.session_state.get(SAVED):
+        st.success(st.session_state.pop(SAVED))
+    if st.session_state.get(EDIT_TEST) is not None:
+        show_test(st.session_state[EDIT_TEST])
+
+st.divider()
+st.subheader("Test on sample rows")
 picked = st.selectbox("Evaluator", list(by_id), format_func=lambda i: logic_ev.evaluator_label(by_id[i]))
 source = st.radio("Rows from", ["A dataset", "Rows I paste"], horizontal=True)
 rows, dataset_id, count = [], "", 0
@@ -66,15 +137,5 @@ if st.button(f"Test on {count} rows", disabled=count == 0):
     except TrainyardError as exc:
         api.show_error(exc)
 
-resp = st.session_state.get(LAST_TEST)
-if resp is not None:
-    s = resp.summary
-    cols = st.columns(4)
-    cols[0].metric("Rows scored", f"{s.num_ok}/{s.num_rows}")
-    cols[1].metric("Errors", s.num_errors)
-    cols[2].metric("Mean reward", f"{s.reward_mean:.4g}")
-    cols[3].metric("Time", f"{s.elapsed_s:.2f} s")
-    st.dataframe(logic_ev.results_frame(resp), hide_index=True)
-    if resp.output_tail:
-        with st.expander("What the evaluator printed (last few KB)"):
-            st.code(resp.output_tail)
+if st.session_state.get(LAST_TEST) is not None:
+    show_test(st.session_state[LAST_TEST])

@@ -266,12 +266,21 @@ class Client:
 
     @translate
     def test_evaluator(self, evaluator: str, rows: Iterable[dict] = (), completions: Iterable[str] = (),
-                       dataset_id: str = "", num_rows: int = 0, timeout_s: float = 600) -> pb.EvaluatorTestResponse:
+                       dataset_id: str = "", num_rows: int = 0, timeout_s: float = 600, *,
+                       content: bytes = b"") -> pb.EvaluatorTestResponse:
         """Run the evaluator in the server's sandbox on rows (dicts, completions[i] for rows[i]) or on the first
-        num_rows rows of a dataset: per-row reward or error, and a summary."""
+        num_rows rows of a dataset: per-row reward or error, and a summary. content (with evaluator ""): an unsaved
+        evaluator's source or package instead of a stored one, run and stored nowhere."""
         request = pb.EvaluatorTestRequest(evaluator=evaluator, rows=[json.dumps(r) for r in rows],
-                                          completions=list(completions), dataset_id=dataset_id, num_rows=num_rows)
+                                          completions=list(completions), dataset_id=dataset_id, num_rows=num_rows,
+                                          content=content)
         return self.evaluators.TestEvaluator(request, **self._kw(timeout_s))
+
+    @translate
+    def get_evaluator_source(self, evaluator: str) -> pb.EvaluatorSource:
+        """A version's stored bytes (evaluator.py's source or its package), as uploaded; evaluator: a name (the
+        latest version), name@N or a version's id."""
+        return self.evaluators.GetEvaluatorSource(pb.EvaluatorGetRequest(evaluator=evaluator), **self._kw())
 
     # -- jobs ----------------------------------------------------------------------------------------------------
     @translate
@@ -468,6 +477,46 @@ class Client:
         except BaseException:
             for p in written:
                 p.unlink(missing_ok=True)
+            raise
+        return dest
+
+    @translate
+    def export_merged_model(self, checkpoint_id: str, dest: str | os.PathLike) -> Path:
+        """Write the LoRA checkpoint merged into its base model (a Hugging Face model directory the server builds)
+        under dest. Each chunk is checked against the sha256 it carries and each file against the size every chunk
+        names; a mismatch removes the files this call wrote and raises TrainyardError("DATA_LOSS")."""
+        dest = Path(dest)
+        dest.mkdir(parents=True, exist_ok=True)
+        handles: dict[str, BinaryIO] = {}
+        sizes: dict[str, tuple[int, int]] = {}  # path -> (bytes received, size the server named)
+
+        def damaged(path: str, detail: str) -> TrainyardError:
+            return TrainyardError("DATA_LOSS", f"merged export of checkpoint {checkpoint_id} file {path}: {detail}")
+
+        try:
+            try:
+                for chunk in self.checkpoints.ExportMergedModel(pb.ExportMergedModelRequest(id=checkpoint_id),
+                                                                **self._kw(3600)):
+                    if chunk.path not in handles:
+                        target = (dest / chunk.path).resolve()
+                        if not target.is_relative_to(dest.resolve()):
+                            raise damaged(chunk.path, f"refusing to write outside {dest}")
+                        handles[chunk.path] = open(target, "wb")
+                    got, _ = sizes.get(chunk.path, (0, chunk.file_size))
+                    if chunk.offset != got or hashlib.sha256(chunk.data).hexdigest() != chunk.sha256:
+                        raise damaged(chunk.path, f"chunk at offset {chunk.offset} (expected {got}) does not match "
+                                                  "its sha256")
+                    handles[chunk.path].write(chunk.data)
+                    sizes[chunk.path] = (got + len(chunk.data), chunk.file_size)
+            finally:
+                for h in handles.values():
+                    h.close()
+            for path, (got, size) in sizes.items():
+                if got != size:
+                    raise damaged(path, f"received {got} of its {size} bytes")
+        except BaseException:
+            for path in handles:
+                (dest / path).unlink(missing_ok=True)
             raise
         return dest
 

@@ -90,6 +90,8 @@ class Stack:
     ports: dict[str, int] = field(default_factory=dict)
     procs: dict[str, Proc] = field(default_factory=dict)
     published_ports: bool = False
+    # A compose file's published host port -> "<service>:<container port>" (so 'localhost:8000' finds its service).
+    published: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.services = compose_services()
@@ -100,6 +102,7 @@ class Stack:
         for name, svc in self.services.items():
             for mapping in svc.get("ports", []):
                 key = f"{name}:{str(mapping).split(':')[-1]}"
+                self.published[str(published_port(mapping))] = key
                 if key not in self.ports:
                     wanted = published_port(mapping)
                     taken = set(self.ports.values())
@@ -118,10 +121,13 @@ class Stack:
 
     # -- translation of compose service -> local process ---------------------------------------------------------
     def _local(self, value: str) -> str:
-        """Rewrite '<service>:<container port>' to the local address of that service, and container paths of
-        volumes to their local directories."""
+        """Rewrite '<service>:<container port>' and 'localhost:<published port>' (an address given to people, e.g.
+        the dashboard's TRAINYARD_OPENAI_URL) to the local address of that service, and container paths of volumes to
+        their local directories."""
         def sub(m: re.Match) -> str:
             key = f"{m.group(1)}:{m.group(2)}"
+            if m.group(1) == "localhost":
+                key = self.published.get(m.group(2), key)
             return f"127.0.0.1:{self.ports[key]}" if key in self.ports else m.group(0)
         value = re.sub(r"\b([a-z][a-z0-9_-]*):(\d+)\b", sub, value)
         for target, local in self.volumes.items():

@@ -11,7 +11,7 @@ import re
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,7 +41,7 @@ class RowResult:
 
 @dataclass(frozen=True)
 class EvaluationReport:
-    evaluator: Evaluator
+    evaluator: Evaluator | None  # None for an unsaved evaluator's test (test_content)
     results: list[RowResult]
     elapsed_s: float
     stderr_tail: str = ""
@@ -141,26 +141,53 @@ class EvaluatorStore:
         return rows[:limit], (offset + limit if more else None)
 
     # -- test on rows ----------------------------------------------------------------------------------------------
+    def source(self, account_id: str, ref: str) -> tuple[Evaluator, bytes]:
+        """A version's row and stored bytes, verified against its sha256 (DataLoss naming it when damaged)."""
+        row = self.get(account_id, ref)
+        return row, self.blobs.read_bytes(row.sha256, f"evaluator {row.id}", size=row.size_bytes)
+
     def test(self, account_id: str, ref: str, items: Sequence[tuple[str, dict]]) -> EvaluationReport:
         """Run the evaluator on (completion, row) items in the sandbox: a reward_fn scores each; an Environment
         starts an episode with reset(row) and takes the completion as its first action. Per-row errors are results,
         not failures."""
         with tempfile.TemporaryDirectory(prefix="trainyard-evaluator-test-") as tmp:
             row = load_evaluator(self.db, self.blobs, account_id, ref, Path(tmp) / "code")
-            started = time.perf_counter()
-            with Sandbox(Path(tmp) / "code", limits=self.limits) as sandbox:
-                try:
-                    kind = sandbox.kind
-                except SandboxUnavailable as exc:
-                    raise FailedPrecondition(str(exc)) from None
-                except EvaluatorError as exc:
-                    raise FailedPrecondition(f"evaluator {row.name}@{row.version}: {exc}") from None
-                if kind == "reward_fn":
-                    scores = sandbox.score(items)
-                    results = [RowResult(i, c, s.value, s.error) for i, ((c, _), s) in enumerate(zip(items, scores), 1)]
-                else:
-                    results = [_episode(sandbox, i, c, r) for i, (c, r) in enumerate(items, 1)]
-                tail = sandbox.stderr_tail()
+            return self._run(Path(tmp) / "code", items, row,
+                             lambda exc: FailedPrecondition(f"evaluator {row.name}@{row.version}: {exc}"))
+
+    def test_content(self, content: bytes, items: Sequence[tuple[str, dict]]) -> EvaluationReport:
+        """test() for an evaluator not stored: its bytes are checked as upload checks them (INVALID_ARGUMENT
+        naming content), laid out in a temporary directory, run, and kept nowhere."""
+        if not content:
+            raise InvalidArgument("empty: give evaluator.py's source or a .zip / .tar.gz holding it", field="content")
+        if len(content) > self.max_bytes:
+            raise InvalidArgument(f"{len(content)} bytes is more than the {self.max_bytes >> 10} KB limit on an "
+                                  "evaluator (raise TRAINYARD_MAX_EVALUATOR_KB on the scheduler)", field="content")
+        try:
+            package = read_package(content)
+        except PackageError as exc:
+            raise InvalidArgument(str(exc), field="content") from None
+        with tempfile.TemporaryDirectory(prefix="trainyard-evaluator-test-") as tmp:
+            code = lay_out(package, Path(tmp) / "code")
+            return self._run(code, items, None, lambda exc: InvalidArgument(str(exc), field="content"))
+
+    def _run(self, code: Path, items: Sequence[tuple[str, dict]], row: Evaluator | None,
+             refused: Callable[[EvaluatorError], Exception]) -> EvaluationReport:
+        """items through the evaluator laid out in code; one that does not load raises refused(its error)."""
+        started = time.perf_counter()
+        with Sandbox(code, limits=self.limits) as sandbox:
+            try:
+                kind = sandbox.kind
+            except SandboxUnavailable as exc:
+                raise FailedPrecondition(str(exc)) from None
+            except EvaluatorError as exc:
+                raise refused(exc) from None
+            if kind == "reward_fn":
+                scores = sandbox.score(items)
+                results = [RowResult(i, c, s.value, s.error) for i, ((c, _), s) in enumerate(zip(items, scores), 1)]
+            else:
+                results = [_episode(sandbox, i, c, r) for i, (c, r) in enumerate(items, 1)]
+            tail = sandbox.stderr_tail()
         return EvaluationReport(row, results, time.perf_counter() - started, tail, result_summary(results))
 
 

@@ -21,6 +21,7 @@ from services.common.jobqueue import Dispatcher
 from services.scheduler.datasets import DatasetStore
 from services.scheduler.deployments import DeploymentCore
 from services.scheduler.evaluators import EvaluatorCore
+from services.scheduler.exports import ExportCore
 from services.evaluators.store import EvaluatorStore
 from services.scheduler.jobs import JobCore
 from services.common.ledger import Ledger
@@ -139,6 +140,7 @@ def build(settings: SchedulerSettings) -> Server:
     accounts = AccountCore(db, blobs, settings.model_import_roots, [settings.data_dir, settings.blob_dir])
     checkpoints = CheckpointCore(db, blobs)
     planner = Planner(blobs)
+    exports = ExportCore(accounts, checkpoints, blobs, settings.data_dir / "exports", settings.max_merged_exports)
     jobs = JobCore(db, ledger, dispatch, settings.watch_poll_s, stopping, planner,
                    live_within_s=settings.worker_lost_after_s,
                    max_queued_jobs_per_account=settings.max_queued_jobs_per_account,
@@ -157,7 +159,7 @@ def build(settings: SchedulerSettings) -> Server:
         rpc.add_ModelServiceServicer_to_server(ModelServicer(accounts), server)
         rpc.add_DatasetServiceServicer_to_server(DatasetServicer(datasets), server)
         rpc.add_JobServiceServicer_to_server(JobServicer(jobs), server)
-        rpc.add_CheckpointServiceServicer_to_server(CheckpointServicer(checkpoints), server)
+        rpc.add_CheckpointServiceServicer_to_server(CheckpointServicer(checkpoints, exports), server)
         rpc.add_DeploymentServiceServicer_to_server(DeploymentServicer(deployments), server)
         rpc.add_ResourceServiceServicer_to_server(ResourceServicer(devices), server)
         rpc.add_EvaluatorServiceServicer_to_server(EvaluatorServicer(evaluators), server)

@@ -126,6 +126,7 @@ def evaluator_test(report) -> pb.EvaluatorTestResponse:
     results = [pb.EvaluatorTestResult(row=r.row, completion=r.completion, ok=r.reward is not None,
                                       reward=r.reward or 0.0, error=r.error, observation=r.observation)
                for r in report.results]
-    return pb.EvaluatorTestResponse(evaluator=evaluator(report.evaluator), results=results,
+    return pb.EvaluatorTestResponse(evaluator=evaluator(report.evaluator) if report.evaluator else None,
+                                    results=results,
                                     summary=pb.EvaluatorTestSummary(elapsed_s=report.elapsed_s, **report.summary),
                                     output_tail=report.stderr_tail)

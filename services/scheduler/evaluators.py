@@ -30,15 +30,20 @@ class EvaluatorCore:
         self.max_rows = max_rows
 
     def test(self, account_id: str, ref: str, rows: Sequence[str], completions: Sequence[str], dataset_id: str,
-             num_rows: int) -> EvaluationReport:
-        parse_ref(ref)
+             num_rows: int, content: bytes = b"") -> EvaluationReport:
+        """A stored evaluator (ref) or an unsaved one (content: its source or package) on the rows."""
+        if content and ref:
+            raise InvalidArgument("give a stored evaluator or content, not both", field="content")
+        if not content:
+            parse_ref(ref)
         if rows and dataset_id:
             raise InvalidArgument("give rows or a dataset, not both", field="dataset_id")
         if dataset_id:
             if not 0 <= num_rows <= self.max_rows:
                 raise InvalidArgument(f"must be between 1 and {self.max_rows} (0 = {DEFAULT_TEST_ROWS}), got "
                                       f"{num_rows}", field="num_rows")
-            self.store.get(account_id, ref)  # an unknown evaluator is reported before the dataset is read
+            if not content:
+                self.store.get(account_id, ref)  # an unknown evaluator is reported before the dataset is read
             _, parsed = self.datasets.preview(account_id, dataset_id, 0, num_rows or DEFAULT_TEST_ROWS)
         else:
             if not rows:
@@ -49,7 +54,7 @@ class EvaluatorCore:
         if len(completions) > len(parsed):
             raise InvalidArgument(f"{len(completions)} completions for {len(parsed)} rows", field="completions")
         items = [(completions[i] if i < len(completions) else completion_of(row), row) for i, row in enumerate(parsed)]
-        return self.store.test(account_id, ref, items)
+        return self.store.test_content(content, items) if content else self.store.test(account_id, ref, items)
 
 
 def _parse_rows(rows: Sequence[str]) -> list[dict]:

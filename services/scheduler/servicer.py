@@ -17,6 +17,7 @@ from services.scheduler.devices import DeviceCore
 
 
 from services.scheduler.evaluators import EvaluatorCore
+from services.scheduler.exports import ExportCore
 from services.scheduler.jobs import JobCore, NewJob
 from trainyard.methods import BY_PROTO, proto as method_proto
 from trainyard.v1 import common_pb2, scheduler_pb2 as pb, scheduler_pb2_grpc as rpc
@@ -185,8 +186,9 @@ class JobServicer(rpc.JobServiceServicer):
 
 
 class CheckpointServicer(rpc.CheckpointServiceServicer):
-    def __init__(self, core: CheckpointCore):
+    def __init__(self, core: CheckpointCore, exports: ExportCore):
         self.core = core
+        self.exports = exports
 
     def ListCheckpoints(self, request, context):
         rows, total = self.core.list(current_caller().account_id, request.job_id, request.session_id, request.limit,
@@ -214,6 +216,11 @@ class CheckpointServicer(rpc.CheckpointServiceServicer):
 
     def UnpublishCheckpoint(self, request, context):
         return convert.checkpoint(self.core.set_public(current_caller().account_id, request.id, False))
+
+    def ExportMergedModel(self, request, context):
+        for path, offset, data, size in self.exports.merged_chunks(current_caller().account_id, request.id):
+            yield common_pb2.FileChunk(path=path, offset=offset, data=data, file_size=size,
+                                       sha256=hashlib.sha256(data).hexdigest())
 
 
 class DeploymentServicer(rpc.DeploymentServiceServicer):
@@ -285,5 +292,9 @@ class EvaluatorServicer(rpc.EvaluatorServiceServicer):
 
     def TestEvaluator(self, request, context):
         report = self.core.test(current_caller().account_id, request.evaluator, request.rows, request.completions,
-                                request.dataset_id, request.num_rows)
+                                request.dataset_id, request.num_rows, request.content)
         return convert.evaluator_test(report)
+
+    def GetEvaluatorSource(self, request, context):
+        row, content = self.core.store.source(current_caller().account_id, request.evaluator)
+        return pb.EvaluatorSource(evaluator=convert.evaluator(row), content=content)

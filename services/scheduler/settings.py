@@ -18,6 +18,8 @@ class SchedulerSettings(JobQueueSettings, EvaluatorSettings):
     max_datasets_per_account: int = Field(default=1000, ge=1)
     max_dataset_mb_per_account: int = Field(default=51_200, ge=1)
     max_deployments_per_account: int = Field(default=32, ge=1)
+    # ExportMergedModel runs at most this many merges at once (each holds a whole model in the scheduler's host).
+    max_merged_exports: int = Field(default=1, ge=1)
     # A running job whose worker has not heartbeaten for worker_lost_after_s is retried.
     worker_lost_after_s: float = Field(default=30.0, gt=0)
     reaper_interval_s: float = Field(default=5.0, gt=0)

@@ -314,24 +314,16 @@ def test_deploy_from_jobs_page_then_compare_in_playground(sdk, finished_job):
     at.text_area[0].set_value("What is 3 plus 3?")
     number(at, "Max tokens").set_value(8)
     next(s for s in at.slider if s.label == "Temperature").set_value(0.0).run()
-    button(at, "Generate").click().run()
+    button(at, "Send to all").click().run()
     assert_no_exception(at)
     assert not at.error, text(at.error)
     assert "Base model · tiny-qwen3" in text(at.markdown) and "Fine-tuned · adder" in text(at.markdown)
     outputs = [c.value for c in at.code]
     messages = [{"role": "user", "content": "What is 3 plus 3?"}]
-    expected = [sdk.sample(m, messages=messages, temperature=0.0, max_tokens=8, seed=0).sequences[0].text
+    expected = [sdk.sample(m, messages=messages, temperature=0.0, top_p=1.0, max_tokens=8, seed=0).sequences[0].text
                 for m in ("tiny-qwen3", "adder")]
     assert outputs == [t for t in expected if t], "the page shows exactly what was sampled"
     assert all("generated" in c for c in at.caption.values if "prompt tokens" in c)
-
-    at.toggle[0].set_value(False)
-    at.radio[0].set_value("Raw text").run()
-    at.text_area[0].set_value("1 plus 1 is")
-    button(at, "Generate").click().run()
-    assert_no_exception(at)
-    assert len(at.code) + at.caption.values.count("(empty output)") == 1
-    assert "Fine-tuned · adder" in text(at.markdown) and "Base model" not in text(at.markdown)
 
     adder = next(d for d in sdk.list_deployments() if d.name == "adder")
     at.switch_page("pages_jobs.py").run()
@@ -347,7 +339,7 @@ def test_unreachable_rollout_is_a_message_not_a_traceback(stack, sdk, finished_j
     at.sidebar.text_input(key="conn_rollout_url").set_value(f"127.0.0.1:{free_port()}").run()
     assert "Signed in as" in text(at.sidebar.success), "the scheduler is still reachable"
     at.text_area[0].set_value("hello")
-    button(at, "Generate").click().run()
+    button(at, "Send to all").click().run()
     assert_no_exception(at)
     errors = [e.value for e in at.error]
     assert len(errors) == 2 and all("UNAVAILABLE" in e for e in errors), errors

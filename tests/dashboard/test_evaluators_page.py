@@ -10,7 +10,7 @@ from streamlit.testing.v1 import AppTest
 from dashboard import logic_evaluators
 from tests.conftest import ROOT
 from tests.services.evaluators.scheduler_only import scheduler_only
-from trainyard import Client
+from trainyard import Client, TrainyardError
 
 APP = str(ROOT / "dashboard" / "app.py")
 REWARD = b'''\
@@ -21,10 +21,16 @@ def reward_fn(completion, row):
 
 
 @pytest.fixture(scope="module")
-def scheduler(tmp_path_factory, pg_url):
-    with scheduler_only(tmp_path_factory.mktemp("scheduler"), pg_url, ("dashboard-evaluators",),
+def accounts(tmp_path_factory, pg_url):
+    with scheduler_only(tmp_path_factory.mktemp("scheduler"), pg_url, ("dashboard-evaluators", "dashboard-other"),
                         evaluator_wall_s=10) as (url, keys):
-        yield url, keys["dashboard-evaluators"]
+        yield url, keys
+
+
+@pytest.fixture(scope="module")
+def scheduler(accounts):
+    url, keys = accounts
+    return url, keys["dashboard-evaluators"]
 
 
 @pytest.fixture(autouse=True)
@@ -91,3 +97,64 @@ def test_upload_list_and_test_on_rows(scheduler):
     results = at.dataframe[-1].value
     assert list(results["completion"]) == ["7", "2", "4"] and list(results["reward"]) == [0.0, 1.0, 1.0]
     assert "scoring 7" in at.code[-1].value  # what the evaluator printed
+
+
+def test_editor_tests_an_unsaved_change_on_five_rows_then_saves_a_version(scheduler):
+    """The editor opens the stored source (GetEvaluatorSource), "Test on 5 rows" runs the edited text in the sandbox
+    without storing it, and "Save as" stores it as the next version, which the editor then holds."""
+    url, key = scheduler
+    with Client(url=url, api_key=key) as sdk:
+        sdk.upload_evaluator(REWARD, name="editable")
+        rows = [{"prompt": f"{i}+1=", "completion": str(i + 1), "answer": i + 1} for i in range(7)]
+        ds, _ = sdk.upload_dataset("".join(json.dumps(r) + "\n" for r in rows).encode(), name="plus-one")
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.run()
+    at.switch_page("pages_evaluators.py").run()
+    editable = next(e for e in sdk_list(url, key) if e.name == "editable")
+    next(s for s in at.selectbox if s.label == "Evaluator to edit").set_value(editable.id).run()
+    editor = next(t for t in at.text_area if t.label == "Source (evaluator.py)")
+    assert editor.value == REWARD.decode()
+
+    editor.set_value(REWARD.decode().replace("return float(", "return 0.5 + 0.5 * float("))
+    next(s for s in at.selectbox if s.label == "Dataset to test on").set_value(ds.id).run()
+    _button(at, "Test on 5 rows").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    results = at.dataframe[1].value  # the list of evaluators, then the edited source's results
+    assert list(results["row"]) == [1, 2, 3, 4, 5] and list(results["reward"]) == [1.0] * 5
+    assert [(e.name, e.version) for e in sdk_list(url, key) if e.name == "editable"] == [("editable", 1)], \
+        "a test stores nothing"
+
+    next(t for t in at.text_area if t.label == "Source (evaluator.py)").set_value("def reward_fn(c, row)\n").run()
+    _button(at, "Test on 5 rows").click().run()
+    assert "INVALID_ARGUMENT" in _text(at.error) and "SyntaxError" in _text(at.error)
+    assert list(at.table[0].value["field"]) == ["content"]
+
+    edited = REWARD.decode().replace("return float(", "return 0.25 * float(")
+    next(t for t in at.text_area if t.label == "Source (evaluator.py)").set_value(edited).run()
+    _button(at, "Save as editable@2").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert "Saved editable@2 (reward_fn)" in _text(at.success)
+    assert next(t for t in at.text_area if t.label == "Source (evaluator.py)").value == edited
+    with Client(url=url, api_key=key) as sdk:
+        assert sdk.get_evaluator_source("editable@2").content == edited.encode()
+        assert sdk.get_evaluator_source("editable@1").content == REWARD
+
+
+def test_unsaved_content_and_sources_are_the_callers_own(accounts):
+    url, keys = accounts
+    key = keys["dashboard-evaluators"]
+    with Client(url=url, api_key=key) as sdk:
+        with pytest.raises(TrainyardError) as err:
+            sdk.test_evaluator("exact", rows=[{"completion": "1"}], content=REWARD)
+        assert err.value.code == "INVALID_ARGUMENT" and err.value.violations[0].field == "content"
+        resp = sdk.test_evaluator("", rows=[{"answer": 1, "completion": "1"}], content=REWARD)
+        assert [r.reward for r in resp.results] == [1.0] and not resp.HasField("evaluator")
+        mine = sdk.upload_evaluator(REWARD, name="private")
+    with Client(url=url, api_key=keys["dashboard-other"]) as other, pytest.raises(TrainyardError) as err:
+        other.get_evaluator_source(mine.id)
+    assert err.value.code == "NOT_FOUND"
+
+
+def sdk_list(url: str, key: str):
+    with Client(url=url, api_key=key) as sdk:
+        return sdk.list_evaluators()

@@ -31,6 +31,7 @@ BY_FIELD = {
     "GetCheckpointRequest.id": "checkpoint", "DownloadCheckpointRequest.id": "checkpoint",
     "DeleteCheckpointRequest.id": "checkpoint", "SetCheckpointTtlRequest.id": "checkpoint",
     "PublishCheckpointRequest.id": "checkpoint", "ListCheckpointsRequest.weight_version_id": "version",
+    "ExportMergedModelRequest.id": "checkpoint",
     "GetDeploymentRequest.id": "deployment", "DeleteDeploymentRequest.id": "deployment",
     "GetSessionRequest.id": "session", "CloseSessionRequest.id": "session",
     "LoadStateRequest.path": "state_path",

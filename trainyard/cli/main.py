@@ -412,10 +412,13 @@ def checkpoints_list(ctx, job_id):
 @checkpoints.command("download")
 @click.argument("checkpoint_id")
 @click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--merged", is_flag=True, help="The LoRA adapter merged into its base model by the server: a Hugging "
+              "Face model directory that transformers loads without peft.")
 @click.pass_context
-def checkpoints_download(ctx, checkpoint_id, out_dir):
-    """Download a checkpoint's files (a PEFT adapter for LoRA jobs)."""
-    path = client(ctx).download_checkpoint(checkpoint_id, out_dir)
+def checkpoints_download(ctx, checkpoint_id, out_dir, merged):
+    """Download a checkpoint's files (a PEFT adapter for LoRA jobs), or with --merged the merged model."""
+    c = client(ctx)
+    path = c.export_merged_model(checkpoint_id, out_dir) if merged else c.download_checkpoint(checkpoint_id, out_dir)
     console.print(f"wrote {', '.join(sorted(p.name for p in path.iterdir()))} to {path}")
 
 

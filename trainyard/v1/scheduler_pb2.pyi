@@ -883,6 +883,12 @@ class DownloadCheckpointRequest(_message.Message):
     id: str
     def __init__(self, id: _Optional[str] = ...) -> None: ...
 
+class ExportMergedModelRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
 class Deployment(_message.Message):
     __slots__ = ("id", "name", "checkpoint_id", "base_model", "status", "error", "created_at", "job_id", "lineage")
     ID_FIELD_NUMBER: _ClassVar[int]
@@ -1015,6 +1021,14 @@ class ListDevicesResponse(_message.Message):
     queue: _containers.RepeatedCompositeFieldContainer[DeviceQueueEntry]
     def __init__(self, devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., quota: _Optional[_Union[DeviceQuota, _Mapping]] = ..., queue: _Optional[_Iterable[_Union[DeviceQueueEntry, _Mapping]]] = ...) -> None: ...
 
+class EvaluatorSource(_message.Message):
+    __slots__ = ("evaluator", "content")
+    EVALUATOR_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    evaluator: Evaluator
+    content: bytes
+    def __init__(self, evaluator: _Optional[_Union[Evaluator, _Mapping]] = ..., content: _Optional[bytes] = ...) -> None: ...
+
 class Evaluator(_message.Message):
     __slots__ = ("id", "name", "version", "kind", "filename", "size_bytes", "sha256", "created_at")
     ID_FIELD_NUMBER: _ClassVar[int]
@@ -1068,18 +1082,20 @@ class EvaluatorGetRequest(_message.Message):
     def __init__(self, evaluator: _Optional[str] = ...) -> None: ...
 
 class EvaluatorTestRequest(_message.Message):
-    __slots__ = ("evaluator", "rows", "completions", "dataset_id", "num_rows")
+    __slots__ = ("evaluator", "rows", "completions", "dataset_id", "num_rows", "content")
     EVALUATOR_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
     DATASET_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
     evaluator: str
     rows: _containers.RepeatedScalarFieldContainer[str]
     completions: _containers.RepeatedScalarFieldContainer[str]
     dataset_id: str
     num_rows: int
-    def __init__(self, evaluator: _Optional[str] = ..., rows: _Optional[_Iterable[str]] = ..., completions: _Optional[_Iterable[str]] = ..., dataset_id: _Optional[str] = ..., num_rows: _Optional[int] = ...) -> None: ...
+    content: bytes
+    def __init__(self, evaluator: _Optional[str] = ..., rows: _Optional[_Iterable[str]] = ..., completions: _Optional[_Iterable[str]] = ..., dataset_id: _Optional[str] = ..., num_rows: _Optional[int] = ..., content: _Optional[bytes] = ...) -> None: ...
 
 class EvaluatorTestResult(_message.Message):
     __slots__ = ("row", "completion", "ok", "reward", "error", "observation")

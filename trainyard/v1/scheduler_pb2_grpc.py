@@ -1145,6 +1145,11 @@ class CheckpointServiceStub:
                 request_serializer=trainyard_dot_v1_dot_scheduler__pb2.PublishCheckpointRequest.SerializeToString,
                 response_deserializer=trainyard_dot_v1_dot_scheduler__pb2.Checkpoint.FromString,
                 _registered_method=True)
+        self.ExportMergedModel = channel.unary_stream(
+                '/trainyard.v1.CheckpointService/ExportMergedModel',
+                request_serializer=trainyard_dot_v1_dot_scheduler__pb2.ExportMergedModelRequest.SerializeToString,
+                response_deserializer=trainyard_dot_v1_dot_common__pb2.FileChunk.FromString,
+                _registered_method=True)
 
 
 class CheckpointServiceServicer:
@@ -1202,6 +1207,16 @@ class CheckpointServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportMergedModel(self, request, context):
+        """A LoRA adapter checkpoint merged into its base model (W + B A * scaling, computed in float32 and stored at the
+        base's dtype), streamed as a Hugging Face model directory: config.json, safetensors weights and the base's
+        tokenizer files, which transformers' from_pretrained loads. A full-parameter checkpoint is FAILED_PRECONDITION
+        (it is a whole model already: DownloadCheckpoint); too many exports at once, RESOURCE_EXHAUSTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CheckpointServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1239,6 +1254,11 @@ def add_CheckpointServiceServicer_to_server(servicer, server):
                     servicer.UnpublishCheckpoint,
                     request_deserializer=trainyard_dot_v1_dot_scheduler__pb2.PublishCheckpointRequest.FromString,
                     response_serializer=trainyard_dot_v1_dot_scheduler__pb2.Checkpoint.SerializeToString,
+            ),
+            'ExportMergedModel': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportMergedModel,
+                    request_deserializer=trainyard_dot_v1_dot_scheduler__pb2.ExportMergedModelRequest.FromString,
+                    response_serializer=trainyard_dot_v1_dot_common__pb2.FileChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1433,6 +1453,33 @@ class CheckpointService:
             '/trainyard.v1.CheckpointService/UnpublishCheckpoint',
             trainyard_dot_v1_dot_scheduler__pb2.PublishCheckpointRequest.SerializeToString,
             trainyard_dot_v1_dot_scheduler__pb2.Checkpoint.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportMergedModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/trainyard.v1.CheckpointService/ExportMergedModel',
+            trainyard_dot_v1_dot_scheduler__pb2.ExportMergedModelRequest.SerializeToString,
+            trainyard_dot_v1_dot_common__pb2.FileChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1818,6 +1865,11 @@ class EvaluatorServiceStub:
                 request_serializer=trainyard_dot_v1_dot_scheduler__pb2.EvaluatorTestRequest.SerializeToString,
                 response_deserializer=trainyard_dot_v1_dot_scheduler__pb2.EvaluatorTestResponse.FromString,
                 _registered_method=True)
+        self.GetEvaluatorSource = channel.unary_unary(
+                '/trainyard.v1.EvaluatorService/GetEvaluatorSource',
+                request_serializer=trainyard_dot_v1_dot_scheduler__pb2.EvaluatorGetRequest.SerializeToString,
+                response_deserializer=trainyard_dot_v1_dot_scheduler__pb2.EvaluatorSource.FromString,
+                _registered_method=True)
 
 
 class EvaluatorServiceServicer:
@@ -1858,6 +1910,14 @@ class EvaluatorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetEvaluatorSource(self, request, context):
+        """A version's stored bytes (evaluator.py's source, or its .zip / .tar.gz), verified against their sha256: what the
+        dashboard's editor opens.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EvaluatorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1880,6 +1940,11 @@ def add_EvaluatorServiceServicer_to_server(servicer, server):
                     servicer.TestEvaluator,
                     request_deserializer=trainyard_dot_v1_dot_scheduler__pb2.EvaluatorTestRequest.FromString,
                     response_serializer=trainyard_dot_v1_dot_scheduler__pb2.EvaluatorTestResponse.SerializeToString,
+            ),
+            'GetEvaluatorSource': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetEvaluatorSource,
+                    request_deserializer=trainyard_dot_v1_dot_scheduler__pb2.EvaluatorGetRequest.FromString,
+                    response_serializer=trainyard_dot_v1_dot_scheduler__pb2.EvaluatorSource.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1996,6 +2061,33 @@ class EvaluatorService:
             '/trainyard.v1.EvaluatorService/TestEvaluator',
             trainyard_dot_v1_dot_scheduler__pb2.EvaluatorTestRequest.SerializeToString,
             trainyard_dot_v1_dot_scheduler__pb2.EvaluatorTestResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetEvaluatorSource(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainyard.v1.EvaluatorService/GetEvaluatorSource',
+            trainyard_dot_v1_dot_scheduler__pb2.EvaluatorGetRequest.SerializeToString,
+            trainyard_dot_v1_dot_scheduler__pb2.EvaluatorSource.FromString,
             options,
             channel_credentials,
             insecure,
