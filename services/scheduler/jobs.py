@@ -137,6 +137,9 @@ class JobCore:
             self._check_queue_quota(s, account_id)
             job.status, job.finished_at, job.error, job.cancel_requested = "queued", None, "", False
             job.dispatched_at, job.wait_reason, job.updated_at = None, "", utcnow()
+            # max_job_attempts counts the attempts since the resume; a job that ran before keeps 1, so its next
+            # attempt (2) rewinds its progress to the checkpoint as a retry does.
+            job.attempts = min(job.attempts, 1)
             where = (f"from the checkpoint at step {latest.step} ({latest.id})" if latest is not None
                      else "from the start (it has no checkpoint)")
             s.add(JobLog(job_id=job.id, level="info", message=f"resumed: queued again, to continue {where}",
