@@ -32,10 +32,10 @@ st.title("Evaluations")
 
 
 @st.cache_data(max_entries=64, show_spinner=False)
-def _results(url: str, api_key: str, checkpoint_id: str) -> pd.DataFrame:
+def _results(url: str, rollout_url: str, api_key: str, checkpoint_id: str) -> pd.DataFrame:
     """An evaluation's per-row results (its results checkpoint never changes; the key is part of the cache key)."""
     with tempfile.TemporaryDirectory() as tmp:
-        dest = api.get_client(url, conn.rollout_url, api_key).download_checkpoint(checkpoint_id, Path(tmp) / "r")
+        dest = api.get_client(url, rollout_url, api_key).download_checkpoint(checkpoint_id, Path(tmp) / "r")
         return logic_jobs.results_frame(dest / logic_jobs.RESULTS_FILE)
 
 
@@ -76,7 +76,7 @@ if evaluations:
                        else f"{job.latest_metrics[key]:.0f}")
         if job.status == pb.JOB_STATUS_SUCCEEDED and job.output_checkpoint_id:
             try:
-                rows = _results(conn.url, conn.api_key, job.output_checkpoint_id)
+                rows = _results(conn.url, conn.rollout_url, conn.api_key, job.output_checkpoint_id)
             except TrainyardError as exc:
                 api.show_error(exc)
             else:

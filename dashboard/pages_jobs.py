@@ -32,15 +32,15 @@ st.title("Jobs")
 
 
 @st.cache_data(max_entries=512, show_spinner=False)
-def _points(url: str, api_key: str, job_id: str, version: tuple) -> list[bytes]:
+def _points(url: str, rollout_url: str, api_key: str, job_id: str, version: tuple) -> list[bytes]:
     """A job's metric points, cached while the job is unchanged (version: status, step, attempts, finish time); the
     key is part of the cache key, so no account reads another's cached points."""
-    return [p.SerializeToString() for p in api.get_client(url, conn.rollout_url, api_key).job_metrics(job_id)]
+    return [p.SerializeToString() for p in api.get_client(url, rollout_url, api_key).job_metrics(job_id)]
 
 
 def points_of(job: pb.Job) -> list[pb.MetricPoint]:
     version = (job.status, job.step, job.attempts, job.finished_at.seconds)
-    return [pb.MetricPoint.FromString(b) for b in _points(conn.url, conn.api_key, job.id, version)]
+    return [pb.MetricPoint.FromString(b) for b in _points(conn.url, conn.rollout_url, conn.api_key, job.id, version)]
 
 
 jobs = client.list_jobs()

@@ -68,6 +68,14 @@ def other_job(sdk, dataset):
     return run_job(sdk, dataset, "other-run", learning_rate=1e-3)
 
 
+@pytest.fixture(scope="module")
+def overfit_job(sdk, dataset):
+    """100 steps at a high learning rate on 9 rows: the held-out loss bottoms out near step 30 and then rises 12%
+    while the training loss keeps falling (deterministic on the CPU: the seed fixes the data order and the init)."""
+    return run_job(sdk, dataset, "overfit-run", max_steps=100, checkpoint_every=20, eval_every=10, eval_fraction=0.25,
+                   learning_rate=1e-2)
+
+
 def open_app(page: str, **state) -> AppTest:
     at = AppTest.from_file(APP, default_timeout=120)
     for k, v in state.items():
@@ -202,6 +210,26 @@ def test_jobs_page_clone_shows_field_errors_under_the_input(sdk, finished_job):
     assert "INVALID_ARGUMENT" in text(at.error) and "must be between 1 and 1024, got 0" in text(at.error)
     assert set(at.table[0].value["setting"]) == {"LoRA rank"}
     assert len(sdk.list_jobs()) == before
+
+
+def test_an_overfit_run_shows_its_warning_not_a_plain_succeeded(sdk, overfit_job):
+    found = logic_jobs.diagnosis(overfit_job, sdk.job_metrics(overfit_job.id))
+    assert "overfitting" in found.problems
+    at = open_app("pages_jobs.py", job_id=overfit_job.id)
+    md = text(at.markdown)
+    assert ":orange-badge[succeeded with warnings]" in md and ":green-badge[succeeded]" not in md
+    assert f"Overfitting: {found.messages[found.problems.index('overfitting')]}" in text(at.warning)
+    table = at.dataframe[0].value
+    status = table[table["id"] == overfit_job.id].iloc[0]["status"]
+    assert status.startswith("succeeded with warnings:") and "overfitting" in status
+
+    at.switch_page("pages_checkpoints.py").run()
+    assert_no_exception(at)
+    assert "Overfitting: the held-out loss rose" in text(at.warning)
+    ckpts = sdk.list_checkpoints(overfit_job.id)
+    best = logic_jobs.best_checkpoint(ckpts, sdk.job_metrics(overfit_job.id))
+    assert not best.final and f"Best checkpoint: step {best.step} ({best.id})" in text(at.success)
+    assert widget(at.selectbox, "Checkpoint").value == best.id  # the deploy form offers the best one first
 
 
 # -- checkpoints ------------------------------------------------------------------------------------------------------
