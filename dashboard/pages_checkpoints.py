@@ -20,7 +20,7 @@ DEPLOYMENT = "deployment"  # session state: the deployment the Playground opens 
 client = api.require_client()
 st.title("Checkpoints")
 
-jobs = [j for j in client.list_jobs() if logic_jobs.method_of(j).trains]
+jobs = [j for j in client.list_jobs() if j.spec.method != pb.JOB_METHOD_EVAL]  # (a loop job trains too)
 if not jobs:
     st.info("No training jobs yet: launch one on the Train page; its checkpoints are listed here.")
     st.page_link("pages_train.py", label="Go to Train", icon=":material/model_training:")

@@ -239,5 +239,8 @@ if job.status == pb.JOB_STATUS_SUCCEEDED and logic_jobs.method_of(job).trains:
                 st.rerun()
     if any(d.status == pb.DEPLOYMENT_STATUS_READY for d in mine):
         st.page_link("pages_playground.py", label="Try it in the Playground", icon=":material/chat:")
-if logic_jobs.method_of(job).trains:
+if job.spec.method == pb.JOB_METHOD_EVAL:
+    st.session_state["evaluation_id"] = job.id  # the Evaluations page opens on it
+    st.page_link("pages_evaluations.py", label="This evaluation's results", icon=":material/fact_check:")
+else:
     st.page_link("pages_checkpoints.py", label="This job's checkpoints", icon=":material/save:")

@@ -294,6 +294,15 @@ def test_evaluations_page_launches_one_and_shows_its_results(sdk, finished_job):
     results = at.dataframe[1].value
     assert list(results["row"]) == [0, 1, 2] and all(p.endswith("/ 2") for p in results["passed"])
 
+    at.session_state["job_id"] = eval_id  # on the Jobs page an evaluation is a job like the others
+    at.switch_page("pages_jobs.py").run()
+    assert_no_exception(at)
+    table = at.dataframe[0].value
+    assert table[table["id"] == eval_id].iloc[0]["method"] == "eval"
+    assert widget(at.text_input, "Evaluator").value == "sum-check@1"  # the clone form carries its settings
+    at.switch_page("pages_evaluations.py").run()
+    assert widget(at.selectbox, "Evaluation").value == eval_id
+
     before = len(sdk.list_jobs())
     widget(at.number_input, "Temperature").set_value(5.0)
     button(at, "Launch evaluation").click().run()
