@@ -16,6 +16,7 @@ from trainyard.v1 import scheduler_pb2 as pb
 
 JOB_ID = "job_id"  # session state: the job shown (shared with the Jobs page)
 DEPLOYMENT = "deployment"  # session state: the deployment the Playground opens with
+EVALUATE = "evaluate_checkpoint"  # session state: the checkpoint the Evaluations page's launch form opens with
 
 client = api.require_client()
 st.title("Checkpoints")
@@ -61,6 +62,12 @@ st.dataframe(logic_jobs.checkpoints_frame(checkpoints, points), hide_index=True,
                             "final": st.column_config.CheckboxColumn("final"),
                             "train loss": st.column_config.NumberColumn(format="%.4f"),
                             "eval loss": st.column_config.NumberColumn(format="%.4f")})
+
+candidate = best or max(checkpoints, key=lambda c: c.step)
+if st.button(f"Evaluate the checkpoint at step {candidate.step}", icon=":material/fact_check:",
+             help="Open the Evaluations page with this checkpoint chosen (the best one, else the latest)."):
+    st.session_state[EVALUATE] = candidate.id
+    st.switch_page("pages_evaluations.py")
 
 st.subheader("Deploy a checkpoint")
 ordered = sorted(checkpoints, key=lambda c: c.step)

@@ -20,6 +20,7 @@ from trainyard.methods import METHODS
 from trainyard.v1 import scheduler_pb2 as pb
 
 EVAL_ID = "evaluation_id"  # session state: the evaluation shown
+EVALUATE = "evaluate_checkpoint"  # session state: the checkpoint the launch form opens with (the Checkpoints page's)
 REFRESH_S = 2.0
 METHOD = METHODS["eval"]
 OWN_INPUTS = ("evaluator", "checkpoint_id")  # settings with an input of their own (chosen from lists) in the form
@@ -99,16 +100,11 @@ datasets = [d for d in client.list_datasets() if format_name(d.format) in METHOD
 checkpoints = [c for c in client.list_checkpoints()
                if c.kind in (pb.CHECKPOINT_KIND_LORA_ADAPTER, pb.CHECKPOINT_KIND_FULL)]
 models = [m.name for m in client.list_models()]
-if not evaluators:
-    st.info("Upload an evaluator first (the Evaluators page): it scores each completion.")
-    st.stop()
-if not datasets:
-    st.info(f"Upload a dataset in the {' or '.join(METHOD.dataset_formats)} format first: its rows are the prompts.")
-    st.stop()
-
 BASE = ""  # the checkpoint choice that evaluates a base model itself
 ckpt_by_id = {c.id: c for c in sorted(checkpoints, key=lambda c: (c.job_id, c.step))}
-choice = st.selectbox("Checkpoint", [*ckpt_by_id, BASE],
+options = [*ckpt_by_id, BASE]
+wanted = st.session_state.get(EVALUATE)
+choice = st.selectbox("Checkpoint", options, index=options.index(wanted) if wanted in options else 0,
                       format_func=lambda i: f"{ckpt_by_id[i].job_id} · step {ckpt_by_id[i].step} · {i}"
                       + (" · final" if ckpt_by_id[i].final else "") if i else "none: a base model itself")
 if choice:
@@ -116,6 +112,13 @@ if choice:
     st.caption(f"Base model {base_model} (the checkpoint's).")
 else:
     base_model = st.selectbox("Base model", models)
+if not evaluators:
+    st.info("Upload an evaluator first (the Evaluators page): it scores each completion.")
+    st.stop()
+if not datasets:
+    st.info(f"Upload a dataset in the {' or '.join(METHOD.dataset_formats)} format first: its rows are the prompts.")
+    st.stop()
+
 with st.form("launch-evaluation"):
     left, right = st.columns(2)
     refs = [f"{e.name}@{e.version}" for e in evaluators]

@@ -230,6 +230,9 @@ def test_an_overfit_run_shows_its_warning_not_a_plain_succeeded(sdk, overfit_job
     best = logic_jobs.best_checkpoint(ckpts, sdk.job_metrics(overfit_job.id))
     assert not best.final and f"Best checkpoint: step {best.step} ({best.id})" in text(at.success)
     assert widget(at.selectbox, "Checkpoint").value == best.id  # the deploy form offers the best one first
+    button(at, f"Evaluate the checkpoint at step {best.step}").click().run()
+    assert_no_exception(at)
+    assert at.title[0].value == "Evaluations" and widget(at.selectbox, "Checkpoint").value == best.id
 
 
 # -- checkpoints ------------------------------------------------------------------------------------------------------
