@@ -237,10 +237,11 @@ def checkpoints_frame(checkpoints: list[pb.Checkpoint], points: list[pb.MetricPo
              "train loss": checkpoint_metric(c, points, "train/loss"),
              "eval loss": checkpoint_metric(c, points, "eval/loss"),
              "kind": pb.CheckpointKind.Name(c.kind).removeprefix("CHECKPOINT_KIND_").lower(),
-             "size (MB)": round(sum(f.size_bytes for f in c.files) / 1e6, 2), "created (UTC)": when(c.created_at)}
+             "size (MB)": round((c.size_bytes or sum(f.size_bytes for f in c.files)) / 1e6, 2),
+             "created (UTC)": when(c.created_at), "expires (UTC)": when(c.expires_at) or "never"}
             for c in sorted(checkpoints, key=lambda c: c.step)]
     return pd.DataFrame(rows, columns=["step", "id", "best", "final", "train loss", "eval loss", "kind", "size (MB)",
-                                       "created (UTC)"])
+                                       "created (UTC)", "expires (UTC)"])
 
 
 def nearest_checkpoint(checkpoints: list[pb.Checkpoint], step: int) -> pb.Checkpoint | None:

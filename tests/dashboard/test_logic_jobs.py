@@ -115,6 +115,10 @@ def test_checkpoints_frame_marks_the_lowest_eval_loss():
     assert list(frame["eval loss"]) == [1.5, 1.2, 1.4] and list(frame["train loss"]) == pytest.approx([0.25, 0.125,
                                                                                                      1 / 12])
     assert list(frame["final"]) == [False, False, True] and frame.loc[0, "size (MB)"] == 2.0
+    assert list(frame["expires (UTC)"]) == ["never"] * 3
+    ckpts[1].size_bytes, ckpts[1].expires_at.seconds = 5_000_000, T0  # files and state together, when known
+    frame = logic_jobs.checkpoints_frame(ckpts, points)
+    assert frame.loc[0, "size (MB)"] == 5.0 and frame.loc[0, "expires (UTC)"] == "2027-01-15 08:00:00"
     assert logic_jobs.best_checkpoint(ckpts, points).id == "ckpt_8"
     assert logic_jobs.best_checkpoint(ckpts[1:], [point(s, train__loss=1.0) for s in (4, 8, 12)]) is None
     assert logic_jobs.nearest_checkpoint(ckpts, 6).step == 4 and logic_jobs.nearest_checkpoint(ckpts, 11).step == 12
