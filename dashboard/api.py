@@ -13,10 +13,11 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from dashboard.logic import md_escape
+from dashboard.logic import float_step, list_value, md_escape
 from dashboard.sessions import COOKIE, SESSION_IDLE_S, SessionStore, store_path
 from trainyard import Client, TrainyardError
 from trainyard.config import DEFAULT_ROLLOUT_URL, DEFAULT_URL
+from trainyard.methods.spec import Field, format_value
 
 CONNECTION = "connection"  # session-state key of the current Connection
 SAVED_CONNECTION = "saved_connection"  # session-state key of the sidebar's field values
@@ -201,3 +202,33 @@ def show_error(exc: TrainyardError, labels: dict[str, str] | None = None) -> Non
     st.error(f"**{headline}** ({exc.code}): {md_escape(exc.message)}")
     if exc.violations:
         st.table(violations_frame(exc.violations, labels), hide_index=True)
+
+
+# -- a declared setting as an input ------------------------------------------------------------------------------
+def setting_input(container, f: Field, value, key: str):
+    """The input of one declared setting (trainyard/methods/), prefilled with value (the declared default, or a
+    job's own setting when it is cloned); returns the value to send, None for one left unset."""
+    s, label, helptext = f.setting, f.setting.label, f.describe()
+    if s.choices:
+        return container.selectbox(label, s.choices, index=s.choices.index(value), help=helptext, key=key)
+    if f.type is bool and f.default is None:  # unset: the method decides (e.g. dynamic sampling for dapo only)
+        options = ("default", "on", "off")
+        choice = container.selectbox(label, options, index={None: 0, True: 1, False: 2}[value], help=helptext,
+                                     key=key)
+        return {"default": None, "on": True, "off": False}[choice]
+    if f.type is bool:
+        return container.checkbox(label, value=bool(value), help=helptext, key=key)
+    if f.is_list:
+        text = container.text_input(label, value=format_value(value or ()), help=helptext, placeholder="default",
+                                    key=key)
+        return list_value(text)
+    if f.type is str:  # e.g. an evaluator reference; empty: left unset
+        return container.text_input(label, value=value or "", help=helptext, key=key).strip() or None
+    if f.type is int:
+        got = container.number_input(label, value=value, step=1, help=helptext, placeholder="unset", key=key)
+        return None if got is None else int(got)
+    if value is None:
+        got = container.number_input(label, value=None, format="%g", help=helptext, placeholder="unset", key=key)
+        return None if got is None else float(got)
+    return float(container.number_input(label, value=float(value), step=float_step(f.default or value),
+                                        format="%g", help=helptext, key=key))

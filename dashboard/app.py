@@ -16,6 +16,8 @@ page = st.navigation([
     st.Page("pages_datasets.py", title="Datasets", icon=":material/dataset:", url_path="datasets", default=True),
     st.Page("pages_train.py", title="Train", icon=":material/model_training:", url_path="train"),
     st.Page("pages_jobs.py", title="Jobs", icon=":material/monitoring:", url_path="jobs"),
+    st.Page("pages_checkpoints.py", title="Checkpoints", icon=":material/save:", url_path="checkpoints"),
+    st.Page("pages_evaluations.py", title="Evaluations", icon=":material/fact_check:", url_path="evaluations"),
     st.Page("pages_playground.py", title="Playground", icon=":material/chat:", url_path="playground"),
     st.Page("pages_deployments.py", title="Deployments", icon=":material/rocket_launch:", url_path="deployments"),
     st.Page("pages_export.py", title="Export", icon=":material/download:", url_path="export"),

@@ -340,6 +340,11 @@ class Client:
         return self.jobs.CancelJob(pb.CancelJobRequest(id=job_id), **self._kw())
 
     @translate
+    def resume_job(self, job_id: str) -> pb.Job:
+        """Queue a failed or cancelled job again (same id): it continues from its latest checkpoint."""
+        return self.jobs.ResumeJob(pb.ResumeJobRequest(id=job_id), **self._kw())
+
+    @translate
     def job_metrics(self, job_id: str) -> list[pb.MetricPoint]:
         return list(self.jobs.ListJobMetrics(pb.ListJobMetricsRequest(id=job_id), **self._kw()).points)
 

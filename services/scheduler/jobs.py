@@ -1,4 +1,5 @@
-"""Managed jobs as the user sees them: plan and create (validate, store queued, dispatch), read, watch, cancel."""
+"""Managed jobs as the user sees them: plan and create (validate, store queued, dispatch), read, watch, cancel,
+resume."""
 from __future__ import annotations
 
 import threading
@@ -110,14 +111,7 @@ class JobCore:
         checked = self.check(account_id, req)
         r = checked.resources
         with self.db.session() as s:
-            limit = account_limits(s, account_id, self.max_devices_per_account,
-                                   self.max_queued_jobs_per_account).max_queued_jobs
-            if limit:
-                queued = s.scalar(select(func.count()).select_from(Job).where(Job.account_id == account_id,
-                                                                              Job.status == "queued"))
-                if queued + 1 > limit:
-                    raise quota_reached("max_queued_jobs_per_account", limit,
-                                        f"the account has {queued} jobs queued; wait for some to start, or cancel some")
+            self._check_queue_quota(s, account_id)
             job = Job(id=new_id("job"), account_id=account_id, display_name=req.display_name[:256],
                       method=checked.method.name, base_model=checked.model.name, model_path=checked.model.path,
                       dataset_id=checked.dataset.id, config=checked.settings.to_json(), status="queued",
@@ -125,14 +119,52 @@ class JobCore:
                       rollout_devices=r.rollout_devices, priority=r.priority, wait_reason="")
             s.add(job)
             s.add(JobLog(job_id=job.id, level="info", message="queued", created_at=utcnow()))
-        try:
-            self.dispatch(job.id)
-            self.ledger.mark_dispatched(job.id)
-        except Exception as exc:  # noqa: BLE001 - the broker's own error types vary by transport
-            self.ledger.set_fields(job.id, status="failed", finished_at=utcnow(),
-                                   error=f"could not hand the job to a worker: {exc}")
-            raise Unavailable(f"job {job.id} could not be queued: the job broker is unreachable ({exc})") from exc
+        self._dispatch(job.id)
         return job
+
+    def resume(self, account_id: str, job_id: str) -> Job:
+        """ResumeJob: a failed or cancelled job is queued again in place. Its next attempt resumes from the job's
+        latest checkpoint exactly as after a lost worker (services/worker/job.py rewinds the progress and metrics
+        to that checkpoint's step), or starts afresh if the job has none."""
+        latest = self.ledger.latest_checkpoint(job_id) if job_id else None
+        with self.db.session() as s:
+            job = s.get(Job, job_id, with_for_update=True) if job_id else None
+            if job is None or job.account_id != account_id:
+                raise not_found("job", job_id)
+            if job.status not in ("failed", "cancelled"):
+                raise FailedPrecondition(f"job '{job_id}' is {job.status}; only a failed or cancelled job can be "
+                                         "resumed")
+            self._check_queue_quota(s, account_id)
+            job.status, job.finished_at, job.error, job.cancel_requested = "queued", None, "", False
+            job.dispatched_at, job.wait_reason, job.updated_at = None, "", utcnow()
+            # max_job_attempts counts the attempts since the resume; a job that ran before keeps 1, so its next
+            # attempt (2) rewinds its progress to the checkpoint as a retry does.
+            job.attempts = min(job.attempts, 1)
+            where = (f"from the checkpoint at step {latest.step} ({latest.id})" if latest is not None
+                     else "from the start (it has no checkpoint)")
+            s.add(JobLog(job_id=job.id, level="info", message=f"resumed: queued again, to continue {where}",
+                         created_at=utcnow()))
+        self._dispatch(job_id)
+        return self.get(account_id, job_id)
+
+    def _check_queue_quota(self, s, account_id: str) -> None:
+        limit = account_limits(s, account_id, self.max_devices_per_account,
+                               self.max_queued_jobs_per_account).max_queued_jobs
+        if limit:
+            queued = s.scalar(select(func.count()).select_from(Job).where(Job.account_id == account_id,
+                                                                          Job.status == "queued"))
+            if queued + 1 > limit:
+                raise quota_reached("max_queued_jobs_per_account", limit,
+                                    f"the account has {queued} jobs queued; wait for some to start, or cancel some")
+
+    def _dispatch(self, job_id: str) -> None:
+        try:
+            self.dispatch(job_id)
+            self.ledger.mark_dispatched(job_id)
+        except Exception as exc:  # noqa: BLE001 - the broker's own error types vary by transport
+            self.ledger.set_fields(job_id, status="failed", finished_at=utcnow(),
+                                   error=f"could not hand the job to a worker: {exc}")
+            raise Unavailable(f"job {job_id} could not be queued: the job broker is unreachable ({exc})") from exc
 
     def get(self, account_id: str, job_id: str) -> Job:
         with self.db.session() as s:

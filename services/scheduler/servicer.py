@@ -176,6 +176,9 @@ class JobServicer(rpc.JobServiceServicer):
     def CancelJob(self, request, context):
         return convert.job(self.core.cancel(current_caller().account_id, request.id))
 
+    def ResumeJob(self, request, context):
+        return convert.job(self.core.resume(current_caller().account_id, request.id))
+
     def ListJobMetrics(self, request, context):
         points = self.core.metrics(current_caller().account_id, request.id)
         return pb.ListJobMetricsResponse(points=[convert.metric(m) for m in points])

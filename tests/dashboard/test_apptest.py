@@ -251,26 +251,6 @@ def test_train_page_offers_every_method_with_its_settings(sdk, dataset):
 
 
 # -- jobs -----------------------------------------------------------------------------------------------------------
-def test_jobs_page_shows_status_progress_chart_and_log(sdk, finished_job):
-    at = open_app("pages_jobs.py", job_id=finished_job.id)
-    md = text(at.markdown)
-    assert ":green-badge[succeeded]" in md
-    assert at.get("progress")[0].value == 100
-    metrics = {m.label: float(m.value) for m in at.metric}
-    assert metrics["train/loss"] == pytest.approx(finished_job.latest_metrics["train/loss"], rel=1e-3)
-
-    chart = chart_data(at)
-    points = sdk.job_metrics(finished_job.id)
-    expected = {(p.step, k): v for p in points for k, v in p.values.items() if k in ("train/loss", "eval/loss")}
-    assert {(int(r.step), r.metric): r.value for r in chart.itertuples()} == pytest.approx(expected)
-    assert set(chart.metric) == {"train/loss", "eval/loss"} and chart.step.max() == 4
-
-    log = text(at.code)
-    assert "queued" in log and "succeeded after 4 steps" in log
-    assert not [b for b in at.button if b.label == "Cancel job"], "a finished job has nothing to cancel"
-    assert "Deploy" in [b.label for b in at.button]
-
-
 def test_jobs_page_follows_and_cancels_a_running_job(sdk, dataset):
     job = sdk.create_sft_job("tiny-qwen3", dataset.id, "long-run", max_steps=5000, batch_size=1,
                              checkpoint_every=5000)

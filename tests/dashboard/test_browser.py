@@ -104,7 +104,7 @@ def test_sign_in_upload_train_and_watch(stack, page, tmp_path):
     expect(page.get_by_role("heading", name="Jobs", exact=True)).to_be_visible()
     expect(page.get_by_test_id("stProgress")).to_be_visible()
     expect(page.get_by_text("succeeded", exact=True)).to_be_visible(timeout=240_000)
-    expect(page.get_by_test_id("stVegaLiteChart")).to_be_visible()
+    expect(page.get_by_test_id("stVegaLiteChart").first).to_be_visible()  # one chart per kind of metric
     expect(page.get_by_text("succeeded after 4 steps")).to_be_visible()
     expect(page.get_by_test_id("stMain").get_by_role("button", name="Deploy")).to_be_visible()
     page.screenshot(path=tmp_path / "job.png", full_page=True)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.integration.data import chat_rows, jsonl
+from trainyard.v1 import scheduler_pb2 as pb
 
 pytestmark = pytest.mark.integration
 
@@ -109,6 +110,20 @@ def test_upload_train_watch_download_deploy_sample(cli, client, tmp_path):
     cli("deployments", "delete", "cli-dep")
     gone = cli("sample", "cli-dep", "hi", ok=False)
     assert gone.returncode == 1 and "NOT_FOUND" in gone.stderr
+
+
+def test_cancel_and_resume_a_job(cli, client):
+    ds, _ = client.upload_dataset(jsonl(chat_rows(8)), name="cli-resume")
+    job = client.create_sft_job("tiny-qwen3", ds.id, max_steps=100000, checkpoint_every=100000, batch_size=1)
+    refused = cli("jobs", "resume", job.id, ok=False)
+    assert refused.returncode == 1 and "FAILED_PRECONDITION" in refused.stderr and "is " in refused.stderr
+    cli("jobs", "cancel", job.id)
+    client.wait_job(job.id, timeout_s=120)
+    out = cli("jobs", "resume", job.id).stdout
+    assert f"job {job.id}: " in out and "continues from its latest checkpoint" in out
+    assert not client.get_job(job.id).cancel_requested
+    cli("jobs", "cancel", job.id)
+    assert client.wait_job(job.id, timeout_s=120).status == pb.JOB_STATUS_CANCELLED
 
 
 def test_cli_reports_auth_and_connection_errors(cli, stack, tmp_path):

@@ -191,6 +191,36 @@ def test_worker_killed_mid_job_is_retried_and_resumes_from_checkpoint(stack, cli
     assert sorted(steps) == list(range(1, 41))  # each step once: the lost attempt's later points were discarded
 
 
+def test_resume_a_cancelled_job_continues_from_its_latest_checkpoint(client, other_client, dataset):
+    job = client.create_sft_job("tiny-qwen3", dataset.id, max_steps=40, checkpoint_every=5, **FAST)
+    wait_until(lambda: any(c.step >= 5 for c in client.list_checkpoints(job.id)), 180, "a checkpoint")
+    with pytest.raises(TrainyardError) as exc:
+        client.resume_job(job.id)
+    assert exc.value.code == "FAILED_PRECONDITION" and "only a failed or cancelled job" in exc.value.message
+    client.cancel_job(job.id)
+    cancelled = client.wait_job(job.id, timeout_s=60)
+    assert cancelled.status == pb.JOB_STATUS_CANCELLED, status_name(cancelled.status)
+    latest = max(client.list_checkpoints(job.id), key=lambda c: c.step)
+    with pytest.raises(TrainyardError) as exc:
+        other_client.resume_job(job.id)
+    assert exc.value.code == "NOT_FOUND"
+
+    resumed = client.resume_job(job.id)
+    assert resumed.status in (pb.JOB_STATUS_QUEUED, pb.JOB_STATUS_RUNNING) and resumed.id == job.id
+    assert not resumed.cancel_requested and not resumed.finished_at.seconds
+    done = client.wait_job(job.id, timeout_s=300)
+    assert done.status == pb.JOB_STATUS_SUCCEEDED, done.error
+    assert (done.step, done.attempts) == (40, 2) and done.output_checkpoint_id
+    logs = [e.message for e in client.job_logs(job.id)]
+    assert f"resumed: queued again, to continue from the checkpoint at step {latest.step} ({latest.id})" in logs
+    assert f"resuming from the checkpoint at step {latest.step} ({latest.id})" in logs
+    steps = [p.step for p in client.job_metrics(job.id) if "train/loss" in p.values]
+    assert sorted(steps) == list(range(1, 41))  # the cancelled attempt's points after the checkpoint were dropped
+    with pytest.raises(TrainyardError) as exc:
+        client.resume_job(job.id)
+    assert exc.value.code == "FAILED_PRECONDITION" and "is succeeded" in exc.value.message
+
+
 def test_the_scheduler_process_never_loads_torch(stack, client, dataset):
     """CreateJob's checks (the model directory, LoRA targets against the architecture), uploads, the built-in
     models' registration and PlanJob (its numbers come from a child process) all run in a scheduler process that

@@ -27,6 +27,7 @@ BY_FIELD = {
     "ImportModelRequest.path": "model_path",
     "GetDatasetRequest.id": "dataset", "PreviewDatasetRequest.id": "dataset", "DeleteDatasetRequest.id": "dataset",
     "GetJobRequest.id": "job", "WatchJobRequest.id": "job", "CancelJobRequest.id": "job",
+    "ResumeJobRequest.id": "job",
     "ListJobMetricsRequest.id": "job", "ListJobLogsRequest.id": "job",
     "GetCheckpointRequest.id": "checkpoint", "DownloadCheckpointRequest.id": "checkpoint",
     "DeleteCheckpointRequest.id": "checkpoint", "SetCheckpointTtlRequest.id": "checkpoint",

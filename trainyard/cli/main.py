@@ -339,6 +339,15 @@ def jobs_cancel(ctx, job_id):
     console.print(f"job {j.id}: {status_name(j.status)}{' (stopping)' if j.status == pb.JOB_STATUS_RUNNING else ''}")
 
 
+@jobs.command("resume")
+@click.argument("job_id")
+@click.pass_context
+def jobs_resume(ctx, job_id):
+    """Queue a failed or cancelled job again; it continues from its latest checkpoint."""
+    j = client(ctx).resume_job(job_id)
+    console.print(f"job {j.id}: {status_name(j.status)} (continues from its latest checkpoint)")
+
+
 @jobs.command("metrics")
 @click.argument("job_id")
 @click.option("--json", "as_json", is_flag=True)

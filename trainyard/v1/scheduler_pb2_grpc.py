@@ -751,6 +751,11 @@ class JobServiceStub:
                 request_serializer=trainyard_dot_v1_dot_scheduler__pb2.CancelJobRequest.SerializeToString,
                 response_deserializer=trainyard_dot_v1_dot_scheduler__pb2.Job.FromString,
                 _registered_method=True)
+        self.ResumeJob = channel.unary_unary(
+                '/trainyard.v1.JobService/ResumeJob',
+                request_serializer=trainyard_dot_v1_dot_scheduler__pb2.ResumeJobRequest.SerializeToString,
+                response_deserializer=trainyard_dot_v1_dot_scheduler__pb2.Job.FromString,
+                _registered_method=True)
         self.ListJobMetrics = channel.unary_unary(
                 '/trainyard.v1.JobService/ListJobMetrics',
                 request_serializer=trainyard_dot_v1_dot_scheduler__pb2.ListJobMetricsRequest.SerializeToString,
@@ -811,6 +816,15 @@ class JobServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResumeJob(self, request, context):
+        """Queue a failed or cancelled job again, in place (same id): the next attempt resumes from the job's latest
+        checkpoint (or starts afresh if it has none), exactly as after a lost worker. FAILED_PRECONDITION for a job that
+        is queued, running or succeeded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListJobMetrics(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -855,6 +869,11 @@ def add_JobServiceServicer_to_server(servicer, server):
             'CancelJob': grpc.unary_unary_rpc_method_handler(
                     servicer.CancelJob,
                     request_deserializer=trainyard_dot_v1_dot_scheduler__pb2.CancelJobRequest.FromString,
+                    response_serializer=trainyard_dot_v1_dot_scheduler__pb2.Job.SerializeToString,
+            ),
+            'ResumeJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeJob,
+                    request_deserializer=trainyard_dot_v1_dot_scheduler__pb2.ResumeJobRequest.FromString,
                     response_serializer=trainyard_dot_v1_dot_scheduler__pb2.Job.SerializeToString,
             ),
             'ListJobMetrics': grpc.unary_unary_rpc_method_handler(
@@ -1032,6 +1051,33 @@ class JobService:
             target,
             '/trainyard.v1.JobService/CancelJob',
             trainyard_dot_v1_dot_scheduler__pb2.CancelJobRequest.SerializeToString,
+            trainyard_dot_v1_dot_scheduler__pb2.Job.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainyard.v1.JobService/ResumeJob',
+            trainyard_dot_v1_dot_scheduler__pb2.ResumeJobRequest.SerializeToString,
             trainyard_dot_v1_dot_scheduler__pb2.Job.FromString,
             options,
             channel_credentials,
