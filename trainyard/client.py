@@ -201,8 +201,16 @@ class Client:
     def upload_dataset(self, source: str | os.PathLike | bytes | BinaryIO, name: str = "", format: str = "auto",
                        progress: Callable[[int], None] | None = None) -> tuple[pb.Dataset, bool]:
         """Upload a JSONL file (path, bytes or binary file). Returns (dataset, deduplicated)."""
-        resp = self.datasets.UploadDataset(self._upload_stream(source, name, format, progress), **self._kw(3600))
+        resp = self.upload_dataset_reply(source, name, format, progress)
         return resp.dataset, resp.deduplicated
+
+    @translate
+    def upload_dataset_reply(self, source: str | os.PathLike | bytes | BinaryIO, name: str = "",
+                             format: str = "auto",
+                             progress: Callable[[int], None] | None = None) -> pb.UploadDatasetResponse:
+        """As upload_dataset, the whole reply: also the mapping applied when the rows were in another tool's
+        format (ShareGPT, Alpaca), in words."""
+        return self.datasets.UploadDataset(self._upload_stream(source, name, format, progress), **self._kw(3600))
 
     @translate
     def validate_dataset(self, source, format: str = "auto") -> pb.ValidationReport:

@@ -87,8 +87,9 @@ class DatasetServicer(rpc.DatasetServiceServicer):
 
     def UploadDataset(self, request_iterator, context):
         header, chunks = split_header(request_iterator)
-        ds, dedup = self.store.upload(current_caller().account_id, _header(header), chunks)
-        return pb.UploadDatasetResponse(dataset=convert.dataset(ds), deduplicated=dedup)
+        ds, dedup, mapping = self.store.upload_mapped(current_caller().account_id, _header(header), chunks)
+        return pb.UploadDatasetResponse(dataset=convert.dataset(ds), deduplicated=dedup,
+                                        mapping=mapping.summary if mapping else "")
 
     def ValidateDataset(self, request_iterator, context):
         current_caller()
@@ -97,6 +98,7 @@ class DatasetServicer(rpc.DatasetServiceServicer):
         return pb.ValidationReport(
             valid=r.valid, format=convert.DATASET_FORMATS.get(r.format, pb.DATASET_FORMAT_UNSPECIFIED),
             num_rows=r.num_rows, size_bytes=r.size_bytes, truncated=r.truncated,
+            mapping=r.mapping.summary if r.mapping else "",
             violations=[common_pb2.FieldViolation(row=e.row, field=e.field, reason=e.reason) for e in r.errors])
 
     def ListDatasets(self, request, context):

@@ -272,28 +272,32 @@ class UploadDatasetRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[UploadDatasetHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
 
 class UploadDatasetResponse(_message.Message):
-    __slots__ = ("dataset", "deduplicated")
+    __slots__ = ("dataset", "deduplicated", "mapping")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     DEDUPLICATED_FIELD_NUMBER: _ClassVar[int]
+    MAPPING_FIELD_NUMBER: _ClassVar[int]
     dataset: Dataset
     deduplicated: bool
-    def __init__(self, dataset: _Optional[_Union[Dataset, _Mapping]] = ..., deduplicated: _Optional[bool] = ...) -> None: ...
+    mapping: str
+    def __init__(self, dataset: _Optional[_Union[Dataset, _Mapping]] = ..., deduplicated: _Optional[bool] = ..., mapping: _Optional[str] = ...) -> None: ...
 
 class ValidationReport(_message.Message):
-    __slots__ = ("valid", "format", "num_rows", "size_bytes", "violations", "truncated")
+    __slots__ = ("valid", "format", "num_rows", "size_bytes", "violations", "truncated", "mapping")
     VALID_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     VIOLATIONS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    MAPPING_FIELD_NUMBER: _ClassVar[int]
     valid: bool
     format: DatasetFormat
     num_rows: int
     size_bytes: int
     violations: _containers.RepeatedCompositeFieldContainer[_common_pb2.FieldViolation]
     truncated: bool
-    def __init__(self, valid: _Optional[bool] = ..., format: _Optional[_Union[DatasetFormat, str]] = ..., num_rows: _Optional[int] = ..., size_bytes: _Optional[int] = ..., violations: _Optional[_Iterable[_Union[_common_pb2.FieldViolation, _Mapping]]] = ..., truncated: _Optional[bool] = ...) -> None: ...
+    mapping: str
+    def __init__(self, valid: _Optional[bool] = ..., format: _Optional[_Union[DatasetFormat, str]] = ..., num_rows: _Optional[int] = ..., size_bytes: _Optional[int] = ..., violations: _Optional[_Iterable[_Union[_common_pb2.FieldViolation, _Mapping]]] = ..., truncated: _Optional[bool] = ..., mapping: _Optional[str] = ...) -> None: ...
 
 class ListDatasetsRequest(_message.Message):
     __slots__ = ("page",)
