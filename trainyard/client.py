@@ -323,6 +323,13 @@ class Client:
         return self.jobs.GetJob(pb.GetJobRequest(id=job_id), **self._kw())
 
     @translate
+    def token_stats(self, dataset_id: str, base_model: str, max_seq_len: int = 0) -> pb.TokenStats:
+        """Rows, mean / p95 / max tokens and rows over max_seq_len (0: SFT's default) of a dataset under a base
+        model's tokenizer, as a job would tokenize them."""
+        return self.jobs.GetTokenStats(pb.TokenStatsRequest(dataset_id=dataset_id, base_model=base_model,
+                                                            max_seq_len=max_seq_len), **self._kw(120))
+
+    @translate
     def list_jobs(self, status: str | None = None) -> list[pb.Job]:
         st = getattr(pb, f"JOB_STATUS_{status.upper()}") if status else pb.JOB_STATUS_UNSPECIFIED
         out, tok = [], ""

@@ -154,6 +154,11 @@ class JobServicer(rpc.JobServiceServicer):
                                 request.spec.display_name, checked.settings.to_json())
         return convert.plan(spec, plan)
 
+    def GetTokenStats(self, request, context):
+        model, stats = self.core.token_stats(current_caller().account_id, request.dataset_id, request.base_model,
+                                             request.max_seq_len)
+        return pb.TokenStats(dataset_id=request.dataset_id, base_model=model.name, **stats)
+
     def GetJob(self, request, context):
         return convert.job(self.core.get(current_caller().account_id, request.id))
 

@@ -664,6 +664,38 @@ class JobPlan(_message.Message):
     warnings: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ..., dataset_rows: _Optional[int] = ..., train_rows: _Optional[int] = ..., eval_rows: _Optional[int] = ..., skipped_rows: _Optional[int] = ..., tokens_per_epoch: _Optional[int] = ..., target_tokens_per_epoch: _Optional[int] = ..., eval_target_tokens: _Optional[int] = ..., steps_per_epoch: _Optional[int] = ..., total_steps: _Optional[int] = ..., epochs: _Optional[float] = ..., checkpoints: _Optional[int] = ..., eval_passes: _Optional[int] = ..., trainable_parameters: _Optional[int] = ..., base_parameters: _Optional[int] = ..., largest_micro_batch_tokens: _Optional[int] = ..., memory: _Optional[_Union[MemoryEstimate, _Mapping]] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class TokenStatsRequest(_message.Message):
+    __slots__ = ("dataset_id", "base_model", "max_seq_len")
+    DATASET_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    dataset_id: str
+    base_model: str
+    max_seq_len: int
+    def __init__(self, dataset_id: _Optional[str] = ..., base_model: _Optional[str] = ..., max_seq_len: _Optional[int] = ...) -> None: ...
+
+class TokenStats(_message.Message):
+    __slots__ = ("dataset_id", "base_model", "rows", "mean_tokens", "p95_tokens", "max_tokens", "max_seq_len", "over_max_seq_len", "counted")
+    DATASET_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    P95_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    OVER_MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    COUNTED_FIELD_NUMBER: _ClassVar[int]
+    dataset_id: str
+    base_model: str
+    rows: int
+    mean_tokens: float
+    p95_tokens: int
+    max_tokens: int
+    max_seq_len: int
+    over_max_seq_len: int
+    counted: str
+    def __init__(self, dataset_id: _Optional[str] = ..., base_model: _Optional[str] = ..., rows: _Optional[int] = ..., mean_tokens: _Optional[float] = ..., p95_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., over_max_seq_len: _Optional[int] = ..., counted: _Optional[str] = ...) -> None: ...
+
 class GetJobRequest(_message.Message):
     __slots__ = ("id",)
     ID_FIELD_NUMBER: _ClassVar[int]
