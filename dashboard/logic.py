@@ -46,6 +46,7 @@ class UploadOutcome:
     violations: list[tuple[int, str, str]] = field(default_factory=list)  # (row, field, reason)
     truncated: bool = False  # more violations exist than are listed
     num_rows: int = 0
+    mapping: str = ""  # the server's words for the mapping it applied (ShareGPT, Alpaca rows), or ""
 
     @property
     def ok(self) -> bool:
@@ -62,12 +63,26 @@ def upload_jsonl(client: Client, data: bytes, filename: str, fmt: str = "auto", 
     report = client.validate_dataset(data, format=fmt)
     if not report.valid:
         return UploadOutcome(filename, violations=[(v.row, v.field, v.reason) for v in report.violations],
-                             truncated=report.truncated, num_rows=report.num_rows)
+                             truncated=report.truncated, num_rows=report.num_rows, mapping=report.mapping)
     source = io.BytesIO(data)
     source.name = filename  # the SDK sends it as the dataset's filename
-    dataset, dedup = client.upload_dataset(source, name=name, format=fmt)
-    return UploadOutcome(filename, dataset=dataset, deduplicated=dedup, num_rows=dataset.num_rows,
-                         preview=client.preview_dataset(dataset.id, limit=preview_rows))
+    reply = client.upload_dataset_reply(source, name=name, format=fmt)
+    return UploadOutcome(filename, dataset=reply.dataset, deduplicated=reply.deduplicated,
+                         num_rows=reply.dataset.num_rows, mapping=reply.mapping,
+                         preview=client.preview_dataset(reply.dataset.id, limit=preview_rows))
+
+
+def token_stats_lines(stats: pb.TokenStats) -> tuple[str, str]:
+    """GetTokenStats' answer in two sentences (markdown): the counts, and how the rows fit max_seq_len."""
+    over = stats.over_max_seq_len
+    summary = (f"**{stats.rows}** rows under **{md_escape(stats.base_model)}**'s tokenizer: "
+               f"**{stats.mean_tokens:,.1f}** tokens on average, **{stats.p95_tokens:,}** at the 95th percentile, "
+               f"**{stats.max_tokens:,}** at most (counted: {md_escape(stats.counted)}).")
+    if not over:
+        return summary, f"Every row fits in max_seq_len = {stats.max_seq_len:,} tokens."
+    return summary, (f"**{over}** row{'s' * (over != 1)} ({over / stats.rows:.0%}) {'are' if over != 1 else 'is'} "
+                     f"longer than max_seq_len = {stats.max_seq_len:,}: a job truncates them, keeping the start; "
+                     "raise Max sequence length on the Train page to keep them whole.")
 
 
 def violations_table(outcome: UploadOutcome) -> pd.DataFrame:

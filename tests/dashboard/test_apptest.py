@@ -174,7 +174,7 @@ def test_datasets_page_uploads_rejects_lists_and_previews(sdk):
 
     listed = at.dataframe[0].value
     assert ds.id in set(listed["id"])
-    preview_box = next(s for s in at.selectbox if s.label == "Preview")
+    preview_box = next(s for s in at.selectbox if s.label == "Dataset")
     preview_box.set_value(ds.id).run()
     number(at, "From row").set_value(5).run()
     shown = at.table[-1].value
