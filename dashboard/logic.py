@@ -17,7 +17,7 @@ import pandas as pd
 
 from trainyard import Client
 from trainyard.client import format_name
-from trainyard.methods import BY_PROTO, Method
+from trainyard.methods import BY_PROTO, METHODS, Method
 from trainyard.methods.proto import read
 from trainyard.methods.spec import Field
 from trainyard.v1 import scheduler_pb2 as pb
@@ -143,14 +143,42 @@ def field_labels(method: Method) -> dict[str, str]:
     return SPEC_LABELS | {method.prefix + f.setting.proto: f.setting.label for f in method.fields()}
 
 
-def field_errors(violations, method: Method) -> dict[str, list[str]]:
-    """The server's violations by the input they belong to: a setting's name, or the request field itself
-    (spec.base_model, spec.dataset_id, or one no input sets)."""
+def place_violations(violations, method: Method, slots) -> tuple[dict[str, list[str]], list]:
+    """(the reasons by input, for the inputs in slots; the violations no input shows), so each is shown once."""
     names = {method.prefix + f.setting.proto: f.name for f in method.fields()}
-    out: dict[str, list[str]] = defaultdict(list)
+    placed: dict[str, list[str]] = defaultdict(list)
+    rest = []
     for v in violations:
-        out[names.get(v.field, v.field)].append(v.reason)
-    return dict(out)
+        name = names.get(v.field, v.field)
+        if name in slots:
+            placed[name].append(v.reason)
+        else:
+            rest.append(v)
+    return dict(placed), rest
+
+
+def other_formats_note(datasets: list[pb.Dataset], method: Method) -> str:
+    """Which of the account's datasets a method cannot train on, and the methods that can (so none is silently
+    missing from the Dataset list); '' when there are none."""
+    others: dict[str, list[str]] = defaultdict(list)
+    for d in datasets:
+        fmt = format_name(d.format)
+        if fmt not in method.dataset_formats:
+            others[fmt].append(d.name)
+    if not others:
+        return ""
+    parts = []
+    for fmt, names in sorted(others.items()):
+        takers = [m.title for m in METHODS.values() if fmt in m.dataset_formats and m.trains] or \
+            [m.title for m in METHODS.values() if fmt in m.dataset_formats]
+        shown = ", ".join(md_escape(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        parts.append(f"{len(names)} {fmt} dataset{'s' * (len(names) != 1)} ({shown}): choose "
+                     + " or ".join(takers))
+    return "Not listed for this method: " + "; ".join(parts) + "."
+
+
+def checkpoint_label(c: pb.Checkpoint) -> str:
+    return f"{c.name or c.id} · job {c.job_id or c.session_id} · step {c.step}{' · final' if c.final else ''}"
 
 
 def float_step(default: float) -> float:

@@ -40,6 +40,11 @@ def selectbox(at, label: str):
     return next(s for s in at.selectbox if s.label == label)
 
 
+def offered(widget) -> list[str]:
+    """The dataset ids a picker offers (its options are shown as labels ending in the id)."""
+    return [o.rsplit(" · ", 1)[-1] for o in widget.options]
+
+
 # -- datasets -----------------------------------------------------------------------------------------------------
 def test_upload_jsonl_maps_sharegpt_and_says_so(sdk):
     outcome = logic.upload_jsonl(sdk, jsonl(SHAREGPT), "share.jsonl", preview_rows=2)
@@ -95,3 +100,66 @@ def test_datasets_page_maps_alpaca_counts_tokens_and_deletes_after_confirmation(
     assert_no_exception(at)
     assert "Deleted dataset alpaca" in text(at.success)
     assert ds.id not in {d.id for d in sdk.list_datasets()}
+
+
+# -- train ----------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def prefs(sdk):
+    ds, _ = sdk.upload_dataset(jsonl([{"prompt": f"{a}+1=", "chosen": str(a + 1), "rejected": str(a)}
+                                      for a in range(8)]), name="prefs")
+    return ds
+
+
+@pytest.fixture(scope="module")
+def chats(sdk):
+    ds, _ = sdk.upload_dataset(jsonl(chat_rows(12)), name="chats")
+    return ds
+
+
+def test_train_page_names_datasets_of_other_formats_and_plans_dpo(sdk, prefs, chats):
+    at = open_app("pages_train.py")
+    assert chats.id in offered(selectbox(at, "Dataset")) and prefs.id not in offered(selectbox(at, "Dataset"))
+    assert "Not listed for this method: 1 dpo dataset (prefs): choose Direct preference optimization" in \
+        text(at.caption)
+    selectbox(at, "Method").set_value("dpo").run()
+    assert_no_exception(at)
+    assert offered(selectbox(at, "Dataset")) == [prefs.id]
+    number(at, "Max steps").set_value(12).run()
+    plan = text(at.markdown)
+    assert "by DPO (beta" in plan and "Length: 12 steps of" in plan and "pairs each" in plan
+
+
+def test_train_page_shows_no_plan_when_no_row_can_be_trained(sdk):
+    long = [{"prompt": " ".join(["word"] * 60), "completion": "yes"} for _ in range(4)]
+    ds, _ = sdk.upload_dataset(jsonl(long), name="long-prompts")
+    at = open_app("pages_train.py")
+    selectbox(at, "Dataset").set_value(ds.id).run()
+    assert "Fine-tune" in text(at.markdown)
+    number(at, "Max sequence length").set_value(16).run()
+    assert_no_exception(at)
+    assert "No plan: none of the dataset's 4 rows can be trained on" in text(at.error)
+    assert "Fine-tune" not in text(at.markdown) and "steps of 0" not in text(at.markdown)
+    assert "raise max_seq_len" in text(at.warning)
+
+
+def test_train_page_picks_references_among_the_accounts_objects(sdk, prefs, chats):
+    sdk.upload_dataset(jsonl([{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(6)]), name="sums")
+    sdk.upload_evaluator(b"def reward_fn(completion, row):\n    return float(completion.strip() == row['answer'])\n",
+                         "exact")
+    at = open_app("pages_train.py")
+    selectbox(at, "Method").set_value("loop").run()
+    assert_no_exception(at)
+    training = next(m for m in at.multiselect if m.label == "Training datasets")
+    assert chats.id in offered(training) and prefs.id not in offered(training)
+    selectbox(at, "Training method").set_value("dpo").run()
+    training = next(m for m in at.multiselect if m.label == "Training datasets")
+    assert offered(training) == [prefs.id]
+    assert "exact@1" in selectbox(at, "Evaluator").options
+
+    selectbox(at, "Method").set_value("rft").run()
+    selectbox(at, "Evaluator").set_value("other (type a reference)").run()
+    next(t for t in at.text_input if t.label == "Evaluator reference").set_value("builtin:nope").run()
+    assert_no_exception(at)
+    assert "no built-in evaluator 'builtin:nope'" in text(at.error)
+    selectbox(at, "Evaluator").set_value("exact@1").run()
+    assert not [e for e in at.error if "evaluator" in str(e.value)]
