@@ -2,7 +2,6 @@
 (tests/conftest.py `stack`), with an account of this module's own."""
 from __future__ import annotations
 
-import json
 
 import pytest
 
