@@ -9,6 +9,8 @@ from dashboard import logic
 from tests.conftest import create_account
 from tests.dashboard.test_apptest import assert_no_exception, button, number, open_app, text
 from tests.integration.data import chat_rows, jsonl
+from streamlit.testing.v1 import AppTest
+
 from trainyard import Client
 
 pytestmark = pytest.mark.integration
@@ -162,3 +164,107 @@ def test_train_page_picks_references_among_the_accounts_objects(sdk, prefs, chat
     assert "no built-in evaluator 'builtin:nope'" in text(at.error)
     selectbox(at, "Evaluator").set_value("exact@1").run()
     assert not [e for e in at.error if "evaluator" in str(e.value)]
+
+
+# -- describe and plan (the Training Agent) --------------------------------------------------------------------------
+def plan_page(dataset_id: str, description: str = "Answer questions the way our team does", **choices) -> AppTest:
+    at = open_app("pages_plan.py")
+    assert at.title[0].value == "Describe and plan"
+    next(t for t in at.text_area if t.label == "Describe the task").set_value(description)
+    selectbox(at, "Dataset").set_value(dataset_id)
+    for label, value in choices.items():
+        selectbox(at, label).set_value(value)
+    button(at, "Plan").click().run()
+    assert_no_exception(at)
+    return at
+
+
+def settings_table(at) -> dict[str, tuple[str, str]]:
+    frame = next(t.value for t in at.table if "why" in t.value.columns)
+    return {row["setting"]: (row["value"], row["why"]) for _, row in frame.iterrows()}
+
+
+def test_plan_page_plans_edits_replans_and_approves(sdk, chats):
+    at = plan_page(chats.id, description="")
+    assert "No plan: describe the task" in text(at.error)
+
+    at = plan_page(chats.id)
+    md = text(at.markdown)
+    assert "Method: Supervised fine-tuning (LoRA)" in md and "Base model: tiny-qwen3" in md
+    table = settings_table(at)
+    assert table["LoRA rank"][0] == "8" and "rank 8 (8 under 500 rows" in table["LoRA rank"][1]
+    expected = sdk.plan_job("sft", "tiny-qwen3", chats.id, **at.session_state["agent_plan"].settings)
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["Steps"] == f"{expected.total_steps:,}" and metrics["Time"] == "not measured yet"
+    assert metrics["Cost"] == "no price set"
+
+    # A value that is not one of the declared type, or out of its bounds, is refused before re-planning.
+    next(t for t in at.text_input if t.label == "Learning rate").set_value("fast")
+    button(at, "Re-plan").click().run()
+    assert "Not re-planned: Learning rate: not a number: 'fast'" in text(at.error)
+    next(t for t in at.text_input if t.label == "Learning rate").set_value("-1")
+    button(at, "Re-plan").click().run()
+    assert "Learning rate: must be > 0 and < 1, got -1" in text(at.error)
+    next(t for t in at.text_input if t.label == "Learning rate").set_value("0.002")
+    next(t for t in at.text_input if t.label == "Max steps").set_value("5")
+    button(at, "Re-plan").click().run()
+    assert_no_exception(at)
+    table = settings_table(at)
+    assert table["Max steps"] == ("5", "you set it") and table["Learning rate"] == ("0.002", "you set it")
+    assert {m.label: m.value for m in at.metric}["Steps"] == "5"
+
+    button(at, "Approve and train").click().run()
+    assert_no_exception(at)
+    job_id = at.session_state["agent_approved_job"]
+    assert f"Approved: job {job_id}" in text(at.success)
+    job = sdk.get_job(job_id)
+    assert (job.spec.sft.max_steps, job.spec.sft.lora.rank) == (5, 8)
+    assert job.spec.sft.learning_rate == pytest.approx(0.002)
+    sdk.wait_job(job_id, timeout_s=300)
+
+
+def test_plan_page_drafts_an_rft_evaluator_tests_it_and_approves_the_edit(sdk):
+    ds, _ = sdk.upload_dataset(jsonl([{"prompt": f"What is {a}+{a}?", "answer": 2 * a} for a in range(8)]),
+                               name="doubles")
+    at = plan_page(ds.id, description="Solve the sums")
+    assert "Method: Reinforcement fine-tuning" in text(at.markdown)
+    editor = next(t for t in at.text_area if t.label == "Evaluator (reward_fn)")
+    assert "def reward_fn(completion: str, row: dict) -> float:" in editor.value and 'row["answer"]' in editor.value
+    button(at, "Test on 5 rows").click().run()
+    assert_no_exception(at)
+    assert "5 of 5 rows scored, 0 errors, mean reward 1" in text(at.success)
+
+    drafted = editor.value
+    signature = "def reward_fn(completion: str, row: dict) -> float:\n"
+    editor.set_value(drafted.replace(signature, signature + "    raise ValueError('edited')\n")).run()
+    button(at, "Test on 5 rows").click().run()
+    assert "errors" in text(at.error) and "ValueError: edited" in " ".join(at.dataframe[0].value["error"])
+    editor.set_value(drafted).run()
+    button(at, "Approve and train").click().run()
+    assert_no_exception(at)
+    job = sdk.get_job(at.session_state["agent_approved_job"])
+    name, version = job.spec.rft.evaluator.split("@")
+    assert sdk.get_evaluator(job.spec.rft.evaluator).name == name and int(version) >= 3  # tested twice, approved
+    sdk.cancel_job(job.id)
+
+
+def test_a_sweep_runs_on_the_server_and_the_page_finds_it_and_its_winner_again(sdk, chats):
+    at = plan_page(chats.id, description="Add numbers")
+    next(t for t in at.text_input if t.label == "Max steps").set_value("3")
+    next(t for t in at.text_input if t.label == "Eval every").set_value("3")
+    button(at, "Re-plan").click().run()
+    number(at, "Variants").set_value(2)
+    button(at, "Run a sweep").click().run()
+    assert_no_exception(at)
+    jobs = [j for j in sdk.list_jobs() if j.spec.display_name.startswith("agent-sft-add-numbers-s")]
+    assert len(jobs) == 2
+    for job in jobs:
+        sdk.wait_job(job.id, timeout_s=300)
+
+    again = open_app("pages_plan.py")  # a new browser session: no plan, the sweep is found from the jobs' names
+    assert_no_exception(again)
+    assert "Sweeps" in [h.value for h in again.subheader]
+    frame = again.dataframe[0].value
+    assert set(frame["job"]) == {j.id for j in jobs} and list(frame["status"]) == ["succeeded"] * 2
+    assert "has the lowest final held-out loss" in text(again.success)
+    assert list(frame["winner"]).count("yes") == 1
