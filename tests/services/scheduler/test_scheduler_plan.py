@@ -168,6 +168,21 @@ def test_token_stats_count_each_row_as_the_trainer_tokenizes_it(env, tiny_model_
     _, stats = core.token_stats(account, dpo, "tiny", 0)
     pair = _reference_lengths(tiny_model_dir, [{"prompt": "a", "chosen": "b", "rejected": "c"}])
     assert (stats["rows"], stats["max_tokens"], stats["counted"][:10]) == (1, pair[0], "the longer")
+    # RFT rows count their prompt: a plain string as the rollout encodes it, a conversation with the chat template's
+    # generation prompt.
+    from models.chat import encode_chat_prompt
+    from models.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(tiny_model_dir))
+    rft_rows = [{"prompt": "What is 2+2?", "answer": 4},
+                {"messages": [{"role": "user", "content": "And 3+3, please?"}], "answer": 6}]
+    rft = DatasetStore(core.db, core.planner.blobs, 1 << 20).upload(
+        account, UploadHeader("rft", None, ""), iter([json.dumps(r).encode() + b"\n" for r in rft_rows]))[0]
+    _, stats = core.token_stats(account, rft.id, "tiny", 0)
+    expected = [len(tok.encode("What is 2+2?", add_special_tokens=False)),
+                len(encode_chat_prompt(tok, rft_rows[1]["messages"]))]
+    assert (stats["rows"], stats["max_tokens"]) == (2, max(expected))
+    assert stats["mean_tokens"] == pytest.approx(sum(expected) / 2) and stats["counted"].startswith("the prompt")
 
 
 def test_token_stats_refuse_bad_input_by_field_and_other_accounts_datasets(env):
