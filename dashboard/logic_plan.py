@@ -41,8 +41,8 @@ def choices_frame(plan: AgentPlan) -> pd.DataFrame:
 def headline(plan: AgentPlan) -> list[str]:
     """The method and the base model, each with why (markdown)."""
     why = {c.setting: c.why for c in plan.proposal.choices}
-    return [f"**Method: {METHODS[plan.method].title}**. {md_escape(why['method'])}",
-            f"**Base model: {md_escape(plan.base_model)}**. {md_escape(why['base_model'])}"]
+    return [f"**Method: {METHODS[plan.method].title}** — {md_escape(why['method'])}",
+            f"**Base model: {md_escape(plan.base_model)}** — {md_escape(why['base_model'])}"]
 
 
 def estimate_metrics(plan: AgentPlan) -> list[tuple[str, str]]:

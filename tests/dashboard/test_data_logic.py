@@ -35,7 +35,7 @@ def test_the_plan_shows_every_choice_with_its_reason_by_its_declared_label():
     assert list(frame["setting"]) == [sft[c.setting] for c in plan.proposal.choices
                                       if c.setting not in ("method", "base_model")]
     assert all(frame["why"].str.len() > 0)
-    assert logic_plan.headline(plan)[0].startswith("**Method: Supervised fine-tuning (LoRA)**.")
+    assert logic_plan.headline(plan)[0].startswith("**Method: Supervised fine-tuning (LoRA)** — the rows hold")
     metrics = dict(logic_plan.estimate_metrics(plan))
     assert metrics["Time"] == "not measured yet" and metrics["Cost"] == "no price set"
     assert metrics["Rows (train / held out)"] == "18 / 2" and metrics["Memory"] == "26.0 MiB (cpu)"
