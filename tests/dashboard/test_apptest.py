@@ -124,7 +124,7 @@ def test_sidebar_signs_in_or_says_what_is_wrong(stack, key):
 def test_pages_of_a_new_account_say_what_to_do_first(stack, monkeypatch):
     monkeypatch.setenv("TRAINYARD_API_KEY", create_account(stack.env_for("scheduler"), "dashboard-newcomer"))
     expected = {None: "No datasets yet", "pages_train.py": "Upload a dataset", "pages_jobs.py": "No jobs yet",
-                "pages_playground.py": "No deployments yet"}
+                "pages_playground.py": "No deployments yet", "pages_plan.py": "Upload a dataset first"}
     for page, message in expected.items():
         at = open_app(page)
         assert message in text(at.main.info), page
