@@ -77,6 +77,7 @@ def make_plan(settings: dict | None = None) -> None:
 if st.button("Plan", type="primary", icon=":material/auto_awesome:"):
     make_plan()
 
+
 def sweeps_panel() -> None:
     """The account's sweeps (found from their jobs' names, so a closed browser loses nothing): a sweep's variants,
     and its winner with the reason once every variant has finished."""
@@ -93,6 +94,9 @@ def sweeps_panel() -> None:
                    "named when all have.")
     elif result.winner is not None:
         st.success(f"Winner: job **{result.winner.id}**. {md_escape(result.reason)}.")
+        if st.button("Open the winner on the Jobs page", icon=":material/monitoring:"):
+            st.session_state[JOB_ID] = result.winner.id
+            st.switch_page("pages_jobs.py")
     else:
         st.warning(f"No winner: {md_escape(result.reason)}.")
 
@@ -181,8 +185,13 @@ if plan.method != "rft":
                                   + "; ".join(f"{n}: x {', '.join(f'{f:g}' for f in fs)}" for n, fs in SWEEPS.items()))
     if right.button(f"Run a sweep ({min(SWEEPS)}-{max(SWEEPS)} variants)", icon=":material/tune:"):
         try:
-            agent.sweep(plan, SWEEPS[int(variants)], wait=False)
-        except (TrainyardError, PlanningError) as exc:
-            api.show_error(exc) if isinstance(exc, TrainyardError) else st.error(md_escape(str(exc)))
+            started = agent.sweep(plan, SWEEPS[int(variants)], wait=False)
+        except PlanningError as exc:
+            st.error(f"**No sweep**: {md_escape(str(exc))}")
+        except TrainyardError as exc:
+            api.show_error(exc)
+        else:
+            st.success(f"Started a sweep of {len(started.jobs)} variants; they run on the server (closing this page "
+                       "changes nothing) and the winner is named below when all have finished.")
 
 show_sweeps()

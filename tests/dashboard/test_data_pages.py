@@ -256,6 +256,7 @@ def test_a_sweep_runs_on_the_server_and_the_page_finds_it_and_its_winner_again(s
     number(at, "Variants").set_value(2)
     button(at, "Run a sweep").click().run()
     assert_no_exception(at)
+    assert "Started a sweep of 2 variants" in text(at.success)
     jobs = [j for j in sdk.list_jobs() if j.spec.display_name.startswith("agent-sft-add-numbers-s")]
     assert len(jobs) == 2
     for job in jobs:
@@ -268,3 +269,6 @@ def test_a_sweep_runs_on_the_server_and_the_page_finds_it_and_its_winner_again(s
     assert set(frame["job"]) == {j.id for j in jobs} and list(frame["status"]) == ["succeeded"] * 2
     assert "has the lowest final held-out loss" in text(again.success)
     assert list(frame["winner"]).count("yes") == 1
+    button(again, "Open the winner on the Jobs page").click().run()
+    assert_no_exception(again)
+    assert again.title[0].value == "Jobs" and again.session_state["job_id"] in {j.id for j in jobs}
