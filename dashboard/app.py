@@ -14,6 +14,7 @@ from trainyard import TrainyardError
 st.set_page_config(page_title="Trainyard", page_icon=":material/train:", layout="wide")
 page = st.navigation([
     st.Page("pages_datasets.py", title="Datasets", icon=":material/dataset:", url_path="datasets", default=True),
+    st.Page("pages_plan.py", title="Describe and plan", icon=":material/auto_awesome:", url_path="plan"),
     st.Page("pages_train.py", title="Train", icon=":material/model_training:", url_path="train"),
     st.Page("pages_jobs.py", title="Jobs", icon=":material/monitoring:", url_path="jobs"),
     st.Page("pages_checkpoints.py", title="Checkpoints", icon=":material/save:", url_path="checkpoints"),

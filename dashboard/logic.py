@@ -17,7 +17,7 @@ import pandas as pd
 
 from trainyard import Client
 from trainyard.client import format_name
-from trainyard.methods import BY_PROTO, Method
+from trainyard.methods import BY_PROTO, METHODS, Method
 from trainyard.methods.proto import read
 from trainyard.methods.spec import Field
 from trainyard.v1 import scheduler_pb2 as pb
@@ -46,6 +46,7 @@ class UploadOutcome:
     violations: list[tuple[int, str, str]] = field(default_factory=list)  # (row, field, reason)
     truncated: bool = False  # more violations exist than are listed
     num_rows: int = 0
+    mapping: str = ""  # the server's words for the mapping it applied (ShareGPT, Alpaca rows), or ""
 
     @property
     def ok(self) -> bool:
@@ -62,12 +63,26 @@ def upload_jsonl(client: Client, data: bytes, filename: str, fmt: str = "auto", 
     report = client.validate_dataset(data, format=fmt)
     if not report.valid:
         return UploadOutcome(filename, violations=[(v.row, v.field, v.reason) for v in report.violations],
-                             truncated=report.truncated, num_rows=report.num_rows)
+                             truncated=report.truncated, num_rows=report.num_rows, mapping=report.mapping)
     source = io.BytesIO(data)
     source.name = filename  # the SDK sends it as the dataset's filename
-    dataset, dedup = client.upload_dataset(source, name=name, format=fmt)
-    return UploadOutcome(filename, dataset=dataset, deduplicated=dedup, num_rows=dataset.num_rows,
-                         preview=client.preview_dataset(dataset.id, limit=preview_rows))
+    reply = client.upload_dataset_reply(source, name=name, format=fmt)
+    return UploadOutcome(filename, dataset=reply.dataset, deduplicated=reply.deduplicated,
+                         num_rows=reply.dataset.num_rows, mapping=reply.mapping,
+                         preview=client.preview_dataset(reply.dataset.id, limit=preview_rows))
+
+
+def token_stats_lines(stats: pb.TokenStats) -> tuple[str, str]:
+    """GetTokenStats' answer in two sentences (markdown): the counts, and how the rows fit max_seq_len."""
+    over = stats.over_max_seq_len
+    summary = (f"**{stats.rows}** rows under **{md_escape(stats.base_model)}**'s tokenizer: "
+               f"**{stats.mean_tokens:,.1f}** tokens on average, **{stats.p95_tokens:,}** at the 95th percentile, "
+               f"**{stats.max_tokens:,}** at most (counted: {md_escape(stats.counted)}).")
+    if not over:
+        return summary, f"Every row fits in max_seq_len = {stats.max_seq_len:,} tokens."
+    return summary, (f"**{over}** row{'s' * (over != 1)} ({over / stats.rows:.0%}) {'are' if over != 1 else 'is'} "
+                     f"longer than max_seq_len = {stats.max_seq_len:,}: a job truncates them, keeping the start; "
+                     "raise Max sequence length on the Train page to keep them whole.")
 
 
 def violations_table(outcome: UploadOutcome) -> pd.DataFrame:
@@ -128,14 +143,42 @@ def field_labels(method: Method) -> dict[str, str]:
     return SPEC_LABELS | {method.prefix + f.setting.proto: f.setting.label for f in method.fields()}
 
 
-def field_errors(violations, method: Method) -> dict[str, list[str]]:
-    """The server's violations by the input they belong to: a setting's name, or the request field itself
-    (spec.base_model, spec.dataset_id, or one no input sets)."""
+def place_violations(violations, method: Method, slots) -> tuple[dict[str, list[str]], list]:
+    """(the reasons by input, for the inputs in slots; the violations no input shows), so each is shown once."""
     names = {method.prefix + f.setting.proto: f.name for f in method.fields()}
-    out: dict[str, list[str]] = defaultdict(list)
+    placed: dict[str, list[str]] = defaultdict(list)
+    rest = []
     for v in violations:
-        out[names.get(v.field, v.field)].append(v.reason)
-    return dict(out)
+        name = names.get(v.field, v.field)
+        if name in slots:
+            placed[name].append(v.reason)
+        else:
+            rest.append(v)
+    return dict(placed), rest
+
+
+def other_formats_note(datasets: list[pb.Dataset], method: Method) -> str:
+    """Which of the account's datasets a method cannot train on, and the methods that can (so none is silently
+    missing from the Dataset list); '' when there are none."""
+    others: dict[str, list[str]] = defaultdict(list)
+    for d in datasets:
+        fmt = format_name(d.format)
+        if fmt not in method.dataset_formats:
+            others[fmt].append(d.name)
+    if not others:
+        return ""
+    parts = []
+    for fmt, names in sorted(others.items()):
+        takers = [m.title for m in METHODS.values() if fmt in m.dataset_formats and m.trains] or \
+            [m.title for m in METHODS.values() if fmt in m.dataset_formats]
+        shown = ", ".join(md_escape(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        parts.append(f"{len(names)} {fmt} dataset{'s' * (len(names) != 1)} ({shown}): choose "
+                     + " or ".join(takers))
+    return "Not listed for this method: " + "; ".join(parts) + "."
+
+
+def checkpoint_label(c: pb.Checkpoint) -> str:
+    return f"{c.name or c.id} · job {c.job_id or c.session_id} · step {c.step}{' · final' if c.final else ''}"
 
 
 def float_step(default: float) -> float:

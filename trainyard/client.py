@@ -201,8 +201,16 @@ class Client:
     def upload_dataset(self, source: str | os.PathLike | bytes | BinaryIO, name: str = "", format: str = "auto",
                        progress: Callable[[int], None] | None = None) -> tuple[pb.Dataset, bool]:
         """Upload a JSONL file (path, bytes or binary file). Returns (dataset, deduplicated)."""
-        resp = self.datasets.UploadDataset(self._upload_stream(source, name, format, progress), **self._kw(3600))
+        resp = self.upload_dataset_reply(source, name, format, progress)
         return resp.dataset, resp.deduplicated
+
+    @translate
+    def upload_dataset_reply(self, source: str | os.PathLike | bytes | BinaryIO, name: str = "",
+                             format: str = "auto",
+                             progress: Callable[[int], None] | None = None) -> pb.UploadDatasetResponse:
+        """As upload_dataset, the whole reply: also the mapping applied when the rows were in another tool's
+        format (ShareGPT, Alpaca), in words."""
+        return self.datasets.UploadDataset(self._upload_stream(source, name, format, progress), **self._kw(3600))
 
     @translate
     def validate_dataset(self, source, format: str = "auto") -> pb.ValidationReport:
@@ -322,6 +330,13 @@ class Client:
     @translate
     def get_job(self, job_id: str) -> pb.Job:
         return self.jobs.GetJob(pb.GetJobRequest(id=job_id), **self._kw())
+
+    @translate
+    def token_stats(self, dataset_id: str, base_model: str, max_seq_len: int = 0) -> pb.TokenStats:
+        """Rows, mean / p95 / max tokens and rows over max_seq_len (0: SFT's default) of a dataset under a base
+        model's tokenizer, as a job would tokenize them."""
+        return self.jobs.GetTokenStats(pb.TokenStatsRequest(dataset_id=dataset_id, base_model=base_model,
+                                                            max_seq_len=max_seq_len), **self._kw(120))
 
     @translate
     def list_jobs(self, status: str | None = None) -> list[pb.Job]:

@@ -16,6 +16,8 @@ or sweep().
 from __future__ import annotations
 
 import json
+import re
+import secrets
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -27,6 +29,12 @@ from trainyard.v1 import scheduler_pb2 as pb
 
 CALIBRATION_STEPS = 6
 SWEEP_FACTORS = (0.5, 1.0, 2.0)
+# Learning-rate factors of a sweep of n variants (the plan's own rate, and rates around it).
+SWEEPS = {2: (0.5, 1.0), 3: SWEEP_FACTORS, 4: (0.25, 0.5, 1.0, 2.0)}
+EVALUATOR_TEST_ROWS = 5
+# A sweep's jobs are named after the plan and the sweep, each with its learning rate:
+# "<_job_name(plan)>-s<4 hex digits>-lr<rate>"; the part before "-lr" names the sweep.
+_SWEEP_NAME = re.compile(r"(agent-[a-z]+.*-s[0-9a-f]{4})-lr([0-9.e+-]+)")
 
 
 @dataclass(frozen=True)
@@ -97,7 +105,7 @@ class AgentPlan:
         lines.append(f"estimate: {e.total_steps} steps over {e.train_rows} rows ({e.eval_rows} held out), "
                      f"{e.tokens:,} tokens, about {e.memory_bytes / 2**20:,.0f} MiB on {e.device}")
         if e.seconds is not None:
-            lines.append(f"  time about {_duration(e.seconds)} at {e.throughput.target_tokens_per_s:,.0f} target "
+            lines.append(f"  time about {duration(e.seconds)} at {e.throughput.target_tokens_per_s:,.0f} target "
                          f"tokens/s measured on {e.throughput.source}"
                          + (f"; cost about {e.cost:.2f}" if e.cost is not None else ""))
         lines += [f"warning: {w}" for w in self.warnings]
@@ -234,15 +242,39 @@ class TrainingAgent:
             raise rules.PlanningError("a sweep compares held-out losses, which RFT jobs do not have: approve the "
                                       "plan instead")
         base_lr = plan.settings["learning_rate"]
+        sweep = f"{_job_name(plan)}-s{secrets.token_hex(2)}"
         jobs = []
         for f in factors:
             variant = plan.with_settings(learning_rate=float(f"{base_lr * f:.2g}"))
-            jobs.append(self.approve(variant, f"{_job_name(plan)}-lr{variant.settings['learning_rate']:g}"))
+            jobs.append(self.approve(variant, f"{sweep}-lr{variant.settings['learning_rate']:g}"))
         if not wait:
             return SweepResult(jobs, None, "running", [])
         deadline = time.monotonic() + timeout_s
         finished = [self.client.wait_job(j.id, timeout_s=max(1.0, deadline - time.monotonic())) for j in jobs]
         return self.pick_winner(finished)
+
+    def sweeps(self) -> dict[str, list[pb.Job]]:
+        """The account's sweeps, found again from their jobs' names (they run on the server whoever watches):
+        the sweep's name -> its jobs, in learning-rate order; newest sweep first."""
+        found: dict[str, list[pb.Job]] = {}
+        for job in self.client.list_jobs():
+            m = _SWEEP_NAME.fullmatch(job.spec.display_name)
+            if m:
+                found.setdefault(m.group(1), []).append(job)
+        return {name: sorted(jobs, key=lambda j: _setting(j, "learning_rate") or 0.0)
+                for name, jobs in found.items() if len(jobs) >= 2}
+
+    def test_evaluator(self, plan: AgentPlan, source: str,
+                       num_rows: int = EVALUATOR_TEST_ROWS) -> pb.EvaluatorTestResponse:
+        """The (edited) drafted evaluator of an RFT plan in the server's sandbox, before approval: uploaded as the
+        next version of the plan's evaluator and run on the data set's first num_rows rows, each with its expected
+        answer (the ground-truth field the evaluator was drafted from) as the completion, so a right reward_fn
+        scores 1 on every row."""
+        rows = self.client.preview_dataset(plan.dataset_id, 0, num_rows)
+        truth = rules.truth_field(tuple(sorted({k for r in rows for k in r})))
+        ev = self.client.upload_evaluator(source.encode(), _evaluator_name(plan))
+        return self.client.test_evaluator(f"{ev.name}@{ev.version}", rows=rows,
+                                          completions=[str(r.get(truth, "")) for r in rows])
 
     def pick_winner(self, jobs: list[pb.Job]) -> SweepResult:
         rows = []
@@ -290,7 +322,7 @@ def _evaluator_name(plan: AgentPlan) -> str:
     return f"agent-{plan.dataset_id}"[:64]
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
     if seconds < 90:
         return f"{seconds:.0f} s"
     if seconds < 5400:

@@ -243,16 +243,23 @@ def _rft_settings(data: DataFacts, put) -> None:
     put("checkpoint_every", max(1, steps // 5), "five checkpoints over the run")
 
 
-def draft_evaluator(description: str, data: DataFacts) -> tuple[str, str]:
-    """A reward function for the user to read, test on rows and edit: it compares the completion with the rows'
-    ground-truth field, numerically when that field holds numbers."""
-    truth = next((f for f in GROUND_TRUTH_FIELDS if f in data.fields), None)
+def truth_field(fields: tuple[str, ...]) -> str:
+    """The field of RFT rows that holds the expected answer: the first of GROUND_TRUTH_FIELDS, else the first field
+    that is not the prompt."""
+    truth = next((f for f in GROUND_TRUTH_FIELDS if f in fields), None)
     if truth is None:
-        extra = [f for f in data.fields if f not in ("prompt", "messages")]
+        extra = [f for f in fields if f not in ("prompt", "messages")]
         if not extra:
             raise PlanningError("RFT needs a field with the expected answer (e.g. 'answer') next to each prompt; "
                                 "these rows have none, so no evaluator can be drafted")
         truth = extra[0]
+    return truth
+
+
+def draft_evaluator(description: str, data: DataFacts) -> tuple[str, str]:
+    """A reward function for the user to read, test on rows and edit: it compares the completion with the rows'
+    ground-truth field, numerically when that field holds numbers."""
+    truth = truth_field(data.fields)
     values = [r.get(truth) for r in data.rows if truth in r]
     numeric = bool(values) and all(_is_number(v) for v in values)
     contains = bool(re.search(r"\b(contain|mention|include)", description.lower()))

@@ -7,6 +7,15 @@ A dataset is a JSONL file: one JSON object per line, all rows in one of four for
     dpo                    {"prompt": "..." | [messages], "chosen": "..." | [messages], "rejected": ...}
     rft                    {"prompt": "..."} or {"messages": [...]}, plus free-form fields for the reward function
 
+Two common formats of other tools are mapped onto these at upload (MAPPINGS, declared once below):
+
+    sharegpt -> sft_chat               {"conversations": [{"from": "human" | "gpt" | "system", "value": "..."}]}
+    alpaca   -> sft_prompt_completion  {"instruction": "...", "input": "..." (optional), "output": "..."}
+
+A file is mapped when its first row has the source format's keys (and the declared format, if any, is the target);
+every row is then mapped and checked as a row of the target format, and its problems are named by the original
+line and the original field (conversations[1].from, not messages[1].role). The stored dataset holds the mapped rows.
+
 Users read the errors directly, so each names the 1-based line of the file, the JSON path of the field and what is
 wrong with it. Files may be hundreds of MB: they are read line by line in binary, and a line over MAX_ROW_BYTES is
 reported without ever being decoded.
@@ -16,7 +25,7 @@ from __future__ import annotations
 import enum
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -56,6 +65,92 @@ _ACCEPTED_SHAPES = {
     DatasetFormat.RFT: {"messages", "prompt"},
 }
 
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Mappings from other tools' formats
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Mapping:
+    """Another tool's row format and how its rows become rows of one of ours."""
+
+    name: str
+    target: DatasetFormat
+    detect: Callable[[dict], bool]  # the row's keys give the source format away
+    convert: Callable[[dict, list], dict]  # (row, problems) -> the target row; problems name the source's fields
+    renames: tuple[tuple[str, str], ...]  # target field path fragments -> the source's, for the target's checks
+    summary: str  # what the mapping does, in words (the upload reply carries it)
+
+    def source_path(self, path: str) -> str:
+        for ours, theirs in self.renames:
+            path = path.replace(ours, theirs)
+        return path
+
+
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+
+
+def _from_sharegpt(row: dict, problems: list) -> dict:
+    turns = row.get("conversations", _MISSING)
+    messages = []
+    if turns is _MISSING:
+        problems.append(("conversations", "missing required field"))
+    elif not isinstance(turns, list):
+        problems.append(("conversations", f"expected a list of turns, got {_type_name(turns)}"))
+    elif not turns:
+        problems.append(("conversations", "expected at least one turn, got an empty list"))
+    else:
+        for i, turn in enumerate(turns):
+            path = f"conversations[{i}]"
+            if not isinstance(turn, dict):
+                problems.append((path, f"expected a turn object with 'from' and 'value', got {_type_name(turn)}"))
+                continue
+            speaker = turn.get("from", _MISSING)
+            if speaker is _MISSING:
+                problems.append((f"{path}.from", "missing required field"))
+            elif not isinstance(speaker, str) or speaker not in SHAREGPT_ROLES:
+                shown = _short(speaker) if isinstance(speaker, str) else _type_name(speaker)
+                problems.append((f"{path}.from", f"unknown speaker {shown!r} (expected one of: "
+                                                 f"{', '.join(SHAREGPT_ROLES)})"))
+            _check_string(turn, "value", problems, non_empty=False, path=f"{path}.value")
+            messages.append({"role": SHAREGPT_ROLES.get(speaker, "user") if isinstance(speaker, str) else "user",
+                             "content": turn.get("value")})
+    return {"messages": messages, **{k: v for k, v in row.items() if k != "conversations"}}
+
+
+def _from_alpaca(row: dict, problems: list) -> dict:
+    _check_string(row, "instruction", problems, non_empty=True)
+    _check_string(row, "output", problems, non_empty=True)
+    extra = row.get("input", "")
+    if not isinstance(extra, str):
+        problems.append(("input", f"expected a string, got {_type_name(extra)}"))
+        extra = ""
+    instruction = row.get("instruction") if isinstance(row.get("instruction"), str) else ""
+    prompt = f"{instruction}\n\n{extra}" if extra.strip() else instruction
+    rest = {k: v for k, v in row.items() if k not in ("instruction", "input", "output")}
+    return {"prompt": prompt, "completion": row.get("output"), **rest}
+
+
+MAPPINGS = (
+    Mapping("sharegpt", DatasetFormat.SFT_CHAT,
+            detect=lambda row: "conversations" in row and "messages" not in row,
+            convert=_from_sharegpt, renames=(("messages", "conversations"), (".role", ".from"),
+                                             (".content", ".value")),
+            summary="sharegpt -> sft_chat: each turn of 'conversations' became a message, 'from' human / gpt / "
+                    "system became the role user / assistant / system and 'value' the content"),
+    Mapping("alpaca", DatasetFormat.SFT_PROMPT_COMPLETION,
+            detect=lambda row: "instruction" in row and not {"prompt", "messages", "conversations"} & row.keys(),
+            convert=_from_alpaca, renames=(("prompt", "instruction"), ("completion", "output")),
+            summary="alpaca -> sft_prompt_completion: the prompt is 'instruction' (followed by a blank line and "
+                    "'input' when there is one) and the completion is 'output'"),
+)
+
+
+def detect_mapping(row: dict, declared: DatasetFormat | None = None) -> Mapping | None:
+    """The mapping a row's keys point to (one whose target is the declared format, when one is declared)."""
+    return next((m for m in MAPPINGS if m.detect(row) and declared in (None, m.target)), None)
+
+
 UNKNOWN_FORMAT = ("cannot tell the dataset format: expected 'messages', 'prompt'/'completion', "
                   "'prompt'/'chosen'/'rejected' or 'prompt' with reward fields")
 EMPTY_FILE = "the file is empty: no rows"
@@ -68,6 +163,7 @@ class ValidationResult:
     size_bytes: int
     errors: list[Violation]
     truncated: bool  # more errors existed than were kept
+    mapping: Mapping | None = None  # the other tool's format the rows were mapped from
 
     @property
     def valid(self) -> bool:
@@ -84,7 +180,10 @@ def validate_jsonl(source: str | os.PathLike | BinaryIO, declared: DatasetFormat
     if max_errors < 0:
         raise ValueError(f"max_errors must be >= 0, got {max_errors}")
     fmt = DatasetFormat(declared) if declared is not None else None
+    declared_fmt = fmt
     origin = f"declared as {fmt.value}" if fmt is not None else ""
+    mapping: Mapping | None = None
+    first = True
     errors: list[Violation] = []
     truncated = False
     num_rows = 0
@@ -107,19 +206,48 @@ def validate_jsonl(source: str | os.PathLike | BinaryIO, declared: DatasetFormat
             if row is None:
                 add(lineno, "", reason)
                 continue
+            if first:  # the first row that is an object decides whether the file is mapped
+                first = False
+                mapping = detect_mapping(row, declared_fmt)
+                if mapping is not None:
+                    fmt = mapping.target
+                    origin = f"mapped from {mapping.name} (detected from row {lineno})"
+            if mapping is not None:
+                for field_, reason in _mapped_problems(mapping, row, origin):
+                    add(lineno, field_, reason)
+                continue
             if fmt is None:
                 fmt = detect_format(row)
                 if fmt is None:
                     add(lineno, "", UNKNOWN_FORMAT)
                     continue
                 origin = f"detected as {fmt.value} from row {lineno}"
-            for field, reason in _check_row(fmt, row, origin):
-                add(lineno, field, reason)
+            for field_, reason in _check_row(fmt, row, origin):
+                add(lineno, field_, reason)
         size_bytes = lines.bytes_read
 
     if num_rows == 0:
         add(0, "", EMPTY_FILE)
-    return ValidationResult(format=fmt, num_rows=num_rows, size_bytes=size_bytes, errors=errors, truncated=truncated)
+    return ValidationResult(format=fmt, num_rows=num_rows, size_bytes=size_bytes, errors=errors, truncated=truncated,
+                            mapping=mapping)
+
+
+def _mapped_problems(mapping: Mapping, row: dict, origin: str) -> list[tuple[str, str]]:
+    """A source row's problems: the mapping's own checks, then the target format's on the mapped row (named by the
+    source's fields)."""
+    problems: list[tuple[str, str]] = []
+    mapped = mapping.convert(row, problems)
+    if problems:
+        return problems
+    return [(mapping.source_path(f), reason) for f, reason in _check_row(mapping.target, mapped, origin)]
+
+
+def mapped_lines(source: str | os.PathLike | BinaryIO, mapping: Mapping) -> Iterator[bytes]:
+    """The JSONL lines of a file that validate_jsonl found valid under `mapping`, each row mapped."""
+    with _open_binary(source) as f:
+        for _, line, _ in _LineReader(f):
+            row, _ = _parse_object(line)
+            yield json.dumps(mapping.convert(row, []), ensure_ascii=False).encode() + b"\n"
 
 
 def read_rows(path: str | os.PathLike | BinaryIO, offset: int = 0, limit: int = 10) -> list[dict]:

@@ -1,7 +1,7 @@
 """Dataset uploads: stream to a staging file while hashing, validate every row, then store — or store nothing.
 
-Order of an upload: header -> bytes to a staging file (size-capped, sha256 on the fly) -> full validation ->
-de-duplication against the account's live datasets -> atomic blob commit -> row insert. Any failure before the row
+Order of an upload: header -> bytes to a staging file (size-capped, sha256 on the fly) -> full validation -> rows
+of another tool's format mapped into a second staging file (dataset_formats.MAPPINGS) -> de-duplication against the account's live datasets -> atomic blob commit -> row insert. Any failure before the row
 insert removes the staging file, and a failed insert removes the blob it had just created (BlobStore.saving), so a
 rejected upload leaves the store and the database as they were.
 """
@@ -20,7 +20,8 @@ from services.common.db import Database
 from services.common.errors import FailedPrecondition, InvalidArgument, not_found
 from services.common.quotas import check_quota, quota_reached
 from services.common.schema import Account, Dataset, Job, new_id, utcnow
-from services.scheduler.dataset_formats import DatasetFormat, ValidationResult, read_rows, validate_jsonl
+from services.scheduler.dataset_formats import (DatasetFormat, Mapping, ValidationResult, mapped_lines, read_rows,
+                                                validate_jsonl)
 
 
 @dataclass
@@ -64,6 +65,13 @@ class DatasetStore:
             staged.path.unlink(missing_ok=True)
 
     def upload(self, account_id: str, header: UploadHeader, chunks: Iterable[bytes]) -> tuple[Dataset, bool]:
+        """(the dataset, whether the account already had it)."""
+        dataset, dedup, _ = self.upload_mapped(account_id, header, chunks)
+        return dataset, dedup
+
+    def upload_mapped(self, account_id: str, header: UploadHeader,
+                      chunks: Iterable[bytes]) -> tuple[Dataset, bool, Mapping | None]:
+        """As upload, and the mapping applied to the rows (None: they were in one of our formats)."""
         with self.db.session() as s:  # refused before the bytes travel when the count is already reached
             self._check_quotas(s, account_id, 0)
         staged = self.stage(chunks)
@@ -71,31 +79,39 @@ class DatasetStore:
             result = validate_jsonl(staged.path, header.format)
             if not result.valid:
                 raise InvalidArgument(violations=result.errors, truncated=result.truncated)
-            fmt = result.format.value
-            existing = self._live_by_sha(account_id, staged.sha256, fmt)
-            if existing is not None:
-                return existing, True
-            with self.db.session() as s:  # before storing anything; checked again with the row, under the lock
-                self._check_quotas(s, account_id, staged.size_bytes)
-            name = (header.name or Path(header.filename).stem or "dataset")[:256]
-            row = Dataset(id=new_id("ds"), account_id=account_id, name=name,
-                          filename=header.filename, format=fmt, num_rows=result.num_rows,
-                          size_bytes=staged.size_bytes, sha256=staged.sha256, created_at=utcnow())
-            with self.blobs.saving(blobrefs.checker(self.db)) as save:  # a failed insert takes its new blob back
-                save.commit(staged.path, staged.sha256)
-                try:
-                    with self.db.session() as s:
-                        s.get(Account, account_id, with_for_update=True)  # one account's uploads count one at a time
-                        self._check_quotas(s, account_id, staged.size_bytes)
-                        s.add(row)
-                except IntegrityError:  # the same content raced in from another upload: that one wins
-                    existing = self._live_by_sha(account_id, staged.sha256, fmt)
-                    if existing is None:
-                        raise
-                    return existing, True
-            return row, False
+            if result.mapping is not None:  # the mapped rows are what is stored
+                original, staged = staged, self.stage(mapped_lines(staged.path, result.mapping))
+                original.path.unlink(missing_ok=True)
+            dataset, dedup = self._store(account_id, header, staged, result)
+            return dataset, dedup, result.mapping
         finally:
             staged.path.unlink(missing_ok=True)
+
+    def _store(self, account_id: str, header: UploadHeader, staged: Staged,
+               result: ValidationResult) -> tuple[Dataset, bool]:
+        fmt = result.format.value
+        existing = self._live_by_sha(account_id, staged.sha256, fmt)
+        if existing is not None:
+            return existing, True
+        with self.db.session() as s:  # before storing anything; checked again with the row, under the lock
+            self._check_quotas(s, account_id, staged.size_bytes)
+        name = (header.name or Path(header.filename).stem or "dataset")[:256]
+        row = Dataset(id=new_id("ds"), account_id=account_id, name=name,
+                      filename=header.filename, format=fmt, num_rows=result.num_rows,
+                      size_bytes=staged.size_bytes, sha256=staged.sha256, created_at=utcnow())
+        with self.blobs.saving(blobrefs.checker(self.db)) as save:  # a failed insert takes its new blob back
+            save.commit(staged.path, staged.sha256)
+            try:
+                with self.db.session() as s:
+                    s.get(Account, account_id, with_for_update=True)  # one account's uploads count one at a time
+                    self._check_quotas(s, account_id, staged.size_bytes)
+                    s.add(row)
+            except IntegrityError:  # the same content raced in from another upload: that one wins
+                existing = self._live_by_sha(account_id, staged.sha256, fmt)
+                if existing is None:
+                    raise
+                return existing, True
+        return row, False
 
     def _check_quotas(self, s, account_id: str, adding_bytes: int) -> None:
         """Quotas on the account's live datasets: their count, and their bytes with adding_bytes more."""

@@ -18,7 +18,7 @@ from services.common.ledger import TERMINAL, Ledger
 from services.common.quotas import quota_reached
 from services.common.resources import Inventory, ResourceRequest, account_limits, check_fits, resolve_request
 from services.scheduler.planner import Planner
-from trainyard.methods import METHODS, Method
+from trainyard.methods import METHODS, Method, SftSettings
 
 
 @dataclass
@@ -106,6 +106,25 @@ class JobCore:
                                   field="spec.method")
         return checked, self.planner.plan(checked.method.name, checked.model.path, checked.dataset.sha256,
                                           checked.settings.to_json(), what=f"dataset {checked.dataset.id}")
+
+    def token_stats(self, account_id: str, dataset_id: str, base_model: str, max_seq_len: int) -> tuple[Model, dict]:
+        """(the model, the planner's token statistics of the dataset's rows under its tokenizer); max_seq_len 0: SFT's
+        default, at most the model's context."""
+        with self.db.session() as s:
+            model = registry.require_model(s, account_id, base_model, field="base_model")
+            if not dataset_id:
+                raise InvalidArgument("required: the id of an uploaded dataset", field="dataset_id")
+            ds = s.get(Dataset, dataset_id)
+            if ds is None or ds.account_id != account_id or ds.deleted_at is not None:
+                raise not_found("dataset", dataset_id)
+        context = model.max_position_embeddings
+        if max_seq_len < 0 or (context and max_seq_len > context):
+            raise InvalidArgument(f"must be between 1 and the model's context ({context}), or 0 for the default; got "
+                                  f"{max_seq_len}", field="max_seq_len")
+        limit = max_seq_len or min(SftSettings.max_seq_len, context or SftSettings.max_seq_len)
+        return model, self.planner.plan("token_stats", model.path, ds.sha256, {"format": ds.format,
+                                                                               "max_seq_len": limit},
+                                        what=f"dataset {ds.id}")
 
     def create(self, account_id: str, req: NewJob) -> Job:
         checked = self.check(account_id, req)

@@ -90,8 +90,9 @@ class DatasetServicer(rpc.DatasetServiceServicer):
 
     def UploadDataset(self, request_iterator, context):
         header, chunks = split_header(request_iterator)
-        ds, dedup = self.store.upload(current_caller().account_id, _header(header), chunks)
-        return pb.UploadDatasetResponse(dataset=convert.dataset(ds), deduplicated=dedup)
+        ds, dedup, mapping = self.store.upload_mapped(current_caller().account_id, _header(header), chunks)
+        return pb.UploadDatasetResponse(dataset=convert.dataset(ds), deduplicated=dedup,
+                                        mapping=mapping.summary if mapping else "")
 
     def ValidateDataset(self, request_iterator, context):
         current_caller()
@@ -100,6 +101,7 @@ class DatasetServicer(rpc.DatasetServiceServicer):
         return pb.ValidationReport(
             valid=r.valid, format=convert.DATASET_FORMATS.get(r.format, pb.DATASET_FORMAT_UNSPECIFIED),
             num_rows=r.num_rows, size_bytes=r.size_bytes, truncated=r.truncated,
+            mapping=r.mapping.summary if r.mapping else "",
             violations=[common_pb2.FieldViolation(row=e.row, field=e.field, reason=e.reason) for e in r.errors])
 
     def ListDatasets(self, request, context):
@@ -154,6 +156,11 @@ class JobServicer(rpc.JobServiceServicer):
         spec = convert.job_spec(checked.method.name, checked.model.name, checked.dataset.id,
                                 request.spec.display_name, checked.settings.to_json())
         return convert.plan(spec, plan)
+
+    def GetTokenStats(self, request, context):
+        model, stats = self.core.token_stats(current_caller().account_id, request.dataset_id, request.base_model,
+                                             request.max_seq_len)
+        return pb.TokenStats(dataset_id=request.dataset_id, base_model=model.name, **stats)
 
     def GetJob(self, request, context):
         return convert.job(self.core.get(current_caller().account_id, request.id))

@@ -2,7 +2,8 @@
 runs `python -m services.trainer.plan`; the scheduler itself never imports torch).
 
 Protocol: one JSON request per stdin line ({"method", "model_path", "dataset_path", "dataset_sha256", "settings"}:
-settings as stored on a job row), one JSON answer per stdout line ({"error": ...} when planning failed,
+settings as stored on a job row; method "token_stats" with settings {"format", "max_seq_len"} answers a dataset's
+token statistics instead of a plan), one JSON answer per stdout line ({"error": ...} when planning failed,
 {"data_loss": ...} when the dataset's bytes do not hash to dataset_sha256), until end of input.
 
 The numbers come from the code a job runs: data.py's tokenization, masks, seeded split and StepSampler, the engine's
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sys
 import traceback
 from collections import OrderedDict
@@ -42,6 +44,7 @@ from kernels.attention import SDPA_PACKED_CHUNK_TOKENS
 from kernels.logprobs import default_chunk_size
 from models.checkpoint import build_on_meta
 from models.lora import LoraConfig, apply_lora
+from models.chat import encode_chat_prompt
 from models.model_dir import read_config
 from models.tokenizer import load_tokenizer
 from services.common.methods import HYPERPARAMS
@@ -244,7 +247,43 @@ def plan_rft(req: dict) -> dict:
     }
 
 
-PLANNERS = {"sft": plan_sft, "dpo": plan_dpo, "rft": plan_rft}
+UNTRUNCATED = 1 << 30  # a max_seq_len that keeps every token: the rows' own lengths
+COUNTED = {"sft": "every token of the row as the trainer renders it (chat template, or prompt + completion + eos)",
+           "dpo": "the longer of the pair's two sequences (prompt + chosen, prompt + rejected)",
+           "rft": "the prompt's tokens (a chat prompt with the template's generation prompt)"}
+
+
+def token_stats(req: dict) -> dict:
+    """Rows, mean / p95 / max tokens and rows over settings["max_seq_len"] of a dataset of settings["format"], from
+    the tokenization a job of its method runs (untruncated); the same cache as the plans'."""
+    fmt, limit = req["settings"]["format"], int(req["settings"]["max_seq_len"])
+    method = {"sft_chat": "sft", "sft_prompt_completion": "sft"}.get(fmt, fmt)
+    if method == "rft":
+        lengths = _prompt_tokens(req)
+    else:
+        examples, _, _, failure = tokenized(req["model_path"], req["dataset_path"], req["dataset_sha256"],
+                                            UNTRUNCATED, method)
+        if failure:
+            raise ValueError(failure)
+        lengths = [max(len(p.chosen.input_ids), len(p.rejected.input_ids)) if method == "dpo" else len(p.input_ids)
+                   for p in examples]
+    ordered = sorted(lengths)
+    p95 = ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)] if ordered else 0
+    return {"rows": len(lengths), "mean_tokens": sum(lengths) / len(lengths) if lengths else 0.0, "p95_tokens": p95,
+            "max_tokens": ordered[-1] if ordered else 0, "max_seq_len": limit,
+            "over_max_seq_len": sum(n > limit for n in lengths), "counted": COUNTED[method]}
+
+
+def _prompt_tokens(req: dict) -> list[int]:
+    rows = read_jsonl(verified_bytes(Path(req["dataset_path"]), req["dataset_sha256"]))
+    if req["model_path"] not in _tokenizers:
+        _tokenizers[req["model_path"]] = load_tokenizer(req["model_path"])
+    tokenizer = _tokenizers[req["model_path"]]
+    return [len(tokenizer.encode(r["prompt"], add_special_tokens=False)) if isinstance(r.get("prompt"), str)
+            else len(encode_chat_prompt(tokenizer, r["messages"])) for r in rows]
+
+
+PLANNERS = {"sft": plan_sft, "dpo": plan_dpo, "rft": plan_rft, "token_stats": token_stats}
 
 
 def main() -> None:

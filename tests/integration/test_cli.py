@@ -126,6 +126,16 @@ def test_cancel_and_resume_a_job(cli, client):
     assert client.wait_job(job.id, timeout_s=120).status == pb.JOB_STATUS_CANCELLED
 
 
+def test_upload_of_a_sharegpt_file_says_how_it_was_mapped(cli, tmp_path):
+    data = tmp_path / "share.jsonl"
+    data.write_text("\n".join(json.dumps({"conversations": [{"from": "human", "value": f"hi {i}"},
+                                                            {"from": "gpt", "value": "hello"}]}) for i in range(3)))
+    out = cli("datasets", "validate", str(data)).stdout
+    assert "mapped: sharegpt -> sft_chat" in out and "valid: sft_chat, 3 rows" in out
+    out = cli("datasets", "upload", str(data), "--name", "share").stdout
+    assert "sft_chat, 3 rows" in out and "mapped: sharegpt -> sft_chat" in out
+
+
 def test_cli_reports_auth_and_connection_errors(cli, stack, tmp_path):
     env = {**os.environ, "TRAINYARD_URL": stack.url("scheduler"), "TRAINYARD_API_KEY": "ty_wrong",
            "TRAINYARD_CLIENT_CONFIG": str(tmp_path / "none.json")}

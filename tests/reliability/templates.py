@@ -39,6 +39,8 @@ class Requests:
             "DatasetService.UploadDataset": self._upload, "DatasetService.ValidateDataset": self._upload,
             "JobService.CreateJob": lambda: spb.CreateJobRequest(spec=self._spec()),
             "JobService.PlanJob": lambda: spb.PlanJobRequest(spec=self._spec()),
+            "JobService.GetTokenStats": lambda: spb.TokenStatsRequest(dataset_id=owner.refs["dataset"][0],
+                                                                      base_model=BASE),
             "ModelService.ImportModel": lambda: spb.ImportModelRequest(name=_unique("import"), path=owner.model_dir),
             "DeploymentService.CreateDeployment": lambda: spb.CreateDeploymentRequest(name=_unique("dep")),
             "TrainerService.CreateSession": lambda: tpb.CreateSessionRequest(base_model=BASE,

@@ -222,11 +222,14 @@ def datasets_upload(ctx, file, name, fmt):
     with Progress(TextColumn("uploading"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   console=err_console, transient=True) as bar:
         task = bar.add_task("upload", total=size)
-        ds, dedup = client(ctx).upload_dataset(file, name=name, format=fmt,
-                                               progress=lambda n: bar.advance(task, n))
-    note = " (already uploaded: existing dataset returned)" if dedup else ""
+        reply = client(ctx).upload_dataset_reply(file, name=name, format=fmt,
+                                                 progress=lambda n: bar.advance(task, n))
+    ds = reply.dataset
+    note = " (already uploaded: existing dataset returned)" if reply.deduplicated else ""
     console.print(f"dataset [bold]{ds.id}[/] {ds.name}: {format_name(ds.format)}, {ds.num_rows} rows, "
                   f"{human_bytes(ds.size_bytes)}{note}")
+    if reply.mapping:
+        console.print(f"mapped: {reply.mapping}", highlight=False)
 
 
 @datasets.command("validate")
@@ -236,6 +239,8 @@ def datasets_upload(ctx, file, name, fmt):
 def datasets_validate(ctx, file, fmt):
     """Check a JSONL file without storing it; lists every problem."""
     r = client(ctx).validate_dataset(file, format=fmt)
+    if r.mapping:
+        console.print(f"mapped: {r.mapping}", highlight=False)
     if r.valid:
         console.print(f"valid: {format_name(r.format)}, {r.num_rows} rows")
         return

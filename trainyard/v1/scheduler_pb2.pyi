@@ -272,28 +272,32 @@ class UploadDatasetRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[UploadDatasetHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
 
 class UploadDatasetResponse(_message.Message):
-    __slots__ = ("dataset", "deduplicated")
+    __slots__ = ("dataset", "deduplicated", "mapping")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     DEDUPLICATED_FIELD_NUMBER: _ClassVar[int]
+    MAPPING_FIELD_NUMBER: _ClassVar[int]
     dataset: Dataset
     deduplicated: bool
-    def __init__(self, dataset: _Optional[_Union[Dataset, _Mapping]] = ..., deduplicated: _Optional[bool] = ...) -> None: ...
+    mapping: str
+    def __init__(self, dataset: _Optional[_Union[Dataset, _Mapping]] = ..., deduplicated: _Optional[bool] = ..., mapping: _Optional[str] = ...) -> None: ...
 
 class ValidationReport(_message.Message):
-    __slots__ = ("valid", "format", "num_rows", "size_bytes", "violations", "truncated")
+    __slots__ = ("valid", "format", "num_rows", "size_bytes", "violations", "truncated", "mapping")
     VALID_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     VIOLATIONS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    MAPPING_FIELD_NUMBER: _ClassVar[int]
     valid: bool
     format: DatasetFormat
     num_rows: int
     size_bytes: int
     violations: _containers.RepeatedCompositeFieldContainer[_common_pb2.FieldViolation]
     truncated: bool
-    def __init__(self, valid: _Optional[bool] = ..., format: _Optional[_Union[DatasetFormat, str]] = ..., num_rows: _Optional[int] = ..., size_bytes: _Optional[int] = ..., violations: _Optional[_Iterable[_Union[_common_pb2.FieldViolation, _Mapping]]] = ..., truncated: _Optional[bool] = ...) -> None: ...
+    mapping: str
+    def __init__(self, valid: _Optional[bool] = ..., format: _Optional[_Union[DatasetFormat, str]] = ..., num_rows: _Optional[int] = ..., size_bytes: _Optional[int] = ..., violations: _Optional[_Iterable[_Union[_common_pb2.FieldViolation, _Mapping]]] = ..., truncated: _Optional[bool] = ..., mapping: _Optional[str] = ...) -> None: ...
 
 class ListDatasetsRequest(_message.Message):
     __slots__ = ("page",)
@@ -659,6 +663,38 @@ class JobPlan(_message.Message):
     memory: MemoryEstimate
     warnings: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ..., dataset_rows: _Optional[int] = ..., train_rows: _Optional[int] = ..., eval_rows: _Optional[int] = ..., skipped_rows: _Optional[int] = ..., tokens_per_epoch: _Optional[int] = ..., target_tokens_per_epoch: _Optional[int] = ..., eval_target_tokens: _Optional[int] = ..., steps_per_epoch: _Optional[int] = ..., total_steps: _Optional[int] = ..., epochs: _Optional[float] = ..., checkpoints: _Optional[int] = ..., eval_passes: _Optional[int] = ..., trainable_parameters: _Optional[int] = ..., base_parameters: _Optional[int] = ..., largest_micro_batch_tokens: _Optional[int] = ..., memory: _Optional[_Union[MemoryEstimate, _Mapping]] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class TokenStatsRequest(_message.Message):
+    __slots__ = ("dataset_id", "base_model", "max_seq_len")
+    DATASET_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    dataset_id: str
+    base_model: str
+    max_seq_len: int
+    def __init__(self, dataset_id: _Optional[str] = ..., base_model: _Optional[str] = ..., max_seq_len: _Optional[int] = ...) -> None: ...
+
+class TokenStats(_message.Message):
+    __slots__ = ("dataset_id", "base_model", "rows", "mean_tokens", "p95_tokens", "max_tokens", "max_seq_len", "over_max_seq_len", "counted")
+    DATASET_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    P95_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    OVER_MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    COUNTED_FIELD_NUMBER: _ClassVar[int]
+    dataset_id: str
+    base_model: str
+    rows: int
+    mean_tokens: float
+    p95_tokens: int
+    max_tokens: int
+    max_seq_len: int
+    over_max_seq_len: int
+    counted: str
+    def __init__(self, dataset_id: _Optional[str] = ..., base_model: _Optional[str] = ..., rows: _Optional[int] = ..., mean_tokens: _Optional[float] = ..., p95_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., over_max_seq_len: _Optional[int] = ..., counted: _Optional[str] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
     __slots__ = ("id",)

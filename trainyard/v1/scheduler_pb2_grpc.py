@@ -731,6 +731,11 @@ class JobServiceStub:
                 request_serializer=trainyard_dot_v1_dot_scheduler__pb2.PlanJobRequest.SerializeToString,
                 response_deserializer=trainyard_dot_v1_dot_scheduler__pb2.JobPlan.FromString,
                 _registered_method=True)
+        self.GetTokenStats = channel.unary_unary(
+                '/trainyard.v1.JobService/GetTokenStats',
+                request_serializer=trainyard_dot_v1_dot_scheduler__pb2.TokenStatsRequest.SerializeToString,
+                response_deserializer=trainyard_dot_v1_dot_scheduler__pb2.TokenStats.FromString,
+                _registered_method=True)
         self.GetJob = channel.unary_unary(
                 '/trainyard.v1.JobService/GetJob',
                 request_serializer=trainyard_dot_v1_dot_scheduler__pb2.GetJobRequest.SerializeToString,
@@ -785,6 +790,14 @@ class JobServiceServicer:
         then the settings with their defaults filled, the data as the trainer will split and tokenize it, the steps and
         a memory estimate. Token statistics are cached per (dataset, model, max_seq_len, method), so a form can call it
         on every change.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTokenStats(self, request, context):
+        """Token counts of a dataset's rows under a base model's tokenizer, as the trainer renders them (chat template,
+        prompt + completion + eos), before any truncation; no job is needed. Computed by the same planner as PlanJob.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -850,6 +863,11 @@ def add_JobServiceServicer_to_server(servicer, server):
                     servicer.PlanJob,
                     request_deserializer=trainyard_dot_v1_dot_scheduler__pb2.PlanJobRequest.FromString,
                     response_serializer=trainyard_dot_v1_dot_scheduler__pb2.JobPlan.SerializeToString,
+            ),
+            'GetTokenStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTokenStats,
+                    request_deserializer=trainyard_dot_v1_dot_scheduler__pb2.TokenStatsRequest.FromString,
+                    response_serializer=trainyard_dot_v1_dot_scheduler__pb2.TokenStats.SerializeToString,
             ),
             'GetJob': grpc.unary_unary_rpc_method_handler(
                     servicer.GetJob,
@@ -944,6 +962,33 @@ class JobService:
             '/trainyard.v1.JobService/PlanJob',
             trainyard_dot_v1_dot_scheduler__pb2.PlanJobRequest.SerializeToString,
             trainyard_dot_v1_dot_scheduler__pb2.JobPlan.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTokenStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainyard.v1.JobService/GetTokenStats',
+            trainyard_dot_v1_dot_scheduler__pb2.TokenStatsRequest.SerializeToString,
+            trainyard_dot_v1_dot_scheduler__pb2.TokenStats.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,6 +1,7 @@
 """Scheduler cores in process on SQLite: upload limits, the job ledger and its reaper."""
 from __future__ import annotations
 
+import json
 import threading
 from datetime import timedelta
 
@@ -44,6 +45,22 @@ def test_upload_over_the_size_limit_stores_nothing(env, tmp_path):
     assert not (tmp_path / "blobs" / "sha256").exists()
     ds, dedup = store.upload(account, UploadHeader("ok", None, "ok.jsonl"), iter([ROW]))
     assert ds.num_rows == 1 and not dedup
+
+
+def test_a_sharegpt_upload_stores_the_mapped_rows_and_says_so(env):
+    db, blobs, account = env
+    store = DatasetStore(db, blobs, 1 << 20)
+    sharegpt = (b'{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}\n'
+                b'{"conversations": [{"from": "human", "value": "yo"}, {"from": "gpt", "value": "hey"}]}\n')
+    ds, dedup, mapping = store.upload_mapped(account, UploadHeader("chat", None, "chat.jsonl"), iter([sharegpt]))
+    assert (ds.format, ds.num_rows, dedup, mapping.name) == ("sft_chat", 2, False, "sharegpt")
+    _, rows = store.preview(account, ds.id, 0, 10)
+    assert rows[0] == {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    # The stored blob is the mapped file: uploading the same rows in our format finds the same dataset.
+    native = b"".join(json.dumps(r).encode() + b"\n" for r in rows)
+    again, dedup = store.upload(account, UploadHeader("again", None, ""), iter([native]))
+    assert again.id == ds.id and dedup
+    assert [p.name for p in blobs.staging_dir().iterdir()] == [".lock"]
 
 
 def test_dataset_quotas_count_live_datasets_and_their_bytes(env, tmp_path):

@@ -628,3 +628,70 @@ def test_chat_cannot_start_with_the_assistant(tmp_path):
                                              {"role": "user", "content": "yo"}]}) + "\n")
     result = validate_jsonl(path)
     assert [(e.row, e.field) for e in result.errors] == [(1, "messages[0].role")]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Mappings from other tools' formats (ShareGPT, Alpaca)
+# ---------------------------------------------------------------------------------------------------------------
+def sharegpt(*turns: tuple[str, str], **extra) -> dict:
+    return {"conversations": [{"from": s, "value": v} for s, v in turns], **extra}
+
+
+def mapped(data: bytes, result: ValidationResult) -> list[dict]:
+    return [json.loads(line) for line in df.mapped_lines(io.BytesIO(data), result.mapping)]
+
+
+def test_sharegpt_rows_are_mapped_to_sft_chat():
+    data = jsonl(sharegpt(("system", "Be brief."), ("human", "hi"), ("gpt", "hello"), id="a1"))
+    result = validate_jsonl(io.BytesIO(data))
+    assert result.valid and result.format is F.SFT_CHAT and result.mapping.name == "sharegpt"
+    assert result.mapping.summary.startswith("sharegpt -> sft_chat")
+    assert mapped(data, result) == [{"messages": [{"role": "system", "content": "Be brief."},
+                                                  {"role": "user", "content": "hi"},
+                                                  {"role": "assistant", "content": "hello"}], "id": "a1"}]
+    # The mapped rows are themselves a valid sft_chat file.
+    again = validate_jsonl(io.BytesIO(b"".join(df.mapped_lines(io.BytesIO(data), result.mapping))))
+    assert again.valid and again.format is F.SFT_CHAT and again.mapping is None
+
+
+def test_alpaca_rows_are_mapped_to_prompt_completion_with_the_input_after_the_instruction():
+    data = jsonl({"instruction": "Add.", "input": "2 3", "output": "5"}, {"instruction": "Say hi.", "output": "hi"},
+                 {"instruction": "Say yo.", "input": "  ", "output": "yo"})
+    result = validate_jsonl(io.BytesIO(data))
+    assert result.valid and result.format is F.SFT_PROMPT_COMPLETION and result.mapping.name == "alpaca"
+    assert mapped(data, result) == [{"prompt": "Add.\n\n2 3", "completion": "5"},
+                                    {"prompt": "Say hi.", "completion": "hi"},
+                                    {"prompt": "Say yo.", "completion": "yo"}]
+
+
+def test_mapped_rows_problems_name_the_original_line_and_field():
+    result = check(sharegpt(("human", "hi"), ("gpt", "hello")),
+                   sharegpt(("bot", "hi"), ("gpt", "x")),
+                   sharegpt(("gpt", "first")),
+                   sharegpt(("human", "hi"), ("human", "no reply")),
+                   {"conversations": "hi"},
+                   {"conversations": [{"from": "human", "value": 3}]})
+    assert errs(result) == [
+        (2, "conversations[0].from", "unknown speaker 'bot' (expected one of: human, gpt, system)"),
+        (3, "conversations[0].from", "a conversation cannot start with an assistant message: begin with a system "
+                                     "or user message"),
+        (4, "conversations", "no assistant message with non-empty content: an sft_chat row needs at least one "
+                             "assistant reply to train on"),
+        (5, "conversations", "expected a list of turns, got string"),
+        (6, "conversations[0].value", "expected a string, got number"),
+    ]
+    result = check({"instruction": "a", "output": "b"}, {"instruction": "a"}, {"instruction": "", "output": "b"},
+                   {"instruction": "a", "input": 3, "output": "b"})
+    assert errs(result) == [(2, "output", "missing required field"),
+                            (3, "instruction", "expected a non-empty string, got an empty string"),
+                            (4, "input", "expected a string, got number")]
+
+
+def test_a_mapping_applies_only_to_its_target_format():
+    row = {"instruction": "a", "output": "b"}
+    assert check(row, declared=F.SFT_PROMPT_COMPLETION).mapping.name == "alpaca"
+    declared_other = check(row, declared=F.SFT_CHAT)
+    assert declared_other.mapping is None and not declared_other.valid
+    # Our own formats are never mapped, whatever free-form fields an rft row carries.
+    assert check({"prompt": "p", "instruction": "x"}).mapping is None
+    assert check(CHAT, {**CHAT, "conversations": []}).mapping is None

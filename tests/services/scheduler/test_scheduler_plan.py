@@ -135,3 +135,65 @@ def test_a_damaged_dataset_is_neither_planned_nor_previewed(tmp_path, tiny_model
     finally:
         planner.close()
         db.dispose()
+
+
+def _reference_lengths(tiny_model_dir: Path, rows: list[dict]) -> list[int]:
+    """Each row's untruncated tokens by models.chat directly (the reference the planner's numbers must equal)."""
+    from models.chat import tokenize_preference_response, tokenize_sft_example
+    from models.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(tiny_model_dir))
+    if "chosen" in rows[0]:
+        return [max(len(tokenize_preference_response(tok, r["prompt"], r[k], 1 << 20).input_ids)
+                    for k in ("chosen", "rejected")) for r in rows]
+    return [len(tokenize_sft_example(tok, r, 1 << 20).input_ids) for r in rows]
+
+
+def test_token_stats_count_each_row_as_the_trainer_tokenizes_it(env, tiny_model_dir):
+    import json
+    import math
+
+    core, account, chat, dpo = env
+    rows = [json.loads(line) for line in SAMPLE.read_text().splitlines() if line.strip()]
+    lengths = sorted(_reference_lengths(tiny_model_dir, rows))
+    model, stats = core.token_stats(account, chat, "tiny", 0)
+    assert model.name == "tiny" and stats["rows"] == len(rows) == 20
+    assert stats["mean_tokens"] == pytest.approx(sum(lengths) / len(lengths), abs=1e-9)
+    assert stats["max_tokens"] == lengths[-1]
+    assert stats["p95_tokens"] == lengths[math.ceil(0.95 * len(lengths)) - 1]  # nearest rank
+    assert stats["max_seq_len"] == 2048 and stats["over_max_seq_len"] == 0  # SFT's default (tiny's context: more)
+    limit = lengths[len(lengths) // 2]
+    _, stats = core.token_stats(account, chat, "tiny", limit)
+    assert (stats["max_seq_len"], stats["over_max_seq_len"]) == (limit, sum(n > limit for n in lengths))
+    _, stats = core.token_stats(account, dpo, "tiny", 0)
+    pair = _reference_lengths(tiny_model_dir, [{"prompt": "a", "chosen": "b", "rejected": "c"}])
+    assert (stats["rows"], stats["max_tokens"], stats["counted"][:10]) == (1, pair[0], "the longer")
+    # RFT rows count their prompt: a plain string as the rollout encodes it, a conversation with the chat template's
+    # generation prompt.
+    from models.chat import encode_chat_prompt
+    from models.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(tiny_model_dir))
+    rft_rows = [{"prompt": "What is 2+2?", "answer": 4},
+                {"messages": [{"role": "user", "content": "And 3+3, please?"}], "answer": 6}]
+    rft = DatasetStore(core.db, core.planner.blobs, 1 << 20).upload(
+        account, UploadHeader("rft", None, ""), iter([json.dumps(r).encode() + b"\n" for r in rft_rows]))[0]
+    _, stats = core.token_stats(account, rft.id, "tiny", 0)
+    expected = [len(tok.encode("What is 2+2?", add_special_tokens=False)),
+                len(encode_chat_prompt(tok, rft_rows[1]["messages"]))]
+    assert (stats["rows"], stats["max_tokens"]) == (2, max(expected))
+    assert stats["mean_tokens"] == pytest.approx(sum(expected) / 2) and stats["counted"].startswith("the prompt")
+
+
+def test_token_stats_refuse_bad_input_by_field_and_other_accounts_datasets(env):
+    from services.common.errors import NotFound
+
+    core, account, chat, _ = env
+    for args, field in (((chat, "nope", 0), "base_model"), (("", "tiny", 0), "dataset_id"),
+                        ((chat, "tiny", -1), "max_seq_len"), ((chat, "tiny", 10**9), "max_seq_len")):
+        with pytest.raises(InvalidArgument) as exc:
+            core.token_stats(account, *args)
+        assert exc.value.violations[0].field == field
+    other, _, _ = auth.create_account(core.db, "other-stats")
+    with pytest.raises(NotFound):
+        core.token_stats(other.id, chat, "tiny", 0)
