@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from dashboard.logic import float_step, list_value, md_escape
+from dashboard.logic import field_labels, float_step, list_value, md_escape, place_violations
 from dashboard.sessions import COOKIE, SESSION_IDLE_S, SessionStore, store_path
 from trainyard import Client, TrainyardError
 from trainyard.config import DEFAULT_ROLLOUT_URL, DEFAULT_URL
@@ -232,3 +232,18 @@ def setting_input(container, f: Field, value, key: str):
         return None if got is None else float(got)
     return float(container.number_input(label, value=float(value), step=float_step(f.default or value),
                                         format="%g", help=helptext, key=key))
+
+
+def show_error_at_inputs(exc: TrainyardError, method, slots, what: str = "Not done") -> None:
+    """A refused form, each error once: the violations of the inputs in slots (setting name -> st.empty) under
+    them, and the error with the violations no input shows above the button; for another code, the error alone."""
+    if exc.code != "INVALID_ARGUMENT":
+        show_error(exc)
+        return
+    placed, rest = place_violations(exc.violations, method, slots)
+    for name, reasons in placed.items():
+        slots[name].error("\n\n".join(md_escape(r) for r in reasons))
+    if not rest:
+        st.error(f"**{what}**: fix the settings marked above.")
+    else:
+        show_error(TrainyardError(exc.code, exc.message, list(rest)), field_labels(method))

@@ -137,10 +137,7 @@ with st.form("launch-evaluation"):
             job = client.create_job("eval", base_model, dataset_id, name.strip(), evaluator=evaluator,
                                     checkpoint_id=choice or None, **values)
         except TrainyardError as exc:
-            for field_name, reasons in logic.field_errors(exc.violations, METHOD).items():
-                if field_name in slots:
-                    slots[field_name].error("\n\n".join(md_escape(r) for r in reasons))
-            api.show_error(exc, logic.field_labels(METHOD))
+            api.show_error_at_inputs(exc, METHOD, slots, "The evaluation was not launched")
         else:
             st.session_state[EVAL_ID] = job.id
             st.rerun()

@@ -195,10 +195,7 @@ with st.expander("Clone this job", icon=":material/content_copy:"):
             try:
                 cloned = client.create_job(*args, **kwargs)
             except TrainyardError as exc:
-                for name, reasons in logic.field_errors(exc.violations, method).items():
-                    if name in slots:
-                        slots[name].error("\n\n".join(md_escape(r) for r in reasons))
-                api.show_error(exc, logic.field_labels(method))
+                api.show_error_at_inputs(exc, method, slots, "The clone was not created")
             else:
                 st.session_state[JOB_ID] = cloned.id
                 st.session_state[NOTICE] = f"Created job {cloned.id}, a clone of {job.id}."

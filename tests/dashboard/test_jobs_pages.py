@@ -207,8 +207,9 @@ def test_jobs_page_clone_shows_field_errors_under_the_input(sdk, finished_job):
     widget(at.number_input, "LoRA rank").set_value(0)
     button(at, "Create the clone").click().run()
     assert_no_exception(at)
-    assert "INVALID_ARGUMENT" in text(at.error) and "must be between 1 and 1024, got 0" in text(at.error)
-    assert set(at.table[0].value["setting"]) == {"LoRA rank"}
+    # Once under the input, and a line saying the clone was not created (not the same error again).
+    assert text(at.error).count("must be between 1 and 1024, got 0") == 1
+    assert "The clone was not created" in text(at.error) and not at.table  # no table repeating it
     assert len(sdk.list_jobs()) == before
 
 
@@ -310,7 +311,7 @@ def test_evaluations_page_launches_one_and_shows_its_results(sdk, finished_job):
     widget(at.number_input, "Temperature").set_value(5.0)
     button(at, "Launch evaluation").click().run()
     assert_no_exception(at)
-    assert "must be between 0 and 2" in text(at.error) and "INVALID_ARGUMENT" in text(at.error)
+    assert text(at.error).count("must be between 0 and 2") == 1 and "evaluation was not launched" in text(at.error)
     assert len(sdk.list_jobs()) == before
 
 
