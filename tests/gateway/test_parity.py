@@ -1,12 +1,13 @@
-"""Parity: one seeded loop run through Trainyard's native gRPC (TrainerService stubs and protobuf messages written
-here) and through the drop-in SDK (`import trainyard as tinker`) gives the same adapter and the same losses.
+"""Parity: one seeded loop run (i) through Trainyard's native gRPC (TrainerService stubs and protobuf messages written
+here), (ii) through the drop-in SDK (`import trainyard as tinker`) and (iii) through the unmodified `tinker` package
+against the gateway gives the same adapter and the same losses.
 
 The loop: a LoRA session with a fixed seed, three cross_entropy forward_backward + optim_step on fixed data, one
 importance_sampling forward_backward + optim_step on fixed sampled-like data (tokens, sampler logprobs, advantages),
 then save_weights_for_sampler; the checkpoint is downloaded (trainyard.Client.download_checkpoint, checked against
 its manifest) and its adapter's tensors compared.
 
-Exactness: bitwise. Both paths send the same bytes to the same trainer (every float of the data is exact in float32,
+Exactness: bitwise. All three paths send the same bytes to the same trainer (every float of the data is exact in float32,
 so no client rounds it differently), which runs the same engine with one torch thread on the same base weights, so
 every loss, every logprob and every adapter tensor is compared with np.array_equal and Python's ==, no tolerance.
 """
@@ -145,12 +146,16 @@ def dropin_loop(stack, api_key: str) -> Run:
     with tinker.ServiceClient(base_url=stack.url("trainer"), api_key=api_key,
                               rollout_url=stack.url("rollout")) as service_client:
         run, path = tinker_style_loop(tinker, service_client, "parity-dropin")
-    # "trainyard://weights/<version id>": the checkpoint holding that version is the one saved under the name.
-    with Client(url=stack.url("scheduler"), api_key=api_key) as c:
-        (ckpt,) = [k for k in c.list_checkpoints() if k.name == "parity-dropin"]
-    assert path, "save_weights_for_sampler returned no path"
-    run.checkpoint_id = ckpt.id
+    assert path.startswith("trainyard://weights/"), path
+    run.checkpoint_id = checkpoint_named(stack, api_key, "parity-dropin")
     return run
+
+
+def checkpoint_named(stack, api_key: str, name: str) -> str:
+    """The id of the one checkpoint saved under name (a sampler path names a weight version, not a checkpoint)."""
+    with Client(url=stack.url("scheduler"), api_key=api_key) as c:
+        (checkpoint,) = [k for k in c.list_checkpoints() if k.name == name]
+    return checkpoint.id
 
 
 # -- comparing ----------------------------------------------------------------------------------------------------
@@ -183,10 +188,16 @@ def check_the_loop_trained(run: Run, tensors: dict[str, np.ndarray]) -> None:
     assert b_matrices and all(np.abs(tensors[k]).max() > 0 for k in b_matrices)
 
 
-def test_native_grpc_and_dropin_sdk_give_the_same_adapter_bitwise(stack, api_key, tmp_path):
-    native = native_loop(stack, api_key)
+@pytest.fixture(scope="module")
+def native(stack, api_key, tmp_path_factory) -> tuple[Run, dict[str, np.ndarray]]:
+    run = native_loop(stack, api_key)
+    tensors = adapter(stack, api_key, run.checkpoint_id, tmp_path_factory.mktemp("native"))
+    check_the_loop_trained(run, tensors)
+    return run, tensors
+
+
+def test_dropin_sdk_gives_the_native_adapter_bitwise(native, stack, api_key, tmp_path):
+    run, tensors = native
     dropin = dropin_loop(stack, api_key)
-    native_tensors = adapter(stack, api_key, native.checkpoint_id, tmp_path / "native")
-    dropin_tensors = adapter(stack, api_key, dropin.checkpoint_id, tmp_path / "dropin")
-    check_the_loop_trained(native, native_tensors)
-    assert_same(native, dropin, native_tensors, dropin_tensors)
+    assert_same(run, dropin, tensors, adapter(stack, api_key, dropin.checkpoint_id, tmp_path))
+
