@@ -42,6 +42,7 @@ def test_no_import_cycles_between_service_folders():
     assert graph["rollout"] <= {"common", "weightsync"}, graph["rollout"]  # serving never imports training
     assert graph["evaluators"] <= {"common"}, graph["evaluators"]  # the sandbox: torch-free, under both
     assert "scheduler" not in graph["trainer"] and "worker" not in graph["trainer"]
+    assert graph["gateway"] <= {"common"}, graph["gateway"]  # a client of the services through the SDK only
 
 
 def test_the_scheduler_checks_a_job_without_torch(tmp_path):

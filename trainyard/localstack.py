@@ -152,6 +152,10 @@ class Stack:
     def url(self, name: str) -> str:
         return f"127.0.0.1:{self.ports[f'{name}:{self._container_port(name)}']}"
 
+    def gateway_url(self) -> str:
+        """The base URL the tinker SDK takes (ServiceClient(base_url=...)) for this stack's gateway."""
+        return f"http://{self.url('gateway')}"
+
     def address(self, name: str, container_port: int | str) -> str:
         """The local address of another port a service publishes (e.g. its metrics port, 9100)."""
         return f"127.0.0.1:{self.ports[f'{name}:{container_port}']}"
@@ -208,6 +212,15 @@ class Stack:
                 if " ready." in proc.log():
                     return
                 time.sleep(0.2)
+        elif name == "gateway":  # the Tinker wire-protocol HTTP API (docs/gateway.md)
+            while time.monotonic() < deadline:
+                self._check_alive(proc)
+                try:
+                    with urllib.request.urlopen(f"{self.gateway_url()}/api/v1/healthz", timeout=2) as r:
+                        if r.status == 200:
+                            return
+                except OSError:
+                    time.sleep(0.3)
         elif name == "dashboard":
             env = self.env_for(name)
             # Streamlit serves HTTPS when its certificate is set (STREAMLIT_SERVER_SSL_CERT_FILE / _KEY_FILE).
