@@ -22,6 +22,7 @@ from starlette.routing import Route
 
 from services.common.logs import configure_logging
 from services.gateway.context import GatewayContext
+from services.gateway.routes import CoreRoutes
 from services.gateway.settings import GatewaySettings
 
 log = logging.getLogger("trainyard.gateway")
@@ -35,7 +36,7 @@ async def healthz(request: Request) -> JSONResponse:
 
 
 def build_app(ctx: GatewayContext) -> Starlette:
-    routes = [Route("/api/v1/healthz", healthz, methods=["GET"])]
+    routes = [Route("/api/v1/healthz", healthz, methods=["GET"]), *CoreRoutes(ctx).routes()]
     if importlib.util.find_spec(REST_ROUTES) is not None:
         routes += importlib.import_module(REST_ROUTES).routes(ctx)
 

@@ -22,6 +22,16 @@ from starlette.routing import Route
 
 from services.gateway.errors import GatewayError, classify, response
 from services.gateway.settings import GatewaySettings
+from services.gateway.state import (
+    ClientSession,
+    Futures,
+    Idempotency,
+    Model,
+    Registry,
+    SamplingSession,
+    Sequencer,
+    new_id,
+)
 from trainyard import Client, ServiceClient
 from trainyard.errors import TrainyardError
 
@@ -43,6 +53,11 @@ class GatewayContext:
         self._lock = threading.Lock()
         self._accounts: dict[str, tuple[str, float]] = {}  # key -> (account id, when asked)
         self._services: dict[str, ServiceClient] = {}
+        self.futures = Futures(settings.max_pending_futures_per_account, settings.future_ttl_s)
+        self.idempotency = Idempotency(settings.future_ttl_s)
+        self.client_sessions = Registry("session")  # Tinker's client sessions (create_session)
+        self.models = Registry("model")  # model id (= trainer session id) -> Model
+        self.samplers = Registry("sampling session")  # sampling session id -> SamplingSession
 
     def _tls(self) -> dict[str, str | None]:
         s = self.settings
@@ -85,6 +100,30 @@ class GatewayContext:
                                        rollout_url=self.settings.rollout_url, api_key=caller.key, **self._tls())
                 self._services[caller.key] = client
             return client
+
+    def new_client_session(self, caller: GatewayCaller) -> str:
+        session_id = new_id("session")
+        self.client_sessions.put(session_id, ClientSession(caller.account_id))
+        return session_id
+
+    def new_sampler(self, caller: GatewayCaller, client, base_model: str, model_path: str | None) -> str:
+        sampler_id = new_id("sampler")
+        self.samplers.put(sampler_id, SamplingSession(caller.account_id, client, base_model, model_path))
+        return sampler_id
+
+    async def model(self, caller: GatewayCaller, model_id: str) -> Model:
+        """The caller's model: one this gateway created, or a trainer session of the caller's account it attaches
+        to (after a gateway restart: the trainer checks the account, so another's is NOT_FOUND)."""
+        model = self.models.find(caller.account_id, model_id)
+        if model is not None:
+            return model
+        client = await asyncio.to_thread(self.service_client(caller).resume_training_client, model_id)
+        with self._lock:
+            model = self.models.find(caller.account_id, model_id)
+            if model is None:
+                model = Model(caller.account_id, client, Sequencer(None))
+                self.models.put(model_id, model)
+        return model
 
     def close(self) -> None:
         with self._lock:

@@ -16,7 +16,8 @@ from services.common import errors as service_errors
 from trainyard import errors as sdk_errors
 
 # Codes without an HTTP status in Tinker's table (connection-level there).
-_NO_HTTP = {"UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504, "CANCELLED": 499}
+_NO_HTTP = {"UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504, "CANCELLED": 499,
+            "EXPIRED": 410}  # the gateway's own: a future or session that is gone (the SDK resends or stops)
 # Failures the caller's request caused (Tinker's "user" category); everything else is the platform's ("server").
 USER_CODES = {"INVALID_ARGUMENT", "OUT_OF_RANGE", "NOT_FOUND", "ALREADY_EXISTS", "FAILED_PRECONDITION",
               "PERMISSION_DENIED", "UNAUTHENTICATED", "RESOURCE_EXHAUSTED", "ABORTED"}
