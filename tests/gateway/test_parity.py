@@ -158,6 +158,17 @@ def checkpoint_named(stack, api_key: str, name: str) -> str:
     return checkpoint.id
 
 
+# -- (iii) the tinker package through the gateway ------------------------------------------------------------------
+def gateway_loop(stack, api_key: str) -> Run:
+    import tinker as real_tinker
+
+    service_client = real_tinker.ServiceClient(base_url=f"http://{stack.url('gateway')}", api_key="tml-" + api_key)
+    run, path = tinker_style_loop(real_tinker, service_client, "parity-gateway")
+    assert path.startswith("tinker://"), path
+    run.checkpoint_id = checkpoint_named(stack, api_key, "parity-gateway")
+    return run
+
+
 # -- comparing ----------------------------------------------------------------------------------------------------
 def adapter(stack, api_key: str, checkpoint_id: str, dest: Path) -> dict[str, np.ndarray]:
     with Client(url=stack.url("scheduler"), api_key=api_key) as c:
@@ -201,3 +212,8 @@ def test_dropin_sdk_gives_the_native_adapter_bitwise(native, stack, api_key, tmp
     dropin = dropin_loop(stack, api_key)
     assert_same(run, dropin, tensors, adapter(stack, api_key, dropin.checkpoint_id, tmp_path))
 
+
+def test_tinker_package_through_the_gateway_gives_the_native_adapter_bitwise(native, stack, api_key, tmp_path):
+    run, tensors = native
+    gateway = gateway_loop(stack, api_key)
+    assert_same(run, gateway, tensors, adapter(stack, api_key, gateway.checkpoint_id, tmp_path))
