@@ -7,9 +7,10 @@ importance_sampling forward_backward + optim_step on fixed sampled-like data (to
 then save_weights_for_sampler; the checkpoint is downloaded (trainyard.Client.download_checkpoint, checked against
 its manifest) and its adapter's tensors compared.
 
-Exactness: bitwise. All three paths send the same bytes to the same trainer (every float of the data is exact in float32,
-so no client rounds it differently), which runs the same engine with one torch thread on the same base weights, so
-every loss, every logprob and every adapter tensor is compared with np.array_equal and Python's ==, no tolerance.
+Exactness: bitwise. All three paths send the same bytes to the same trainer (every float of the data is exact in
+float32, so no client rounds it differently), which runs the same engine with one torch thread on the same base
+weights, so every loss, every logprob and every adapter tensor is compared with np.array_equal and Python's ==, no
+tolerance.
 """
 from __future__ import annotations
 
@@ -116,27 +117,27 @@ def native_loop(stack, api_key: str) -> Run:
 
 
 # -- (ii) import trainyard as tinker ----------------------------------------------------------------------------------
-def tinker_style_loop(tinker, service_client, name: str) -> tuple[Run, str]:
-    """The loop as Tinker code writes it; `tinker` is the module in use. Returns the run and the saved weights'
-    path (its checkpoint id is for the caller to find)."""
+def tinker_style_loop(sdk, service_client, name: str) -> tuple[Run, str]:
+    """The loop as Tinker code writes it; sdk is the module in use (trainyard or tinker). Returns the run and the
+    saved weights' path (its checkpoint id is for the caller to find)."""
     run = Run()
     training_client = service_client.create_lora_training_client(base_model=BASE, rank=RANK, seed=SEED,
                                                                   train_unembed=False).result()
 
     def step(loss_fn: str, data: list) -> None:
         fwd_bwd = training_client.forward_backward(data, loss_fn=loss_fn)
-        optim = training_client.optim_step(tinker.AdamParams(learning_rate=LR, beta1=0.9, beta2=0.95, eps=1e-12))
+        optim = training_client.optim_step(sdk.AdamParams(learning_rate=LR, beta1=0.9, beta2=0.95, eps=1e-12))
         out = fwd_bwd.result()
         optim.result()
         run.metrics.append(dict(out.metrics))
         run.logprobs.append([o["logprobs"].to_numpy().astype("<f4") for o in out.loss_fn_outputs])
 
-    sft = [tinker.Datum(model_input=tinker.ModelInput.from_ints(x),
+    sft = [sdk.Datum(model_input=sdk.ModelInput.from_ints(x),
                         loss_fn_inputs={"target_tokens": y, "weights": w}) for x, y, w in sft_rows()]
     for _ in range(SFT_STEPS):
         step("cross_entropy", sft)
     step("importance_sampling", [
-        tinker.Datum(model_input=tinker.ModelInput.from_ints(x),
+        sdk.Datum(model_input=sdk.ModelInput.from_ints(x),
                      loss_fn_inputs={"target_tokens": y, "logprobs": lp, "advantages": adv})
         for x, y, lp, adv in is_rows()])
     return run, training_client.save_weights_for_sampler(name=name).result().path
