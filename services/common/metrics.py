@@ -17,6 +17,8 @@ byte counter is tokens/s or bytes/s):
     trainyard_training_step_seconds{driver=session|managed}       compute of one optimizer step (its forward and
                                                                   backward passes and the AdamW step)
     trainyard_training_tokens_total{driver}                       tokens trained on (trainer, worker)
+    trainyard_gateway_requests_total{route,status}                HTTP requests the Tinker gateway answered
+    trainyard_gateway_request_duration_seconds{route,status}      their wall time (a future's work runs after)
 """
 from __future__ import annotations
 
@@ -45,6 +47,10 @@ WEIGHT_SWAP_SECONDS = Histogram("trainyard_weight_swap_seconds", "A followed lin
 TRAINING_STEP_SECONDS = Histogram("trainyard_training_step_seconds", "Compute time of one optimizer step: its "
                                   "forward and backward passes and the AdamW step", ["driver"], buckets=SECONDS)
 TRAINING_TOKENS = Counter("trainyard_training_tokens", "Tokens trained on (forward and backward)", ["driver"])
+GATEWAY_REQUESTS = Counter("trainyard_gateway_requests", "HTTP requests the Tinker gateway answered, by route and "
+                           "status", ["route", "status"])
+GATEWAY_SECONDS = Histogram("trainyard_gateway_request_duration_seconds", "Wall time of a Tinker gateway request "
+                            "(a future's work runs after its answer)", ["route", "status"], buckets=SECONDS)
 
 
 def observe_rpc(full_method: str, code: str, seconds: float) -> None:

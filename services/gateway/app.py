@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from services.common import metrics
 from services.common.logs import configure_logging
 from services.gateway.context import GatewayContext
 from services.gateway.routes import CoreRoutes
@@ -45,7 +46,7 @@ def build_app(ctx: GatewayContext) -> Starlette:
         yield
         ctx.close()
 
-    return Starlette(routes=routes, lifespan=lifespan)
+    return Starlette(routes=routes, lifespan=lifespan, max_body_size=ctx.settings.max_body_mb * 2**20)
 
 
 def main() -> None:
@@ -53,5 +54,7 @@ def main() -> None:
     configure_logging(settings.log_level, settings.log_format)
     log.info("Tinker wire-protocol gateway on port %d (trainer %s, rollout %s)", settings.gateway_port,
              settings.trainer_url, settings.rollout_url)
+    if settings.metrics_port:
+        metrics.serve(settings.host, settings.metrics_port)
     uvicorn.run(build_app(GatewayContext(settings)), host=settings.host, port=settings.gateway_port,
                 log_config=None, access_log=False, ws="none", timeout_graceful_shutdown=settings.shutdown_grace_s)

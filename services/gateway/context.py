@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -20,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from services.common import metrics
 from services.gateway.errors import GatewayError, classify, response
 from services.gateway.settings import GatewaySettings
 from services.gateway.state import (
@@ -38,6 +40,7 @@ from trainyard.errors import TrainyardError
 log = logging.getLogger("trainyard.gateway")
 
 KEY_HEADER = "x-api-key"
+SESSION_ID = re.compile(r"session_[0-9a-f]{24}")  # what state.new_id("session") makes
 KEY_PREFIX = "tml-"
 
 
@@ -106,6 +109,18 @@ class GatewayContext:
         self.client_sessions.put(session_id, ClientSession(caller.account_id))
         return session_id
 
+    def client_session(self, caller: GatewayCaller, session_id: str) -> ClientSession:
+        """The caller's client session. One this process never saw (made before a gateway restart: sessions live in
+        memory) is taken up for the caller, so a running SDK goes on; another account's is NOT_FOUND."""
+        with self._lock:
+            session = self.client_sessions.find(caller.account_id, session_id)
+            if session is None and SESSION_ID.fullmatch(session_id) and not self.client_sessions.known(session_id):
+                session = ClientSession(caller.account_id)
+                self.client_sessions.put(session_id, session)
+        if session is None:
+            raise GatewayError("NOT_FOUND", f"session_id: no session {session_id!r}", "session_id")
+        return session
+
     def new_sampler(self, caller: GatewayCaller, client, base_model: str, model_path: str | None) -> str:
         sampler_id = new_id("sampler")
         self.samplers.put(sampler_id, SamplingSession(caller.account_id, client, base_model, model_path))
@@ -139,6 +154,14 @@ def route(ctx: GatewayContext, path: str, handler: Handler, methods: tuple[str, 
     """A Starlette route whose handler gets the authenticated caller and returns a Response, a dict or a pydantic
     model (answered as JSON); any error it raises is answered by errors.response."""
     async def endpoint(request: Request) -> Response:
+        start = time.monotonic()
+        answer = await _answer(request)
+        status = str(answer.status_code)
+        metrics.GATEWAY_REQUESTS.labels(path, status).inc()
+        metrics.GATEWAY_SECONDS.labels(path, status).observe(time.monotonic() - start)
+        return answer
+
+    async def _answer(request: Request) -> Response:
         try:
             out = await handler(request, await ctx.caller(request))
         except Exception as exc:  # noqa: BLE001 - every error becomes the caller's answer (errors.py)

@@ -5,6 +5,7 @@ future through the trainyard SDK; state.py holds the futures, orders each model'
 from __future__ import annotations
 
 import asyncio
+import io
 from typing import Any
 
 import grpc
@@ -22,8 +23,6 @@ from trainyard.errors import from_rpc_error
 from trainyard.v1 import tinker_wire_pb2, trainer_pb2
 
 IDEMPOTENCY_HEADER = "x-idempotency-key"
-# At most this much decompressed body (a zstd bomb is refused, not inflated).
-MAX_BODY_BYTES = 512 * 1024 * 1024
 
 
 def _field(body: dict, name: str, kind: type | tuple[type, ...], required: bool = True, default: Any = None) -> Any:
@@ -93,24 +92,29 @@ class CoreRoutes:
         return {"type": "create_session", "session_id": self.ctx.new_client_session(caller)}
 
     async def heartbeat(self, request: Request, caller: GatewayCaller) -> dict:
-        session = self.ctx.client_sessions.get(caller.account_id, _field(await read_json(request), "session_id", str),
-                                               "session_id")
+        session = self.ctx.client_session(caller, _field(await read_json(request), "session_id", str))
         if session.finished:
             raise GatewayError("EXPIRED", f"session_id: the session finished ({session.finished})", "session_id")
         session.heartbeat()
         return {"type": "session_heartbeat"}
 
     async def finish_session(self, request: Request, caller: GatewayCaller) -> dict:
-        session = self.ctx.client_sessions.get(caller.account_id, request.path_params["session_id"], "session_id")
+        session = self.ctx.client_session(caller, request.path_params["session_id"])
         reason = (await read_json(request)).get("reason") or {}
         session.finished = session.finished or (reason.get("type") if isinstance(reason, dict) else "") or "finished"
+        # Its models are done: their trainer sessions close (memory freed; checkpoints and weights stay).
+        models = {k: m for k, m in self.ctx.models.owned_by(caller.account_id).items()
+                  if m.session_id == request.path_params["session_id"]}
+        for model_id in models:
+            self.ctx.models.pop(model_id)
+        await asyncio.gather(*[asyncio.to_thread(m.client.close) for m in models.values()])
         return {}
 
     # -- models ------------------------------------------------------------------------------------------------------
     async def create_model(self, request: Request, caller: GatewayCaller) -> dict:
         body = await read_json(request)
         session_id = _field(body, "session_id", str)
-        self.ctx.client_sessions.get(caller.account_id, session_id, "session_id")
+        self.ctx.client_session(caller, session_id)
         base_model = _field(body, "base_model", str)
         optimizer = body.get("optimizer_config") or {}
         if not isinstance(optimizer, dict) or optimizer.get("type", "adamw") != "adamw":
@@ -125,7 +129,8 @@ class CoreRoutes:
             config = wire.checked(lambda c: types.LoraConfig(**c), lora, field="lora_config")
             creating = wire.checked(lambda: service.create_lora_training_client(
                 base_model, rank=config.rank, seed=config.seed, train_mlp=config.train_mlp,
-                train_attn=config.train_attn, train_unembed=config.train_unembed))
+                train_attn=config.train_attn, train_unembed=config.train_unembed,
+                user_metadata=body.get("user_metadata")))
 
         async def work():
             client = await creating.result_async()
@@ -202,12 +207,17 @@ class CoreRoutes:
     async def _proto_body(self, request: Request) -> tinker_wire_pb2.ForwardBackwardRequest:
         raw = await request.body()
         if request.headers.get("content-encoding", "").lower() == "zstd":
-            try:
-                raw = zstandard.ZstdDecompressor().decompressobj().decompress(raw)
+            limit = self.ctx.settings.max_body_mb * 2**20
+            out = bytearray()
+            try:  # a body that inflates past the limit is refused once it does, not inflated whole
+                with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw)) as reader:
+                    while chunk := reader.read(1 << 20):
+                        out += chunk
+                        if len(out) > limit:
+                            raise bad_request("body", f"decompresses to more than max_body_mb = {limit >> 20} MiB")
             except zstandard.ZstdError as exc:
                 raise bad_request("body", f"not valid zstd ({exc})") from None
-            if len(raw) > MAX_BODY_BYTES:
-                raise bad_request("body", f"decompresses to more than {MAX_BODY_BYTES} bytes")
+            raw = bytes(out)
         msg = tinker_wire_pb2.ForwardBackwardRequest()
         try:
             msg.ParseFromString(raw)
@@ -270,7 +280,7 @@ class CoreRoutes:
     # -- sampling ----------------------------------------------------------------------------------------------------
     async def create_sampling_session(self, request: Request, caller: GatewayCaller) -> dict:
         body = await read_json(request)
-        self.ctx.client_sessions.get(caller.account_id, _field(body, "session_id", str), "session_id")
+        self.ctx.client_session(caller, _field(body, "session_id", str))
         sampler = await self._sampler_for(caller, body.get("model_path"), body.get("base_model"))
         return {"type": "create_sampling_session", "sampling_session_id": sampler}
 

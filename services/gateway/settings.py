@@ -19,5 +19,8 @@ class GatewaySettings(TrainyardSettings):
     # How long an API key's account id (scheduler WhoAmI) is trusted before it is asked again: a revoked key stops
     # working at the gateway within this long (the services refuse it at once).
     whoami_ttl_s: float = Field(default=30.0, gt=0)
+    # Largest request body, and largest forward_backward body once zstd-decompressed (larger: 413 / 400). The SDK
+    # keeps each forward_backward chunk near 5 MB before compression.
+    max_body_mb: int = Field(default=256, ge=1)
     # Datums per forward_backward request the SDK sends (client config); larger batches come in several requests.
     fwdbwd_max_chunk_len: int = Field(default=1024, ge=1)

@@ -50,7 +50,7 @@ class Futures:
     def __init__(self, max_pending: int, ttl_s: float):
         self.max_pending, self.ttl_s = max_pending, ttl_s
         self._futures: dict[str, Future] = {}
-        self._expired: dict[str, str] = {}  # request id -> account id
+        self._expired: dict[str, tuple[str, float]] = {}  # request id -> (account id, when it expired)
 
     def pending(self, account_id: str) -> int:
         return sum(1 for f in self._futures.values() if f.account_id == account_id and not f.retrieved)
@@ -89,7 +89,7 @@ class Futures:
         fut = self._futures.get(request_id)
         if fut is not None and fut.account_id == account_id:
             return fut
-        if self._expired.get(request_id) == account_id:
+        if self._expired.get(request_id, ("", 0))[0] == account_id:
             raise GatewayError("EXPIRED", f"request_id: the result of {request_id} expired (kept "
                                f"{self.ttl_s:g} s after it finished); send the request again", "request_id")
         raise GatewayError("NOT_FOUND", f"request_id: no future {request_id!r}", "request_id")
@@ -104,7 +104,10 @@ class Futures:
         for request_id, fut in list(self._futures.items()):
             if fut.done.is_set() and now - fut.finished_at > self.ttl_s:
                 del self._futures[request_id]
-                self._expired[request_id] = fut.account_id
+                self._expired[request_id] = (fut.account_id, now)
+        for request_id, (_, at) in list(self._expired.items()):  # 410 for another ttl_s, then unknown (404)
+            if now - at > self.ttl_s:
+                del self._expired[request_id]
 
 
 class Idempotency:
@@ -225,6 +228,14 @@ class Registry:
         if item is None:
             raise GatewayError("NOT_FOUND", f"{field}: no {self.kind} {item_id!r}", field)
         return item
+
+    def known(self, item_id: str) -> bool:
+        with self._lock:
+            return item_id in self._items
+
+    def pop(self, item_id: str) -> Any | None:
+        with self._lock:
+            return self._items.pop(item_id, None)
 
     def owned_by(self, account_id: str) -> dict[str, Any]:
         with self._lock:
