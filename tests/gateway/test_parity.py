@@ -4,8 +4,8 @@ against the gateway gives the same adapter and the same losses.
 
 The loop: a LoRA session with a fixed seed, three cross_entropy forward_backward + optim_step on fixed data, one
 importance_sampling forward_backward + optim_step on fixed sampled-like data (tokens, sampler logprobs, advantages),
-then save_weights_for_sampler; the checkpoint is downloaded (trainyard.Client.download_checkpoint, checked against
-its manifest) and its adapter's tensors compared.
+then save_state; the checkpoint is downloaded (trainyard.Client.download_checkpoint, checked against its manifest)
+and its adapter's tensors compared.
 
 Exactness: bitwise. All three paths send the same bytes to the same trainer (every float of the data is exact in
 float32, so no client rounds it differently), which runs the same engine with one torch thread on the same base
@@ -22,7 +22,9 @@ import pytest
 from safetensors.numpy import load_file
 
 import trainyard as tinker
+from services.gateway import paths
 from trainyard import Client
+from trainyard.training import STATE_PREFIX
 from trainyard.v1 import trainer_pb2 as tpb, trainer_pb2_grpc
 
 pytestmark = pytest.mark.integration
@@ -111,7 +113,7 @@ def native_loop(stack, api_key: str) -> Run:
                                                 "logprobs": _tensor(lp, np.float32),
                                                 "advantages": _tensor(adv, np.float32)})
             for x, y, lp, adv in is_rows()])
-        run.checkpoint_id = ordered("SaveWeights", tpb.SaveWeightsRequest(name="parity-native")).checkpoint_id
+        run.checkpoint_id = ordered("SaveState", tpb.SaveStateRequest(name="parity-native")).checkpoint_id
         stub.CloseSession(tpb.CloseSessionRequest(id=session.id), metadata=metadata)
     return run
 
@@ -119,7 +121,7 @@ def native_loop(stack, api_key: str) -> Run:
 # -- (ii) import trainyard as tinker ----------------------------------------------------------------------------------
 def tinker_style_loop(sdk, service_client, name: str) -> tuple[Run, str]:
     """The loop as Tinker code writes it; sdk is the module in use (trainyard or tinker). Returns the run and the
-    saved weights' path (its checkpoint id is for the caller to find)."""
+    path of the state it saved."""
     run = Run()
     training_client = service_client.create_lora_training_client(base_model=BASE, rank=RANK, seed=SEED,
                                                                   train_unembed=False).result()
@@ -140,23 +142,21 @@ def tinker_style_loop(sdk, service_client, name: str) -> tuple[Run, str]:
         sdk.Datum(model_input=sdk.ModelInput.from_ints(x),
                      loss_fn_inputs={"target_tokens": y, "logprobs": lp, "advantages": adv})
         for x, y, lp, adv in is_rows()])
-    return run, training_client.save_weights_for_sampler(name=name).result().path
+    return run, training_client.save_state(name=name).result().path
 
 
 def dropin_loop(stack, api_key: str) -> Run:
     with tinker.ServiceClient(base_url=stack.url("trainer"), api_key=api_key,
                               rollout_url=stack.url("rollout")) as service_client:
         run, path = tinker_style_loop(tinker, service_client, "parity-dropin")
-    assert path.startswith("trainyard://weights/"), path
-    run.checkpoint_id = checkpoint_named(stack, api_key, "parity-dropin")
+    run.checkpoint_id = state_checkpoint_id(path)
     return run
 
 
-def checkpoint_named(stack, api_key: str, name: str) -> str:
-    """The id of the one checkpoint saved under name (a sampler path names a weight version, not a checkpoint)."""
-    with Client(url=stack.url("scheduler"), api_key=api_key) as c:
-        (checkpoint,) = [k for k in c.list_checkpoints() if k.name == name]
-    return checkpoint.id
+def state_checkpoint_id(trainyard_path: str) -> str:
+    """"trainyard://state/<checkpoint id>" -> the id."""
+    assert trainyard_path.startswith(STATE_PREFIX), trainyard_path
+    return trainyard_path[len(STATE_PREFIX):]
 
 
 # -- (iii) the tinker package through the gateway ------------------------------------------------------------------
@@ -165,8 +165,7 @@ def gateway_loop(stack, api_key: str) -> Run:
 
     service_client = real_tinker.ServiceClient(base_url=f"http://{stack.url('gateway')}", api_key="tml-" + api_key)
     run, path = tinker_style_loop(real_tinker, service_client, "parity-gateway")
-    assert path.startswith("tinker://"), path
-    run.checkpoint_id = checkpoint_named(stack, api_key, "parity-gateway")
+    run.checkpoint_id = state_checkpoint_id(paths.to_trainyard(path, "weights"))
     return run
 
 
