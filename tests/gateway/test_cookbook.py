@@ -117,10 +117,10 @@ def final_checkpoint(log_path: Path) -> checkpoint_utils.CheckpointRecord:
 
 def samples_from(base_url: str, sampler_path: str) -> list[int]:
     """A few tokens sampled from saved weights through the gateway: the sampler checkpoint is real and loadable."""
-    service_client = tinker.ServiceClient(base_url=base_url)
-    sampling_client = service_client.create_sampling_client(model_path=sampler_path).result()
-    response = sampling_client.sample(prompt=tinker.ModelInput.from_ints([5, 17, 33]), num_samples=1,
-                                      sampling_params=tinker.SamplingParams(max_tokens=4, seed=0)).result()
+    with tinker.ServiceClient(base_url=base_url) as service_client:
+        sampling_client = service_client.create_sampling_client(model_path=sampler_path).result()
+        response = sampling_client.sample(prompt=tinker.ModelInput.from_ints([5, 17, 33]), num_samples=1,
+                                          sampling_params=tinker.SamplingParams(max_tokens=4, seed=0)).result()
     return response.sequences[0].tokens
 
 
