@@ -8,16 +8,21 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import pandas as pd
 import streamlit as st
 
 from dashboard.logic import md_escape
+from dashboard.sessions import COOKIE, SESSION_IDLE_S, SessionStore, store_path
 from trainyard import Client, TrainyardError
 from trainyard.config import DEFAULT_ROLLOUT_URL, DEFAULT_URL
 
 CONNECTION = "connection"  # session-state key of the current Connection
 SAVED_CONNECTION = "saved_connection"  # session-state key of the sidebar's field values
+SESSION_TOKEN = "session_token"  # this tab's sign-in session (dashboard/sessions.py), until its cookie is read back
+PENDING_COOKIE = "session_cookie_pending"  # the session's cookie is still to be set in the browser
+SIGNED_OUT = "signed_out"  # "Sign out" was pressed: the cookie is cleared on the next run
 CLIENT_TIMEOUT_S = 20.0  # unary calls; uploads, deployments and sampling carry their own longer deadlines
 
 HEADLINES = {
@@ -69,11 +74,71 @@ def connect(url: str, rollout_url: str, api_key: str) -> Connection:
     return Connection(url, rollout_url, api_key, account=account.name)
 
 
+@st.cache_resource(show_spinner=False)
+def _session_store(path: str) -> SessionStore:
+    return SessionStore(Path(path))
+
+
+def session_store() -> SessionStore:
+    return _session_store(str(store_path()))
+
+
+def _set_cookie(token: str | None) -> None:
+    """Set (or, with None, delete) the session cookie in the browser: a script in the page, since Streamlit reads
+    cookies (st.context.cookies) but has no call to write them."""
+    value, age = (token, SESSION_IDLE_S) if token is not None else ("", 0)
+    st.html("<script>const secure = window.location.protocol === 'https:' ? '; Secure' : '';"
+            f"document.cookie = '{COOKIE}={value}; Path=/; Max-Age={age}; SameSite=Strict' + secure;</script>",
+            unsafe_allow_javascript=True)
+
+
+def _session_token() -> str | None:
+    token = st.session_state.get(SESSION_TOKEN) or st.context.cookies.get(COOKIE)
+    return token if isinstance(token, str) else None  # (AppTest's context has no real cookies)
+
+
+def sign_out() -> None:
+    session_store().delete(_session_token())
+    st.session_state.pop(SESSION_TOKEN, None)
+    st.session_state[SIGNED_OUT] = True  # this tab's cookie is cleared on the next run
+    st.session_state[SAVED_CONNECTION] = {**st.session_state.get(SAVED_CONNECTION, {}), "conn_api_key": ""}
+    st.session_state["conn_api_key"] = ""
+
+
+def _signed_in_sidebar(conn: Connection) -> None:
+    with st.sidebar:
+        st.subheader("Connection")
+        st.success(f"Signed in as **{md_escape(conn.account)}**")
+        st.caption(f"scheduler {md_escape(conn.url)} · rollout {md_escape(conn.rollout_url)}")
+        st.button("Sign out", key="sign_out", on_click=sign_out)
+
+
 def sidebar_connection() -> Connection:
-    """Connection fields in the sidebar (prefilled from TRAINYARD_URL, TRAINYARD_ROLLOUT_URL, TRAINYARD_API_KEY)."""
+    """The signed-in connection: from this browser's session (sessions.py) when it has one, else from the sidebar's
+    fields (prefilled from TRAINYARD_URL, TRAINYARD_ROLLOUT_URL, TRAINYARD_API_KEY). A key typed in and accepted
+    starts a session, so a reload stays signed in; a key from the environment signs in on every run without one."""
+    store = session_store()
+    if st.session_state.pop(SIGNED_OUT, False):
+        _set_cookie(None)
+        token = None
+    else:
+        token = _session_token()
+    signin = store.get(token) if token else None
+    if signin is not None:
+        conn = connect(signin.url, signin.rollout_url, signin.api_key)
+        if conn.account:
+            if st.session_state.pop(PENDING_COOKIE, None):
+                _set_cookie(token)
+            _signed_in_sidebar(conn)
+            st.session_state[CONNECTION] = conn
+            return conn
+        if conn.problem.startswith("The API key was not accepted"):
+            store.delete_key(signin.api_key)  # revoked: every session of the key ends
+            _set_cookie(None)
+    env_key = os.environ.get("TRAINYARD_API_KEY", "")
     defaults = {"conn_url": os.environ.get("TRAINYARD_URL") or DEFAULT_URL,
                 "conn_rollout_url": os.environ.get("TRAINYARD_ROLLOUT_URL") or DEFAULT_ROLLOUT_URL,
-                "conn_api_key": os.environ.get("TRAINYARD_API_KEY", "")}
+                "conn_api_key": env_key}
     # A run started by st.switch_page (Streamlit 1.67) begins without these widgets' state, so they would come back
     # empty or at the env defaults: restore what the user typed from a plain session-state copy.
     saved = st.session_state.get(SAVED_CONNECTION, {})
@@ -85,8 +150,11 @@ def sidebar_connection() -> Connection:
         url = st.text_input("Scheduler URL", key="conn_url")
         rollout_url = st.text_input("Rollout URL", key="conn_rollout_url")
         api_key = st.text_input("API key", type="password", key="conn_api_key")
-        st.session_state[SAVED_CONNECTION] = {"conn_url": url, "conn_rollout_url": rollout_url, "conn_api_key": api_key}
         conn = connect(url, rollout_url, api_key)
+        typed = conn.account and api_key.strip() != env_key.strip()
+        # The key stays in page state only until a session holds it.
+        st.session_state[SAVED_CONNECTION] = {"conn_url": url, "conn_rollout_url": rollout_url,
+                                              "conn_api_key": "" if typed else api_key}
         if conn.account:
             st.success(f"Signed in as **{md_escape(conn.account)}**")
         elif not api_key.strip():
@@ -94,6 +162,12 @@ def sidebar_connection() -> Connection:
         else:
             st.error(md_escape(conn.problem))
     st.session_state[CONNECTION] = conn
+    if typed:
+        token = store.create(conn.url, conn.rollout_url, conn.api_key, conn.account)
+        st.session_state[SESSION_TOKEN] = token
+        st.session_state[PENDING_COOKIE] = True
+        del st.session_state["conn_api_key"]
+        st.rerun()
     return conn
 
 

@@ -12,7 +12,6 @@ from dashboard import api
 from trainyard import TrainyardError
 
 st.set_page_config(page_title="Trainyard", page_icon=":material/train:", layout="wide")
-st.set_option("client.toolbarMode", "viewer")  # no developer menu or "Deploy to Streamlit Cloud" for users
 page = st.navigation([
     st.Page("pages_datasets.py", title="Datasets", icon=":material/dataset:", url_path="datasets", default=True),
     st.Page("pages_train.py", title="Train", icon=":material/model_training:", url_path="train"),

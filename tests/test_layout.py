@@ -43,6 +43,7 @@ def test_no_import_cycles_between_service_folders():
     assert graph["evaluators"] <= {"common"}, graph["evaluators"]  # the sandbox: torch-free, under both
     assert "scheduler" not in graph["trainer"] and "worker" not in graph["trainer"]
     assert graph["gateway"] <= {"common"}, graph["gateway"]  # a client of the services through the SDK only
+    assert graph["planner"] <= {"common"}, graph["planner"]  # the Training Agent is a client of the APIs
 
 
 def test_the_scheduler_checks_a_job_without_torch(tmp_path):

@@ -46,6 +46,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def published_port(mapping: str) -> int:
+    """The host port of a compose port mapping ("${TRAINYARD_PUBLISH_HOST:-127.0.0.1}:50051:50051" -> 50051)."""
+    return int(str(mapping).split(":")[-2])
+
+
 def compose_services() -> dict[str, dict]:
     if not COMPOSE.is_file():
         raise FileNotFoundError(f"{COMPOSE} not found: run from a checkout of the Trainyard repository")
@@ -70,8 +84,12 @@ class Stack:
     database_url: str | None  # None: the embedded SQLite default under the data directory
     broker_url: str | None    # None: the embedded filesystem broker
     extra_env: dict[str, str] = field(default_factory=dict)
+    # "<service>:<container port>" -> local port. Given ones are kept (a stack started earlier, trainyard/up.py);
+    # the others are free ports: the compose file's published port where it is free and published_ports is set
+    # (stable addresses for people), else any free port (tests, the demo).
     ports: dict[str, int] = field(default_factory=dict)
     procs: dict[str, Proc] = field(default_factory=dict)
+    published_ports: bool = False
 
     def __post_init__(self) -> None:
         self.services = compose_services()
@@ -81,7 +99,12 @@ class Stack:
         self.volumes: dict[str, Path] = {}
         for name, svc in self.services.items():
             for mapping in svc.get("ports", []):
-                self.ports[f"{name}:{str(mapping).split(':')[-1]}"] = free_port()
+                key = f"{name}:{str(mapping).split(':')[-1]}"
+                if key not in self.ports:
+                    wanted = published_port(mapping)
+                    taken = set(self.ports.values())
+                    self.ports[key] = (wanted if self.published_ports and wanted not in taken and port_free(wanted)
+                                       else free_port())
             if name in INFRA:
                 continue
             for volume in svc.get("volumes", []):

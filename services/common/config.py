@@ -10,6 +10,7 @@ no servers runs the whole platform. docker-compose.yml points the same fields at
 from __future__ import annotations
 
 import os
+import ssl
 from pathlib import Path
 from typing import Literal
 
@@ -152,3 +153,14 @@ class TrainyardSettings(BaseSettings):
         assert self.blob_dir is not None
         self.blob_dir.mkdir(parents=True, exist_ok=True)
 
+
+def https_kwargs(cert_file=None, key_file=None, client_ca_file=None) -> dict:
+    """uvicorn's TLS arguments for an HTTP endpoint of a service (the rollout's OpenAI endpoint, the gateway): HTTPS
+    with the service's certificate and key (the settings' tls_cert_file, tls_key_file), requiring a client
+    certificate signed by client_ca_file when one is set; {} for plain HTTP."""
+    if cert_file is None:
+        return {}
+    out = {"ssl_certfile": str(cert_file), "ssl_keyfile": str(key_file)}
+    if client_ca_file is not None:
+        out |= {"ssl_ca_certs": str(client_ca_file), "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    return out

@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from services.common import metrics
+from services.common.config import https_kwargs
 from services.common.logs import configure_logging
 from services.gateway.context import GatewayContext
 from services.gateway.routes import CoreRoutes
@@ -57,4 +58,5 @@ def main() -> None:
     if settings.metrics_port:
         metrics.serve(settings.host, settings.metrics_port)
     uvicorn.run(build_app(GatewayContext(settings)), host=settings.host, port=settings.gateway_port,
-                log_config=None, access_log=False, ws="none", timeout_graceful_shutdown=settings.shutdown_grace_s)
+                log_config=None, access_log=False, ws="none", timeout_graceful_shutdown=settings.shutdown_grace_s,
+                **https_kwargs(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file))

@@ -231,20 +231,24 @@ class CoreRoutes:
         return await self._ordered(caller, body, lambda c: c.optim_step(params),
                                    lambda r: _json({"type": "optim_step", "metrics": r.metrics}))
 
+    async def _run_id(self, caller: GatewayCaller, body: dict) -> str:
+        """The trainer session id of the request's model: what a Tinker path names (the SDK's model id may be an
+        alias, see load_weights)."""
+        return (await self.ctx.model(caller, _field(body, "model_id", str))).client.model_id
+
     async def save_weights(self, request: Request, caller: GatewayCaller) -> dict:
         body = await read_json(request)
         name = body.get("path") or ""
-        model_id = body.get("model_id")
+        run_id = await self._run_id(caller, body)
         return await self._ordered(
             caller, body, lambda c: c.save_state(name, ttl_seconds=body.get("ttl_seconds"),
                                                  user_metadata=body.get("user_metadata")),
-            lambda r: _json({"type": "save_weights", "path": paths.to_tinker(model_id, r.path)}))
+            lambda r: _json({"type": "save_weights", "path": paths.to_tinker(run_id, r.path)}))
 
     async def load_weights(self, request: Request, caller: GatewayCaller) -> dict:
         body = await read_json(request)
-        if body.get("model_id") is None and body.get("session_id") is not None:
-            raise bad_request("session_id", "creating a model from a checkpoint (create_training_client_from_state) "
-                              "is not supported by the gateway; create a model, then load_state into it")
+        if body.get("model_id") is None:
+            return await self._model_from_state(caller, body)
         path = await self._refusing(caller, body, lambda: paths_field(body, "path", "weights"))
         optimizer = bool(body.get("optimizer", False))
         model_id = body.get("model_id")
@@ -253,10 +257,35 @@ class CoreRoutes:
             lambda c: c.load_state_with_optimizer(path) if optimizer else c.load_state(path),
             lambda r: _json({"type": "load_weights", "path": body["path"], "model_id": model_id}))
 
+    async def _model_from_state(self, caller: GatewayCaller, body: dict) -> dict:
+        """create_training_client_from_state[_with_optimizer]: a new trainer session restored from a save_state
+        checkpoint. The SDK names the model itself, "<client session id>:train:<model_seq_id>"; the gateway keeps
+        that name as an alias of the trainer session (Tinker paths it makes name the trainer session)."""
+        session_id = _field(body, "session_id", str)
+        self.ctx.client_session(caller, session_id)
+        alias = f"{session_id}:train:{_field(body, 'model_seq_id', int)}"
+        path = paths_field(body, "path", "weights")
+        optimizer = body.get("optimizer_config") or {}
+        if not isinstance(optimizer, dict) or optimizer.get("type", "adamw") != "adamw":
+            raise bad_request("optimizer_config", f"only Adam(W) ('adamw') is supported, got {optimizer!r}")
+        service = self.ctx.service_client(caller)
+        with_optimizer = service.create_training_client_from_state_with_optimizer
+        creating = wire.checked(
+            with_optimizer if body.get("optimizer") else service.create_training_client_from_state, path,
+            body.get("base_model"), body.get("user_metadata"), body.get("weights_access_token"))
+
+        async def work():
+            client = await creating.result_async()
+            self.ctx.models.put(alias, Model(caller.account_id, client, Sequencer(1), session_id))
+            return _json({"type": "load_weights", "path": body["path"], "model_id": alias})
+
+        return {"request_id": self.ctx.futures.submit(caller.account_id, work()), "model_id": alias}
+
     async def save_weights_for_sampler(self, request: Request, caller: GatewayCaller) -> dict:
         body = await read_json(request)
         name = body.get("path") or ""
         model_id = body.get("model_id")
+        run_id = await self._run_id(caller, body)
         kind = body.get("kind") or "snapshot"
         if kind != "snapshot":
             await self._refusing(caller, body, lambda: _refuse(bad_request("kind", f"only 'snapshot' is supported, "
@@ -264,7 +293,7 @@ class CoreRoutes:
         with_session = body.get("sampling_session_seq_id") is not None
 
         async def render(r: types.SaveWeightsForSamplerResponse):
-            tinker_path = paths.to_tinker(model_id, r.path)
+            tinker_path = paths.to_tinker(run_id, r.path)
             out = {"type": "save_weights_for_sampler", "path": tinker_path}
             if with_session:
                 model = self.ctx.models.get(caller.account_id, model_id, "model_id")

@@ -10,7 +10,8 @@ sends the original request again).
 Order. Tinker numbers each model's training requests (seq_id, from 1) and expects them run in that order, each once;
 the trainyard SDK's TrainingClient numbers its calls itself, in the order they are made. A model's Sequencer makes
 each call at its seq_id's turn (a request that arrives before its predecessor waits in its future), so both orders
-agree; a request refused before its turn (400) gives its turn up.
+agree; a request refused before its turn (400) gives its turn up. A model attached after a gateway restart has no
+known next seq_id: it starts at the lowest one arriving within RESUME_GRACE_S of its first request.
 
 Idempotency. A POST carrying X-Idempotency-Key (the SDK sends one per request, the same on each retry) is run once
 per (account, path, key): a retry, concurrent or later, gets the first one's answer.
@@ -142,16 +143,24 @@ class Idempotency:
 class Sequencer:
     """Runs a model's calls in seq_id order (see the module docstring)."""
 
+    # A model attached after a gateway restart starts at the lowest seq_id that arrives within this long of the
+    # first (the SDK sends a batch's chunks concurrently, its first chunk last).
+    RESUME_GRACE_S = 0.5
+
     def __init__(self, next_seq_id: int | None):
         self.next = next_seq_id  # None: not known yet (a model resumed after a gateway restart)
         self._turn = asyncio.Condition()
         self._skipped: set[int] = set()
+        self._arrived: set[int] = set()
 
     async def turn(self, seq_id: int, call: Callable[[], Any]) -> Any:
         """call() at seq_id's turn (after every lower seq_id's call was made); its result."""
         async with self._turn:
             if self.next is None:
-                self.next = seq_id
+                self._arrived.add(seq_id)
+                if len(self._arrived) == 1:
+                    asyncio.get_running_loop().create_task(self._settle())
+                await self._turn.wait_for(lambda: self.next is not None)
             if seq_id < self.next:
                 raise GatewayError("INVALID_ARGUMENT", f"seq_id: {seq_id} was already used (next is {self.next})",
                                    "seq_id")
@@ -168,6 +177,13 @@ class Sequencer:
                 self._skipped.add(seq_id)
                 if seq_id == self.next:
                     self._advance(step=False)
+
+    async def _settle(self) -> None:
+        await asyncio.sleep(self.RESUME_GRACE_S)
+        async with self._turn:
+            self.next = min(self._arrived)
+            self._arrived.clear()
+            self._turn.notify_all()
 
     def _advance(self, step: bool = True) -> None:
         if step:

@@ -22,7 +22,6 @@ import contextlib
 import json
 import logging
 import socket
-import ssl
 import threading
 import time
 import uuid
@@ -42,6 +41,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from services.common import auth, registry
+from services.common.config import https_kwargs
 from services.common.db import Database
 from services.common.errors import (
     FailedPrecondition,
@@ -444,17 +444,6 @@ class _Uvicorn(uvicorn.Server):
         return self.stopping.is_set() or await super().on_tick(counter)
 
 
-def https(cert_file=None, key_file=None, client_ca_file=None) -> dict:
-    """uvicorn's TLS arguments: HTTPS with the service's certificate and key (the settings' tls_cert_file,
-    tls_key_file), requiring a client certificate signed by client_ca_file when one is set; {} for plain HTTP."""
-    if cert_file is None:
-        return {}
-    out = {"ssl_certfile": str(cert_file), "ssl_keyfile": str(key_file)}
-    if client_ca_file is not None:
-        out |= {"ssl_ca_certs": str(client_ca_file), "ssl_cert_reqs": ssl.CERT_REQUIRED}
-    return out
-
-
 class OpenAIServer:
     """The app on uvicorn, in a thread of the rollout process. The port is bound here, so a port in use fails the
     service's start; serve(stopping) is a gRPC Server background task: it runs until the service's shutdown begins,
@@ -470,7 +459,7 @@ class OpenAIServer:
                           "TRAINYARD_OPENAI_PORT to a free port, or to 0 to turn the endpoint off") from None
         self.port = self.socket.getsockname()[1]
         self.config = uvicorn.Config(self.app.asgi, lifespan="off", log_config=None, access_log=False, ws="none",
-                                     timeout_graceful_shutdown=grace_s, **https(**(tls or {})))
+                                     timeout_graceful_shutdown=grace_s, **https_kwargs(**(tls or {})))
 
     def serve(self, stopping: threading.Event) -> None:
         self.app.stopping = stopping

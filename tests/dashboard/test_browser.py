@@ -6,6 +6,7 @@ input, launch a short SFT job on the shared "tiny-qwen3" and watch its status, l
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,7 @@ def page(tmp_path):
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
         try:
-            pg = browser.new_page(viewport={"width": 1400, "height": 1000})
+            pg = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
             pg.set_default_timeout(TIMEOUT_MS)
             yield pg
         finally:
@@ -108,3 +109,40 @@ def test_sign_in_upload_train_and_watch(stack, page, tmp_path):
     expect(page.get_by_test_id("stMain").get_by_role("button", name="Deploy")).to_be_visible()
     page.screenshot(path=tmp_path / "job.png", full_page=True)
     assert (tmp_path / "job.png").stat().st_size > 0
+
+
+def test_reload_stays_signed_in_until_sign_out(stack, page, tmp_path):
+    """A typed key starts a server-side session (dashboard/sessions.py): a reload or a new tab of the same browser
+    stays signed in, the key is no longer in the page, and Sign out ends it. The shipped .streamlit/config.toml hides
+    Streamlit's own Deploy button and developer menu."""
+    from playwright.sync_api import expect
+
+    expect.set_options(timeout=TIMEOUT_MS)
+    key = create_account(stack.env_for("scheduler"), "dashboard-reload")
+    page.goto(f"http://{stack.url('dashboard')}/")
+    field = page.get_by_label("API key")
+    field.fill(key)
+    field.press("Enter")
+    expect(page.get_by_text("Signed in as")).to_be_visible()
+    expect(page.get_by_role("button", name="Sign out")).to_be_visible()
+    expect(page.get_by_label("API key")).to_have_count(0)  # the key is not kept in the page
+    expect(page.get_by_test_id("stAppDeployButton")).to_have_count(0)
+    expect(page.get_by_test_id("stMainMenu")).to_have_count(0)
+    deadline = time.monotonic() + 30
+    while not any(c["name"] == "trainyard_session" for c in page.context.cookies()):
+        assert time.monotonic() < deadline, "the session cookie was not set"
+        page.wait_for_timeout(200)
+    cookie = next(c for c in page.context.cookies() if c["name"] == "trainyard_session")
+    assert cookie["sameSite"] == "Strict" and key not in cookie["value"]
+
+    page.reload()
+    expect(page.get_by_text("Signed in as dashboard-reload")).to_be_visible()
+    other = page.context.new_page()
+    other.goto(f"http://{stack.url('dashboard')}/jobs")
+    expect(other.get_by_text("Signed in as dashboard-reload")).to_be_visible()
+    other.close()
+
+    page.get_by_role("button", name="Sign out").click()
+    expect(page.get_by_label("API key")).to_be_visible()
+    page.reload()
+    expect(page.get_by_text("Enter your API key")).to_be_visible()  # the session is gone on the server too

@@ -76,6 +76,17 @@ def test_zstd_protobuf_forward_backward_and_a_protobuf_result(small_gateway, tin
     assert logprobs.shape == (len(TOKENS) - 1,) and np.all(logprobs < 0)
     as_json = result(http, r.json()["request_id"]).json()  # kept: retrieved again, as JSON this time
     np.testing.assert_array_equal(np.float32(as_json["loss_fn_outputs"][0]["logprobs"]["data"]), logprobs)
+    # The same datum as a JSON body (forward_backward with forward_only, then forward): the same logprobs.
+    n = len(TOKENS) - 1
+    datum = {"model_input": {"chunks": [{"type": "encoded_text", "tokens": TOKENS[:-1]}]},
+             "loss_fn_inputs": {"target_tokens": {"data": TOKENS[1:], "dtype": "int64", "shape": [n]}}}
+    fb_input = {"data": [datum], "loss_fn": "cross_entropy"}
+    for seq_id, route, body in ((2, "forward_backward", {"forward_backward_input": fb_input, "forward_only": True}),
+                                (3, "forward", {"forward_input": fb_input})):
+        r = http.post(f"/api/v1/{route}", json={"model_id": model_id, "seq_id": seq_id, **body})
+        assert r.status_code == 200, r.text
+        out = result(http, r.json()["request_id"]).json()
+        np.testing.assert_array_equal(np.float32(out["loss_fn_outputs"][0]["logprobs"]["data"]), logprobs)
 
 
 def test_a_retried_request_runs_once(small_gateway, tinker_key):

@@ -115,6 +115,19 @@ def test_sequencer_runs_calls_in_seq_id_order_and_skips_refused_ones():
     asyncio.run(main())
 
 
+def test_a_resumed_model_starts_at_the_lowest_seq_id_arriving_at_first():
+    """After a gateway restart the SDK may send a batch's later chunks before its first: they wait for it."""
+    async def main():
+        seq, ran = Sequencer(None), []
+        later = [asyncio.create_task(seq.turn(i, lambda i=i: ran.append(i))) for i in (8, 9)]
+        await asyncio.sleep(0.1)
+        await seq.turn(7, lambda: ran.append(7))
+        await asyncio.gather(*later)
+        assert ran == [7, 8, 9] and seq.next == 10
+
+    asyncio.run(main())
+
+
 def test_idempotency_runs_a_key_once_and_a_failure_again():
     async def main():
         once, runs = Idempotency(60), []

@@ -12,6 +12,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeE
 from trainyard.cli.admin import admin
 from trainyard.cli.evaluators import evaluators
 from trainyard.cli.local import validate
+from trainyard.cli.stack import down, status, up
 from trainyard.cli.method_flags import (
     flag_of,
     job_target,
@@ -526,6 +527,9 @@ def demo(data_dir, steps):
 cli.add_command(admin)
 cli.add_command(evaluators)
 cli.add_command(validate)
+cli.add_command(up)
+cli.add_command(status)
+cli.add_command(down)
 
 
 def main() -> None:

@@ -1,0 +1,301 @@
+"""The Training Agent: a task description and an uploaded data set in, a plan to approve out; then the job, or a
+small sweep and its winner.
+
+A client of the scheduler's APIs (trainyard.Client), as any user's program: it reads the data set's rows and format,
+the models and devices the account can use, asks PlanJob for the exact numbers of the proposed job (tokens, steps,
+held-out rows, device memory), and measures throughput from the account's own finished jobs on the same base model
+(or from a short calibration job when there is none), so the time and cost it shows are measured, not guessed.
+The choices themselves are rules.py's, each with its reason. No LLM is needed; nothing is created before approve()
+or sweep().
+
+    agent = TrainingAgent(client)
+    plan = agent.plan("Answer customer questions about our product", dataset_id)
+    print(plan.render())            # method, model, settings with "why", estimates, warnings
+    job = agent.approve(plan)       # or: result = agent.sweep(plan); result.winner, result.reason
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from services.planner import rules
+from services.planner.diagnose import Diagnosis, diagnose
+from trainyard.client import Client, format_name, status_name
+from trainyard.v1 import scheduler_pb2 as pb
+
+CALIBRATION_STEPS = 6
+SWEEP_FACTORS = (0.5, 1.0, 2.0)
+
+
+@dataclass(frozen=True)
+class Throughput:
+    target_tokens_per_s: float
+    startup_s: float  # from the job's start to its first step
+    source: str  # which job it was measured on
+
+
+@dataclass
+class Estimate:
+    total_steps: int
+    train_rows: int
+    eval_rows: int
+    tokens: int  # forward-pass tokens over the whole run
+    target_tokens: int  # of them, those carrying the loss
+    memory_bytes: int
+    device: str
+    seconds: float | None  # None: not measured yet
+    cost: float | None  # None: no device-hour price given
+    throughput: Throughput | None
+
+
+@dataclass
+class AgentPlan:
+    description: str
+    dataset_id: str
+    proposal: rules.Proposal
+    estimate: Estimate
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def method(self) -> str:
+        return self.proposal.method
+
+    @property
+    def base_model(self) -> str:
+        return self.proposal.base_model
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return self.proposal.settings
+
+    def with_settings(self, **changes: Any) -> AgentPlan:
+        """The same plan with settings changed by the user (the estimate is then stale: plan again)."""
+        return replace(self, proposal=replace(self.proposal, settings={**self.settings, **changes}))
+
+    def to_dict(self) -> dict[str, Any]:
+        e = self.estimate
+        return {
+            "method": self.method, "base_model": self.base_model, "settings": self.settings,
+            "choices": [{"setting": c.setting, "value": c.value, "why": c.why} for c in self.proposal.choices],
+            "evaluator_source": self.proposal.evaluator_source,
+            "estimate": {"total_steps": e.total_steps, "train_rows": e.train_rows, "eval_rows": e.eval_rows,
+                         "tokens": e.tokens, "target_tokens": e.target_tokens, "memory_bytes": e.memory_bytes,
+                         "device": e.device, "seconds": e.seconds, "cost": e.cost,
+                         "throughput_target_tokens_per_s": e.throughput.target_tokens_per_s if e.throughput else None,
+                         "measured_on": e.throughput.source if e.throughput else None},
+            "warnings": self.warnings,
+        }
+
+    def render(self) -> str:
+        why = {c.setting: c.why for c in self.proposal.choices}
+        lines = [f"method: {self.method} ({why['method']})", f"base model: {self.base_model} ({why['base_model']})"]
+        lines += [f"  {c.setting} = {c.value}: {c.why}" for c in self.proposal.choices
+                  if c.setting not in ("method", "base_model")]
+        e = self.estimate
+        lines.append(f"estimate: {e.total_steps} steps over {e.train_rows} rows ({e.eval_rows} held out), "
+                     f"{e.tokens:,} tokens, about {e.memory_bytes / 2**20:,.0f} MiB on {e.device}")
+        if e.seconds is not None:
+            lines.append(f"  time about {_duration(e.seconds)} at {e.throughput.target_tokens_per_s:,.0f} target "
+                         f"tokens/s measured on {e.throughput.source}"
+                         + (f"; cost about {e.cost:.2f}" if e.cost is not None else ""))
+        lines += [f"warning: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+
+@dataclass
+class SweepResult:
+    jobs: list[pb.Job]
+    winner: pb.Job | None
+    reason: str
+    rows: list[dict[str, Any]]  # per variant: job id, learning rate, final train / held-out loss, diagnosis
+
+
+class TrainingAgent:
+    def __init__(self, client: Client, *, device_hour_cost: float | None = None, calibrate: bool = True):
+        self.client = client
+        self.device_hour_cost = device_hour_cost
+        self.calibrate = calibrate
+
+    # -- facts --------------------------------------------------------------------------------------------------
+    def data_facts(self, dataset_id: str) -> rules.DataFacts:
+        ds = self.client.get_dataset(dataset_id)
+        rows = self.client.preview_dataset(dataset_id, 0, rules.SAMPLE_ROWS)
+        fields = tuple(sorted({k for r in rows for k in r}))
+        longest = max((len(json.dumps(r, ensure_ascii=False)) for r in rows), default=0)
+        return rules.DataFacts(format=format_name(ds.format), num_rows=ds.num_rows, fields=fields,
+                               longest_row_chars=longest, rows=tuple(rows[:20]))
+
+    def model_facts(self) -> list[rules.ModelFacts]:
+        return [rules.ModelFacts(m.name, m.num_parameters, m.hidden_size, m.max_position_embeddings, m.architecture)
+                for m in self.client.list_models()]
+
+    def device_facts(self) -> rules.DeviceFacts:
+        devices = [d for d in self.client.list_devices().devices if d.live]
+        gpus = [d for d in devices if d.kind == "gpu"]
+        if gpus:
+            return rules.DeviceFacts("cuda", max(d.memory_bytes for d in gpus))
+        memory = max((d.memory_bytes for d in devices), default=0) or 8 * 2**30
+        return rules.DeviceFacts("cpu", memory)
+
+    # -- planning -----------------------------------------------------------------------------------------------
+    def plan(self, description: str, dataset_id: str, *, base_model: str | None = None, method: str | None = None,
+             settings: dict[str, Any] | None = None) -> AgentPlan:
+        """Propose a job for the data set and price it with PlanJob and measured throughput. settings: the user's
+        own values, kept over the rules' (each choice then says so)."""
+        if not description.strip():
+            raise rules.PlanningError("describe the task in a sentence or two (what the model should do)")
+        data = self.data_facts(dataset_id)
+        proposal = rules.propose(description, data, self.model_facts(), self.device_facts(), base_model=base_model,
+                                 method=method)
+        for key, value in (settings or {}).items():
+            proposal.settings[key] = value
+            proposal.choices = [c for c in proposal.choices if c.setting != key] + [
+                rules.Choice(key, value, "you set it")]
+        return self._priced(description, dataset_id, proposal)
+
+    def replan(self, plan: AgentPlan) -> AgentPlan:
+        """Price a plan again after its settings were edited."""
+        return self._priced(plan.description, plan.dataset_id, plan.proposal)
+
+    def _priced(self, description: str, dataset_id: str, proposal: rules.Proposal) -> AgentPlan:
+        settings = {k: v for k, v in proposal.settings.items() if k != "evaluator"}
+        warnings = list(proposal.warnings)
+        if proposal.method == "rft":
+            e = Estimate(settings.get("steps", 0), 0, 0, 0, 0, 0, self.device_facts().kind, None, None, None)
+            return AgentPlan(description, dataset_id, proposal, e, warnings)
+        job_plan = self.client.plan_job(proposal.method, proposal.base_model, dataset_id, **settings)
+        warnings += [w for w in job_plan.warnings if w not in warnings]
+        epochs = max(job_plan.epochs, 0.0)
+        target_tokens = int(job_plan.target_tokens_per_epoch * epochs)
+        throughput = self.throughput(proposal.base_model, proposal.method, dataset_id)
+        seconds = cost = None
+        if throughput is not None and throughput.target_tokens_per_s > 0:
+            seconds = throughput.startup_s + target_tokens / throughput.target_tokens_per_s
+            if self.device_hour_cost is not None:
+                cost = seconds / 3600 * self.device_hour_cost
+        e = Estimate(job_plan.total_steps, job_plan.train_rows, job_plan.eval_rows,
+                     int(job_plan.tokens_per_epoch * epochs), target_tokens, job_plan.memory.total_bytes,
+                     job_plan.memory.device, seconds, cost, throughput)
+        return AgentPlan(description, dataset_id, proposal, e, warnings)
+
+    def throughput(self, base_model: str, method: str, dataset_id: str) -> Throughput | None:
+        """Target tokens per second of the account's latest finished job on this base model and method (training
+        steps only), else of a short calibration job run now (when calibrate is set)."""
+        for job in self.client.list_jobs(status="succeeded"):
+            if job.spec.base_model == base_model and _method(job) == method:
+                measured = self._measured(job)
+                if measured is not None:
+                    return measured
+        if not self.calibrate:
+            return None
+        settings = {"max_steps": CALIBRATION_STEPS, "checkpoint_every": 10_000, "eval_fraction": 0.0}
+        if method == "dpo":
+            settings["beta"] = 0.1
+        job = self.client.create_job(method, base_model, dataset_id, "agent-calibration", **settings)
+        done = self.client.wait_job(job.id, timeout_s=1800)
+        if done.status != pb.JOB_STATUS_SUCCEEDED:
+            raise rules.PlanningError(f"the calibration job {job.id} {status_name(done.status)}: {done.error}")
+        return self._measured(done)
+
+    def _measured(self, job: pb.Job) -> Throughput | None:
+        points = [p for p in self.client.job_metrics(job.id) if "train/tokens" in p.values or "train/pairs" in
+                  p.values]
+        if len(points) < 3:
+            return None
+        key = "train/tokens" if "train/tokens" in points[0].values else "train/pairs"
+        t = [p.time.ToDatetime().timestamp() for p in points]
+        # The first step pays for loading and compiling: time from it to the last one, tokens after it.
+        elapsed = t[-1] - t[0]
+        tokens = sum(p.values.get(key, 0.0) for p in points[1:])
+        if elapsed <= 0 or tokens <= 0:
+            return None
+        startup = max(0.0, t[0] - job.started_at.ToDatetime().timestamp()) if job.HasField("started_at") else 0.0
+        return Throughput(tokens / elapsed, startup, f"job {job.id} ({job.spec.display_name or _method(job)})")
+
+    # -- acting -------------------------------------------------------------------------------------------------
+    def approve(self, plan: AgentPlan, display_name: str = "") -> pb.Job:
+        """Create the planned job (RFT: upload the drafted, possibly edited, evaluator first)."""
+        settings = dict(plan.settings)
+        if plan.method == "rft":
+            ev = self.client.upload_evaluator(plan.proposal.evaluator_source.encode(), _evaluator_name(plan))
+            settings["evaluator"] = f"{ev.name}@{ev.version}"
+        return self.client.create_job(plan.method, plan.base_model, plan.dataset_id,
+                                      display_name or _job_name(plan), **settings)
+
+    def sweep(self, plan: AgentPlan, factors: tuple[float, ...] = SWEEP_FACTORS, *, wait: bool = True,
+              timeout_s: float = 7200) -> SweepResult:
+        """2-4 variants of the plan's learning rate (x factors), each with the held-out evaluation, and the winner:
+        the lowest final held-out loss among those that did not overfit or diverge."""
+        if not 2 <= len(factors) <= 4:
+            raise rules.PlanningError(f"factors: a sweep runs 2 to 4 variants, got {len(factors)}")
+        if plan.method == "rft":
+            raise rules.PlanningError("a sweep compares held-out losses, which RFT jobs do not have: approve the "
+                                      "plan instead")
+        base_lr = plan.settings["learning_rate"]
+        jobs = []
+        for f in factors:
+            variant = plan.with_settings(learning_rate=float(f"{base_lr * f:.2g}"))
+            jobs.append(self.approve(variant, f"{_job_name(plan)}-lr{variant.settings['learning_rate']:g}"))
+        if not wait:
+            return SweepResult(jobs, None, "running", [])
+        deadline = time.monotonic() + timeout_s
+        finished = [self.client.wait_job(j.id, timeout_s=max(1.0, deadline - time.monotonic())) for j in jobs]
+        return self.pick_winner(finished)
+
+    def pick_winner(self, jobs: list[pb.Job]) -> SweepResult:
+        rows = []
+        for job in jobs:
+            points = self.client.job_metrics(job.id)
+            d = diagnose(points)
+            rows.append({"job_id": job.id, "status": status_name(job.status),
+                         "learning_rate": _setting(job, "learning_rate"), "train_loss": d.final_train_loss,
+                         "eval_loss": d.final_eval_loss, "diagnosis": d})
+        candidates = [r for r in rows if r["status"] == "succeeded" and r["eval_loss"] is not None]
+        if not candidates:
+            return SweepResult(jobs, None, "no variant finished with a held-out loss", rows)
+        healthy = [r for r in candidates if not r["diagnosis"].problems]
+        pool = healthy or candidates
+        best = min(pool, key=lambda r: r["eval_loss"])
+        others = ", ".join(f"lr {r['learning_rate']:g}: {r['eval_loss']:.4f}" for r in candidates if r is not best)
+        reason = (f"lr {best['learning_rate']:g} has the lowest final held-out loss, {best['eval_loss']:.4f}"
+                  + (f" (others: {others})" if others else ""))
+        excluded = [r for r in candidates if r["diagnosis"].problems]
+        if healthy and excluded:
+            reason += "; excluded: " + "; ".join(f"lr {r['learning_rate']:g} ({', '.join(r['diagnosis'].problems)})"
+                                                 for r in excluded)
+        elif not healthy:
+            reason += "; every variant shows a problem: " + "; ".join(
+                f"lr {r['learning_rate']:g} ({', '.join(r['diagnosis'].problems)})" for r in candidates)
+        winner = next(j for j in jobs if j.id == best["job_id"])
+        return SweepResult(jobs, winner, reason, rows)
+
+
+def _method(job: pb.Job) -> str:
+    return job.spec.WhichOneof("config") or ""
+
+
+def _setting(job: pb.Job, name: str) -> Any:
+    config = getattr(job.spec, _method(job))
+    return getattr(config, name, None)
+
+
+def _job_name(plan: AgentPlan) -> str:
+    words = [w for w in "".join(ch if ch.isalnum() else " " for ch in plan.description.lower()).split()][:4]
+    return "-".join(["agent", plan.method, *words])[:60]
+
+
+def _evaluator_name(plan: AgentPlan) -> str:
+    return f"agent-{plan.dataset_id}"[:64]
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+__all__ = ["AgentPlan", "Diagnosis", "Estimate", "SweepResult", "Throughput", "TrainingAgent"]
