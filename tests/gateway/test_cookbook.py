@@ -9,7 +9,8 @@
 - rl_basic: its main() on an rl train.Config made as its blueprint makes it, with the cookbook's own arithmetic
   environment (recipes/math_rl/arithmetic_env.py, problems generated locally) in place of GSM8K from the hub; the
   reward is logged every step, tokens are trained, the cookbook's sampler-vs-trainer KL is ~0, the final weights
-  sample.
+  sample. Again on an environment of the tests' own (EvenTokensEnv, the cookbook's Env interface) whose dense reward
+  gives non-zero advantages: the gradient is not zero.
 - rl_loop: its main() with loss_fn="importance_sampling" (its default, stable_reinforce, needs Tinker's sampled
   provenance spans, which Trainyard does not record); `datasets.load_dataset("openai/gsm8k", "main")` answers with
   four local rows in GSM8K's format (tests/gateway/data/gsm8k_style.jsonl). The reward is logged (0: the tiny model
@@ -31,6 +32,7 @@ What differs from a run against Tinker, and why:
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import chz
@@ -41,6 +43,8 @@ from tinker_cookbook import checkpoint_utils, model_info, renderers, tokenizer_u
 from tinker_cookbook.recipes import rl_basic, rl_loop, sl_basic, sl_loop
 from tinker_cookbook.recipes.math_rl.arithmetic_env import ArithmeticDatasetBuilder
 from tinker_cookbook.rl import train as rl_train
+from tinker_cookbook.rl.problem_env import ProblemGroupBuilder
+from tinker_cookbook.rl.types import Env, RLDataset, RLDatasetBuilder, StepResult
 from tinker_cookbook.supervised import train as sl_train
 from tinker_cookbook.supervised.data import FromConversationFileBuilder
 from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
@@ -158,10 +162,54 @@ def test_sl_loop(gateway, loop_recipe_setup, tmp_path):
     assert samples_from(gateway, final_checkpoint(log_path).sampler_path)
 
 
-def test_rl_basic(gateway, tmp_path):
-    log_path = tmp_path / "rl_basic"
-    builder = ArithmeticDatasetBuilder(batch_size=2, group_size=4, renderer_name=RENDERER,
-                                       model_name_for_tokenizer=BASE, n_batches=2)
+class EvenTokensEnv(Env):
+    """An environment of the tests' own, to the cookbook's Env interface: one turn, rewarded by the fraction of
+    sampled tokens with an even id. The reward is dense, so the samples of a group differ, the advantages are not
+    zero and every step moves the weights (the arithmetic environment's reward is the same for every sample of the
+    tiny model, so its steps train on zero advantages)."""
+
+    def __init__(self, renderer: renderers.Renderer, question: str):
+        self.renderer, self.question = renderer, question
+
+    async def initial_observation(self):
+        prompt = self.renderer.build_generation_prompt([{"role": "user", "content": self.question}])
+        return prompt, self.renderer.get_stop_sequences()
+
+    async def step(self, action, *, extra=None) -> StepResult:
+        return StepResult(reward=sum(t % 2 == 0 for t in action) / max(len(action), 1), episode_done=True,
+                          next_observation=tinker.ModelInput.empty(),
+                          next_stop_condition=self.renderer.get_stop_sequences())
+
+
+class EvenTokensDataset(RLDataset):
+    QUESTIONS = ("Name a color.", "What is the capital of France?", "List three fruits.", "Say hello.")
+
+    def __init__(self, renderer: renderers.Renderer, batch_size: int, group_size: int, n_batches: int):
+        self.renderer, self.batch_size, self.group_size, self.n_batches = renderer, batch_size, group_size, n_batches
+
+    def get_batch(self, index: int) -> list[ProblemGroupBuilder]:
+        questions = [self.QUESTIONS[(index * self.batch_size + i) % len(self.QUESTIONS)]
+                     for i in range(self.batch_size)]
+        return [ProblemGroupBuilder(env_thunk=partial(EvenTokensEnv, self.renderer, q), num_envs=self.group_size,
+                                    dataset_name="even_tokens") for q in questions]
+
+    def __len__(self) -> int:
+        return self.n_batches
+
+
+@chz.chz
+class EvenTokensDatasetBuilder(RLDatasetBuilder):
+    batch_size: int
+    group_size: int
+    n_batches: int
+
+    async def __call__(self) -> tuple[EvenTokensDataset, None]:
+        renderer = renderers.get_renderer(RENDERER, tokenizer=tokenizer_utils.get_tokenizer(BASE))
+        return EvenTokensDataset(renderer, self.batch_size, self.group_size, self.n_batches), None
+
+
+def run_rl_basic(gateway: str, log_path: Path, builder: RLDatasetBuilder) -> list[dict]:
+    """rl_basic's main() on its blueprint's settings, with builder as the dataset; the metrics of its steps."""
     config = chz.Blueprint(rl_train.Config).apply({
         "model_name": BASE, "recipe_name": "recipe_rl_basic", "renderer_name": RENDERER, "log_path": str(log_path),
         "dataset_builder": builder, "learning_rate": 4e-5, "max_tokens": 8, "eval_every": 0,
@@ -170,7 +218,7 @@ def test_rl_basic(gateway, tmp_path):
     rl_basic.main(config)
 
     steps = [m for m in metrics(log_path) if "env/all/reward/total" in m]
-    assert len(steps) == 2 and all(-0.1 <= m["env/all/reward/total"] <= 1.0 for m in steps), steps
+    assert len(steps) == 2, steps
     for m in steps:
         assert m["tokens/trained"] > 0, m
         # The cookbook's own check of the sampler against the trainer: the KL between the logprobs the rollout
@@ -178,6 +226,21 @@ def test_rl_basic(gateway, tmp_path):
         # tolerance of the trainer-vs-rollout logprob tests).
         assert abs(m["optim/kl_sample_train_v1"]) < 1e-4, m
     assert samples_from(gateway, final_checkpoint(log_path).sampler_path)
+    return steps
+
+
+def test_rl_basic(gateway, tmp_path):
+    steps = run_rl_basic(gateway, tmp_path / "rl_basic", ArithmeticDatasetBuilder(
+        batch_size=2, group_size=4, renderer_name=RENDERER, model_name_for_tokenizer=BASE, n_batches=2))
+    assert all(-0.1 <= m["env/all/reward/total"] <= 1.0 for m in steps), steps
+
+
+def test_rl_basic_on_a_dense_reward_trains(gateway, tmp_path):
+    steps = run_rl_basic(gateway, tmp_path / "rl_basic_even",
+                         EvenTokensDatasetBuilder(batch_size=2, group_size=4, n_batches=2))
+    for m in steps:
+        assert 0.0 < m["env/all/reward/total"] < 1.0 and m["env/all/by_group/frac_mixed"] > 0, m
+        assert m["grad_norm"] > 0, m  # importance_sampling on non-zero advantages, through the gateway
 
 
 def test_rl_loop(gateway, loop_recipe_setup, tmp_path):
