@@ -23,6 +23,8 @@ from trainyard.errors import from_rpc_error
 from trainyard.v1 import tinker_wire_pb2, trainer_pb2
 
 IDEMPOTENCY_HEADER = "x-idempotency-key"
+# A cloned SamplingClient numbers its requests from clone id * CLONE_STRIDE (the original from 0).
+CLONE_STRIDE = 1_000_000_000
 
 
 def _field(body: dict, name: str, kind: type | tuple[type, ...], required: bool = True, default: Any = None) -> Any:
@@ -61,6 +63,7 @@ class CoreRoutes:
             route(ctx, "/api/v1/samplers/{sampler_id}", self.get_sampler, ("GET",)),
             route(ctx, "/api/v1/asample", post(self.asample)),
             route(ctx, "/api/v1/retrieve_future", self.retrieve_future),
+            route(ctx, "/api/v1/retrieve_futures", self.retrieve_futures),
             route(ctx, "/api/v1/cancel_future", self.cancel_future),
             route(ctx, "/api/v1/telemetry", self.telemetry),
         ]
@@ -76,7 +79,7 @@ class CoreRoutes:
     async def client_config(self, request: Request, caller: GatewayCaller) -> dict:
         return {"pjwt_auth_enabled": False, "credential_default_source": "api_key", "parallel_fwdbwd_chunks": True,
                 "proto_compress_fwdbwd": True, "fwdbwd_max_chunk_len": self.ctx.settings.fwdbwd_max_chunk_len,
-                "use_pyqwest_transport": False, "sample_use_retrieve_futures": False,
+                "use_pyqwest_transport": False, "sample_use_retrieve_futures": True,
                 "custom_loss_server_side": False, "sample_join_sampling_session": False}
 
     async def dynamic_config(self, request: Request, caller: GatewayCaller) -> dict:
@@ -370,8 +373,28 @@ class CoreRoutes:
         async def work():
             return _sample_output(await started.result_async())
 
-        return {"request_id": self.ctx.futures.submit(caller.account_id, work()),
-                "sample_sequence_ids": [new_id("seq") for _ in range(num_samples)]}
+        seq_id = body.get("seq_id")
+        log = sampler.log(seq_id // CLONE_STRIDE if isinstance(seq_id, int) and seq_id >= 0 else 0)
+        request_id = self.ctx.futures.submit(caller.account_id, work(),
+                                             on_done=lambda rid, fut: log.add(rid, fut.error is not None))
+        return {"request_id": request_id, "sample_sequence_ids": [new_id("seq") for _ in range(num_samples)]}
+
+    async def retrieve_futures(self, request: Request, caller: GatewayCaller) -> dict:
+        """The sampling requests of one sampling session clone that finished since the client's cursor (long-polled;
+        timeout 0: at once). The SDK then fetches each result with retrieve_future."""
+        body = await read_json(request)
+        target = _field(body, "target", dict)
+        sampler = self.ctx.samplers.get(caller.account_id, _field(target, "sampling_session_id", str),
+                                        "target.sampling_session_id")
+        clone = _field(target, "cloned_sampler_id", int, required=False, default=0)
+        timeout = body.get("timeout")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or timeout < 0):
+            raise bad_request("timeout", f"must be a number of seconds >= 0, got {timeout!r}")
+        wait_s = self.ctx.settings.long_poll_s if timeout is None else min(timeout, self.ctx.settings.long_poll_s)
+        completions, cursor = await sampler.log(clone).since(
+            _field(body, "prev_cursor", int, required=False, default=0), wait_s)
+        return {"completions": completions, "cursor": cursor}
 
     # -- futures -----------------------------------------------------------------------------------------------------
     async def retrieve_future(self, request: Request, caller: GatewayCaller) -> Response:

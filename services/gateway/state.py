@@ -62,8 +62,10 @@ class Futures:
             raise GatewayError("RESOURCE_EXHAUSTED", f"this account has {self.max_pending} futures not yet retrieved "
                                "(max_pending_futures_per_account); retrieve some first", retry_after_s=1)
 
-    def submit(self, account_id: str, work: Awaitable[Rendered], request_id: str | None = None) -> str:
-        """A new future of work (a coroutine returning the result's renderer); its request id."""
+    def submit(self, account_id: str, work: Awaitable[Rendered], request_id: str | None = None,
+               on_done: Callable[[str, Future], None] | None = None) -> str:
+        """A new future of work (a coroutine returning the result's renderer); its request id. on_done(request id,
+        future) runs once it finished."""
         try:
             self.check_room(account_id)
         except GatewayError:
@@ -73,6 +75,8 @@ class Futures:
         fut = Future(account_id)
         self._futures[request_id] = fut
         fut.task = asyncio.create_task(self._run(fut, work))
+        if on_done is not None:
+            fut.task.add_done_callback(lambda _: on_done(request_id, fut))
         return request_id
 
     async def _run(self, fut: Future, work: Awaitable[Rendered]) -> None:
@@ -214,12 +218,43 @@ class Model:
     session_id: str = ""  # the Tinker client session that created it ("" once resumed)
 
 
+class CompletionLog:
+    """The finished requests of one sampling session clone, in the order they finished: what retrieve_futures
+    answers from a cursor (an index into this log; entries below the cursor a client sends were seen, and go)."""
+
+    def __init__(self):
+        self._base = 0  # the cursor of _entries[0]
+        self._entries: list[dict] = []
+        self._grew = asyncio.Event()
+
+    def add(self, request_id: str, failed: bool) -> None:
+        self._entries.append({"state": "failed" if failed else "finished", "request_id": request_id})
+        self._grew.set()
+
+    async def since(self, cursor: int, wait_s: float) -> tuple[list[dict], int]:
+        """The entries from cursor on (waiting up to wait_s for one when there are none), and the next cursor."""
+        seen = min(max(cursor - self._base, 0), len(self._entries))
+        del self._entries[:seen]
+        self._base += seen
+        if not self._entries and wait_s > 0:
+            self._grew.clear()
+            try:
+                await asyncio.wait_for(self._grew.wait(), wait_s)
+            except asyncio.TimeoutError:
+                pass
+        return list(self._entries), self._base + len(self._entries)
+
+
 @dataclass
 class SamplingSession:
     account_id: str
     client: Any  # trainyard.SamplingClient
     base_model: str
     model_path: str | None  # the Tinker path it samples, None for a base model
+    completions: dict[int, CompletionLog] = field(default_factory=dict)  # per clone (seq_id // 10**9)
+
+    def log(self, clone: int) -> CompletionLog:
+        return self.completions.setdefault(clone, CompletionLog())
 
 
 class Registry:

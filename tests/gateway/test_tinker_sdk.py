@@ -11,6 +11,7 @@ Tolerances, and why:
 """
 from __future__ import annotations
 
+import httpx
 import numpy as np
 import pytest
 import tinker
@@ -44,7 +45,7 @@ def lora(service: tinker.ServiceClient, seed: int) -> tinker.TrainingClient:
 
 
 @pytest.mark.filterwarnings("ignore:DEPRECATED.*load_state:FutureWarning")  # Tinker 0.38 deprecates load_state
-def test_supervised_loop_state_round_trip_and_sampling(tinker_service):
+def test_supervised_loop_state_round_trip_and_sampling(stack, tinker_service):
     tc = lora(tinker_service, seed=0)
     assert tc.get_info().model_data.model_name == BASE
     batch = [sft_datum(s) for s in SEQS]
@@ -85,6 +86,9 @@ def test_supervised_loop_state_round_trip_and_sampling(tinker_service):
     (seq,) = topk.sequences
     assert [len(t) for t in seq.topk_logprobs] == [2, 2, 2] and seq.topk_logprobs[0][0][0] == seq.tokens[0]
     assert topk.prompt_logprobs[0] is None and len(topk.prompt_logprobs) == len(PROMPTS[0])
+    # The SDK learned of each sample's end from the sampling session's retrieve_futures long poll (client config).
+    scraped = httpx.get(f"http://{stack.address('gateway', 9100)}/metrics", timeout=10).text
+    assert 'trainyard_gateway_requests_total{route="/api/v1/retrieve_futures",status="200"}' in scraped
     base = tinker_service.create_sampling_client(base_model=BASE).result()
     assert len(base.sample(prompt, 3, tinker.SamplingParams(max_tokens=2, stop=[])).result().sequences) == 3
     with pytest.raises(tinker.BadRequestError, match="topk_prompt_logprobs"):

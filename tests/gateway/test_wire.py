@@ -13,7 +13,7 @@ from tinker.proto import request_conv, response_conv, tinker_public_pb2
 
 from services.gateway import paths, wire
 from services.gateway.errors import GatewayError, http_status
-from services.gateway.state import Futures, Idempotency, Sequencer
+from services.gateway.state import CompletionLog, Futures, Idempotency, Sequencer
 from trainyard import types
 from trainyard.v1 import tinker_wire_pb2
 
@@ -124,6 +124,25 @@ def test_a_resumed_model_starts_at_the_lowest_seq_id_arriving_at_first():
         await seq.turn(7, lambda: ran.append(7))
         await asyncio.gather(*later)
         assert ran == [7, 8, 9] and seq.next == 10
+
+    asyncio.run(main())
+
+
+def test_completion_log_answers_from_a_cursor_and_long_polls():
+    async def main():
+        log = CompletionLog()
+        assert await log.since(0, 0) == ([], 0)
+        log.add("r1", failed=False)
+        log.add("r2", failed=True)
+        entries, cursor = await log.since(0, 5)
+        assert [(e["request_id"], e["state"]) for e in entries] == [("r1", "finished"), ("r2", "failed")]
+        assert cursor == 2
+        waiting = asyncio.create_task(log.since(cursor, 5))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # nothing new: it waits
+        log.add("r3", failed=False)
+        assert await waiting == ([{"state": "finished", "request_id": "r3"}], 3)
+        assert await log.since(3, 0.01) == ([], 3)  # seen entries are gone
 
     asyncio.run(main())
 
