@@ -7,13 +7,16 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 stamp=.venv/.trainyard-installed
+# Locked packages installed without their dependencies, after the rest (requirements.lock says why for each).
+NO_DEPS='^tinker_cookbook=='
 if [ ! -f "$stamp" ] || [ requirements.lock -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "installing Python dependencies into .venv (log: .venv/install.log) ..."
   {
     .venv/bin/python -m pip install --upgrade pip &&
     # The CPU build of torch first, so nothing else can pull a CUDA build.
     .venv/bin/python -m pip install torch==2.13.0 &&
-    .venv/bin/python -m pip install -r requirements.lock &&
+    .venv/bin/python -m pip install -r <(grep -v -E "$NO_DEPS" requirements.lock) &&
+    .venv/bin/python -m pip install --no-deps $(grep -E "$NO_DEPS" requirements.lock) &&
     .venv/bin/python -m pip install --no-deps -e .
   } > .venv/install.log 2>&1 || { tail -n 40 .venv/install.log; echo "install failed: see .venv/install.log" >&2; exit 1; }
   touch "$stamp"
