@@ -17,9 +17,9 @@
   writes no \\boxed{} answer, so the recipe skips its training steps) and the checkpoints are saved.
 
 What differs from a run against Tinker, and why:
-- The model: the tiny Qwen3 model untied (its own output layer), imported by the account. The recipes create their
-  LoRA with Tinker's default train_unembed=True, and Trainyard's trainer refuses an adapter on an output layer tied
-  to the input embeddings, as the built-in tiny models' (and the small Qwen3 models') are.
+- The model: the built-in tiny Qwen3 model (its output layer tied to the input embeddings, as the small Qwen3
+  models' are); the recipes create their LoRA with Tinker's default train_unembed=True, an adapter on that tied
+  lm_head.
 - Nothing is fetched from a hub: the recipes' datasets are local (above), the model's tokenizer is registered under
   its Trainyard name with the cookbook's register_tokenizer, and the cookbook's download of Tinker's price list
   (cost_estimation) is turned off (the recipes then log token counts without prices).
@@ -54,33 +54,27 @@ from trainyard import Client
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
-BASE = "tiny-qwen3-untied"
+BASE = "tiny-qwen3"
 RENDERER = "qwen3"
 CHATS = ROOT / "examples" / "data" / "sft_demo.jsonl"
 GSM8K_STYLE = Path(__file__).parent / "data" / "gsm8k_style.jsonl"
 
 
 @pytest.fixture(scope="module")
-def untied_model(stack, api_key) -> Path:
-    """The tiny Qwen3 model with its own output layer (tie_word_embeddings false), imported by the account under
-    BASE: the recipes create their LoRA with Tinker's default train_unembed=True, and the trainer refuses an adapter
-    on an output layer tied to the embeddings, as the built-in tiny models' are."""
-    from models.tiny import build_tiny_model
-
-    path = build_tiny_model(stack.models_dir / BASE, overrides={"tie_word_embeddings": False})
+def base_model_dir(stack, api_key) -> Path:
+    """The shared tiny Qwen3 model's directory (for its tokenizer)."""
     with Client(url=stack.url("scheduler"), api_key=api_key) as c:
-        c.import_model(BASE, path)
-    return path
+        return Path(c.get_model(BASE).path)
 
 
 @pytest.fixture()
-def gateway(stack, api_key, untied_model, monkeypatch) -> str:
+def gateway(stack, api_key, base_model_dir, monkeypatch) -> str:
     """The gateway's base_url, with the cookbook set up to reach Trainyard and nothing else: the account's key in
     the form the tinker SDK accepts, the model's tokenizer under its Trainyard name, no price-list download."""
     from transformers import AutoTokenizer
 
     monkeypatch.setenv("TINKER_API_KEY", "tml-" + api_key)
-    tokenizer = AutoTokenizer.from_pretrained(untied_model)
+    tokenizer = AutoTokenizer.from_pretrained(base_model_dir)
     tokenizer_utils.register_tokenizer(BASE, lambda: tokenizer)
     monkeypatch.setattr(cost_estimation, "_pricing_fetched", True)
     monkeypatch.setattr(cost_estimation, "_pricing_entries", None)
