@@ -86,6 +86,8 @@ def test_describe_plan_approve_watch_deploy_compare_and_call(stack, tmp_path):
         stored = page.get_by_text(f"Stored {DATA.name} as dataset").first
         expect(stored).to_be_visible()
         assert (metric(page, "Format"), metric(page, "Rows")) == ("sft_chat", "20")
+        assert metric(page, "Dataset id").startswith("ds_")
+        assert not truncated(page.get_by_test_id("stMetricValue")), "a figure of the upload is cut off"
         shot("02-dataset", page.get_by_role("heading", name="Upload a dataset"))
 
         # 3. Describe the task: the agent's plan, each choice with why, and the estimate.
