@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,7 @@ CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-q
 TIMEOUT_MS = 60_000
 VIEWPORT = {"width": 1280, "height": 800}
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
+BUSY = "!!document.querySelector('[data-stale=\"true\"], [data-testid=\"stStatusWidget\"]')"
 UPDATE_SCREENSHOTS = "TRAINYARD_UPDATE_SCREENSHOTS"  # =1: a journey writes its screenshots to docs/screenshots too
 
 
@@ -66,10 +68,23 @@ def choose_file(page, path: Path) -> None:
     expect(page.get_by_role("button", name="Validate and upload")).to_be_enabled()
 
 
-def settle(page) -> None:
-    """Wait until the app is not running and shows no stale element (Streamlit dims the previous run's elements
-    until the new run replaces them)."""
-    page.wait_for_function("!document.querySelector('[data-stale=\"true\"], [data-testid=\"stStatusWidget\"]')")
+def settle(page, quiet_s: float = 0.7) -> None:
+    """Wait until the app has been idle for quiet_s: not running, and no stale element (Streamlit dims the previous
+    run's elements until the new run replaces them). Streamlit shows its running indicator only after a run has
+    lasted a moment, so one idle look could fall between a click and that indicator."""
+    deadline = time.monotonic() + TIMEOUT_MS / 1000
+    idle_since = None
+    while True:
+        now = time.monotonic()
+        if page.evaluate(BUSY):
+            idle_since = None
+        elif idle_since is None:
+            idle_since = now
+        elif now - idle_since >= quiet_s:
+            return
+        if now > deadline:
+            raise TimeoutError(f"the app was still running after {TIMEOUT_MS / 1000:.0f} s")
+        page.wait_for_timeout(100)
 
 
 def small_png(png: bytes) -> bytes:

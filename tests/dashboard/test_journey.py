@@ -133,6 +133,7 @@ def test_describe_plan_approve_watch_deploy_compare_and_call(stack, tmp_path):
         page.get_by_label("Deployment name").fill(DEPLOYMENT)
         page.get_by_test_id("stMain").get_by_role("button", name="Deploy", exact=True).click()
         expect(page.get_by_text(f"Deployment {DEPLOYMENT} is ready.").first).to_be_visible()
+        expect(page.get_by_role("heading", name=DEPLOYMENT)).to_be_visible()  # its card in the list below
         shot("07-deploy", page.get_by_role("heading", name="Deploy", exact=True))
 
         # 7. Compare: the same question to the base model and the tuned one, greedy.
