@@ -27,10 +27,10 @@ def show_outcome(outcome: logic.UploadOutcome) -> None:
             st.success(f"Stored **{md_escape(outcome.filename)}** as dataset **{md_escape(ds.name)}**.")
         if outcome.mapping:
             st.info(f"Mapped on upload: {md_escape(outcome.mapping)}.", icon=":material/swap_horiz:")
-        cols = st.columns(3)
-        cols[0].metric("Dataset id", ds.id)
-        cols[1].metric("Format", format_name(ds.format))
-        cols[2].metric("Rows", ds.num_rows)
+        with st.container(horizontal=True, gap="medium"):  # each as wide as its text: a third cuts the id short
+            st.metric("Dataset id", ds.id, width="content")
+            st.metric("Format", format_name(ds.format), width="content")
+            st.metric("Rows", ds.num_rows, width="content")
         st.caption(f"The first {len(outcome.preview)} rows, as stored:")
         st.table(logic.preview_frame(outcome.preview))
         return

@@ -117,9 +117,10 @@ st.subheader("The plan")
 for line in logic_plan.headline(plan):
     st.markdown(line)
 st.table(logic_plan.choices_frame(plan), hide_index=True)
-cols = st.columns(len(logic_plan.estimate_metrics(plan)))
-for col, (name, value) in zip(cols, logic_plan.estimate_metrics(plan)):
-    col.metric(name, value)
+# Each figure as wide as its text, wrapping to a second line: six equal columns cut "not measured yet" short.
+with st.container(horizontal=True, gap="medium"):
+    for name, value in logic_plan.estimate_metrics(plan):
+        st.metric(name, value, width="content")
 st.caption(logic_plan.estimate_note(plan))
 for warning in plan.warnings:
     st.warning(md_escape(warning))

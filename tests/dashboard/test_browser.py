@@ -7,50 +7,20 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import pytest
 
 from tests.conftest import create_account
+from tests.dashboard.browser import TIMEOUT_MS, choose_file, open_page, sign_in
 from tests.integration.data import chat_rows, jsonl
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 
-CHROMIUM = Path("/usr/bin/chromium")
-# Without the background-networking flags Chromium keeps calling home, which floods a closed network.
-CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-TIMEOUT_MS = 60_000
-
 
 @pytest.fixture()
-def page(tmp_path):
-    if not CHROMIUM.exists():
-        pytest.skip(f"{CHROMIUM} is missing: the browser test drives the system Chromium")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
-        try:
-            pg = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
-            pg.set_default_timeout(TIMEOUT_MS)
-            yield pg
-        finally:
-            browser.close()
-
-
-def choose_file(page, path: Path) -> None:
-    """Pick a file in the real file input and wait until it has reached the server.
-
-    The chip shows a spinner while the file is uploading; a click before it ends would rerun the app with the
-    uploader's previous file.
-    """
-    from playwright.sync_api import expect
-
-    page.get_by_test_id("stFileUploaderDropzoneInput").set_input_files(path)
-    expect(page.get_by_test_id("stFileChipName").get_by_text(path.name, exact=True)).to_be_visible()
-    expect(page.get_by_test_id("stFileChipIconSpinner")).to_have_count(0)
-    expect(page.get_by_role("button", name="Validate and upload")).to_be_enabled()
+def page():
+    with open_page() as pg:
+        yield pg
 
 
 def test_sign_in_upload_train_and_watch(stack, page, tmp_path):
@@ -64,10 +34,7 @@ def test_sign_in_upload_train_and_watch(stack, page, tmp_path):
 
     page.goto(f"http://{stack.url('dashboard')}/")
     expect(page.get_by_text("Enter your API key")).to_be_visible()
-    api_key = page.get_by_label("API key")
-    api_key.fill(key)
-    api_key.press("Enter")
-    expect(page.get_by_text("Signed in as")).to_be_visible()
+    sign_in(page, key)
     expect(page.get_by_role("heading", name="Datasets", exact=True)).to_be_visible()
 
     # A valid file: stored, with its id, format, row count and first rows.
@@ -120,10 +87,7 @@ def test_reload_stays_signed_in_until_sign_out(stack, page, tmp_path):
     expect.set_options(timeout=TIMEOUT_MS)
     key = create_account(stack.env_for("scheduler"), "dashboard-reload")
     page.goto(f"http://{stack.url('dashboard')}/")
-    field = page.get_by_label("API key")
-    field.fill(key)
-    field.press("Enter")
-    expect(page.get_by_text("Signed in as")).to_be_visible()
+    sign_in(page, key)
     expect(page.get_by_role("button", name="Sign out")).to_be_visible()
     expect(page.get_by_label("API key")).to_have_count(0)  # the key is not kept in the page
     expect(page.get_by_test_id("stAppDeployButton")).to_have_count(0)
