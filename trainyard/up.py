@@ -228,18 +228,25 @@ def _signal_group(pid: int, sig: int) -> None:
         pass
 
 
-def wait_foreground(home: Path, on_status=None) -> None:
-    """Stay until Ctrl-C, SIGTERM or SIGHUP (the terminal closing), then stop the stack."""
-    stop = []
+_STOP: list[int] = []
 
+
+def catch_stop_signals() -> None:
+    """From now on Ctrl-C, SIGTERM and SIGHUP (the terminal closing) ask wait_foreground to stop the stack, also when
+    they arrive while it is still starting."""
     def handler(signum, _frame):
-        stop.append(signum)
+        _STOP.append(signum)
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, handler)
+
+
+def wait_foreground(home: Path, on_status=None) -> None:
+    """Stay until Ctrl-C, SIGTERM or SIGHUP, then stop the stack."""
+    catch_stop_signals()
     state = StackState.load(home.absolute())
     try:
-        while not stop:
+        while not _STOP:
             if state is not None and not any(alive(s.pid) for s in state.services):
                 break
             time.sleep(0.5)

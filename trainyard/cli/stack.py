@@ -34,7 +34,7 @@ def _home(home: str | None) -> Path:
 def up(home, database_url, broker_url, detach, services, login):
     """Start the whole platform on this machine and print its addresses and an API key."""
     from trainyard.localstack import compose_services
-    from trainyard.up import running, up as start, wait_foreground
+    from trainyard.up import catch_stop_signals, running, up as start, wait_foreground
 
     home = _home(home)
     known = [n for n in compose_services() if n not in ("postgres", "redis", "migrate")]
@@ -43,6 +43,8 @@ def up(home, database_url, broker_url, detach, services, login):
         err_console.print(f"[bold red]error[/] --service: unknown {', '.join(unknown)}; known: {', '.join(known)}")
         sys.exit(2)
     already = running(home)
+    if not detach and already is None:
+        catch_stop_signals()  # a Ctrl-C while starting stops the stack once it is up, not halfway
     if already is not None:
         console.print(f"already running under {home} (`trainyard status`, `trainyard down`)")
         state = already
