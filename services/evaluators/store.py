@@ -87,13 +87,7 @@ class EvaluatorStore:
             raise InvalidArgument("empty: upload evaluator.py or a .zip / .tar.gz holding it", field="content")
         with self.db.session() as s:  # refused before the sandbox runs when the count is already reached
             self._check_quota(s, account_id)
-        if len(content) > self.max_bytes:
-            raise InvalidArgument(f"{len(content)} bytes is more than the {self.max_bytes >> 10} KB limit on an "
-                                  "evaluator (raise TRAINYARD_MAX_EVALUATOR_KB on the scheduler)", field="content")
-        try:
-            package = read_package(content)
-        except PackageError as exc:
-            raise InvalidArgument(str(exc), field="content") from None
+        package = self._package(content, "upload evaluator.py or a .zip / .tar.gz holding it")
         kind = self.check_loads(package)
         with self.blobs.saving(blobrefs.checker(self.db)) as save:
             digest, size = save.put_bytes(content)
@@ -158,18 +152,23 @@ class EvaluatorStore:
     def test_content(self, content: bytes, items: Sequence[tuple[str, dict]]) -> EvaluationReport:
         """test() for an evaluator not stored: its bytes are checked as upload checks them (INVALID_ARGUMENT
         naming content), laid out in a temporary directory, run, and kept nowhere."""
+        package = self._package(content, "give evaluator.py's source or a .zip / .tar.gz holding it")
+        with tempfile.TemporaryDirectory(prefix="trainyard-evaluator-test-") as tmp:
+            code = lay_out(package, Path(tmp) / "code")
+            return self._run(code, items, None, lambda exc: InvalidArgument(str(exc), field="content"))
+
+    def _package(self, content: bytes, what: str) -> Package:
+        """The evaluator's files from uploaded bytes, checked as every entry point checks them (INVALID_ARGUMENT
+        naming content): not empty (what to send instead), within max_bytes, a safe package."""
         if not content:
-            raise InvalidArgument("empty: give evaluator.py's source or a .zip / .tar.gz holding it", field="content")
+            raise InvalidArgument(f"empty: {what}", field="content")
         if len(content) > self.max_bytes:
             raise InvalidArgument(f"{len(content)} bytes is more than the {self.max_bytes >> 10} KB limit on an "
                                   "evaluator (raise TRAINYARD_MAX_EVALUATOR_KB on the scheduler)", field="content")
         try:
-            package = read_package(content)
+            return read_package(content)
         except PackageError as exc:
             raise InvalidArgument(str(exc), field="content") from None
-        with tempfile.TemporaryDirectory(prefix="trainyard-evaluator-test-") as tmp:
-            code = lay_out(package, Path(tmp) / "code")
-            return self._run(code, items, None, lambda exc: InvalidArgument(str(exc), field="content"))
 
     def _run(self, code: Path, items: Sequence[tuple[str, dict]], row: Evaluator | None,
              refused: Callable[[EvaluatorError], Exception]) -> EvaluationReport:

@@ -82,20 +82,6 @@ class AgentPlan:
         """The same plan with settings changed by the user (the estimate is then stale: plan again)."""
         return replace(self, proposal=replace(self.proposal, settings={**self.settings, **changes}))
 
-    def to_dict(self) -> dict[str, Any]:
-        e = self.estimate
-        return {
-            "method": self.method, "base_model": self.base_model, "settings": self.settings,
-            "choices": [{"setting": c.setting, "value": c.value, "why": c.why} for c in self.proposal.choices],
-            "evaluator_source": self.proposal.evaluator_source,
-            "estimate": {"total_steps": e.total_steps, "train_rows": e.train_rows, "eval_rows": e.eval_rows,
-                         "tokens": e.tokens, "target_tokens": e.target_tokens, "memory_bytes": e.memory_bytes,
-                         "device": e.device, "seconds": e.seconds, "cost": e.cost,
-                         "throughput_target_tokens_per_s": e.throughput.target_tokens_per_s if e.throughput else None,
-                         "measured_on": e.throughput.source if e.throughput else None},
-            "warnings": self.warnings,
-        }
-
     def render(self) -> str:
         why = {c.setting: c.why for c in self.proposal.choices}
         lines = [f"method: {self.method} ({why['method']})", f"base model: {self.base_model} ({why['base_model']})"]

@@ -12,37 +12,18 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from dashboard import logic
-from tests.conftest import ROOT, create_account
+from tests.dashboard.apptest import assert_no_exception, button, number, open_app, text
+from tests.conftest import create_account
 from tests.integration.data import chat_rows, jsonl
-from trainyard import Client
 from trainyard.client import status_name
 from trainyard.localstack import free_port
 from trainyard.methods import METHODS
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("signed_in_env")]
+ACCOUNT = "dashboard-apptest"
 
-APP = str(ROOT / "dashboard" / "app.py")
 SHORT_JOB = dict(max_steps=4, batch_size=2, checkpoint_every=2, eval_fraction=0.2, learning_rate=3e-3)
 BAD_FILE = jsonl(chat_rows(2)) + b'{"messages": 3}\n{"prompt": "only a prompt"}\n'
-
-
-@pytest.fixture(scope="module")
-def key(stack) -> str:
-    return create_account(stack.env_for("scheduler"), "dashboard-apptest")
-
-
-@pytest.fixture(scope="module")
-def sdk(stack, key):
-    with Client(url=stack.url("scheduler"), rollout_url=stack.url("rollout"), api_key=key) as c:
-        yield c
-
-
-@pytest.fixture(autouse=True)
-def signed_in_env(monkeypatch, stack, key):
-    """What the sidebar is prefilled from (docker-compose sets the URLs; a user could set the key)."""
-    monkeypatch.setenv("TRAINYARD_URL", stack.url("scheduler"))
-    monkeypatch.setenv("TRAINYARD_ROLLOUT_URL", stack.url("rollout"))
-    monkeypatch.setenv("TRAINYARD_API_KEY", key)
 
 
 @pytest.fixture(scope="module")
@@ -57,34 +38,6 @@ def finished_job(sdk, dataset):
     job = sdk.wait_job(job.id, timeout_s=300)
     assert status_name(job.status) == "succeeded", job.error
     return job
-
-
-def open_app(page: str | None = None, **state) -> AppTest:
-    at = AppTest.from_file(APP, default_timeout=120)
-    for k, v in state.items():
-        at.session_state[k] = v
-    at.run()
-    if page:
-        at.switch_page(page).run()
-    assert_no_exception(at)
-    return at
-
-
-def assert_no_exception(at: AppTest) -> None:
-    assert not at.exception, [e.value for e in at.exception]
-
-
-def text(elements) -> str:
-    """The visible text of markdown-ish elements (bold marks and markdown escapes removed)."""
-    return "\n".join(str(e.value) for e in elements).replace("**", "").replace("\\", "")
-
-
-def button(at: AppTest, label: str):
-    return next(b for b in at.button if b.label.startswith(label))
-
-
-def number(at: AppTest, label: str):
-    return next(n for n in at.number_input if n.label == label)
 
 
 def column_of(at: AppTest, label: str):

@@ -6,35 +6,16 @@ from __future__ import annotations
 import pytest
 
 from dashboard import logic
-from tests.conftest import create_account
-from tests.dashboard.test_apptest import assert_no_exception, button, number, open_app, text
+from tests.dashboard.apptest import assert_no_exception, button, number, open_app, text
 from tests.integration.data import chat_rows, jsonl
 from streamlit.testing.v1 import AppTest
 
-from trainyard import Client
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("signed_in_env")]
+ACCOUNT = "dashboard-data"
 
 SHAREGPT = [{"conversations": [{"from": "human", "value": f"What is {i}+{i}?"},
                                {"from": "gpt", "value": str(2 * i)}]} for i in range(6)]
-
-
-@pytest.fixture(scope="module")
-def key(stack) -> str:
-    return create_account(stack.env_for("scheduler"), "dashboard-data")
-
-
-@pytest.fixture(scope="module")
-def sdk(stack, key):
-    with Client(url=stack.url("scheduler"), rollout_url=stack.url("rollout"), api_key=key) as c:
-        yield c
-
-
-@pytest.fixture(autouse=True)
-def signed_in_env(monkeypatch, stack, key):
-    monkeypatch.setenv("TRAINYARD_URL", stack.url("scheduler"))
-    monkeypatch.setenv("TRAINYARD_ROLLOUT_URL", stack.url("rollout"))
-    monkeypatch.setenv("TRAINYARD_API_KEY", key)
 
 
 def selectbox(at, label: str):

@@ -12,37 +12,19 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from dashboard import logic_jobs
-from tests.conftest import ROOT, create_account
+from tests.dashboard.apptest import assert_no_exception, button, open_app, text, widget
+from tests.conftest import create_account
 from tests.integration.data import chat_rows, jsonl
-from trainyard import Client
 from trainyard.client import status_name
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("signed_in_env")]
+ACCOUNT = "dashboard-jobs"
 
-APP = str(ROOT / "dashboard" / "app.py")
 SHORT_JOB = dict(max_steps=4, batch_size=2, checkpoint_every=2, eval_fraction=0.2, learning_rate=3e-3)
 EVALUATOR = b"""
 def reward_fn(completion, row):
     return 1.0 if row["answer"] in completion else 0.0
 """
-
-
-@pytest.fixture(scope="module")
-def key(stack) -> str:
-    return create_account(stack.env_for("scheduler"), "dashboard-jobs")
-
-
-@pytest.fixture(scope="module")
-def sdk(stack, key):
-    with Client(url=stack.url("scheduler"), rollout_url=stack.url("rollout"), api_key=key) as c:
-        yield c
-
-
-@pytest.fixture(autouse=True)
-def signed_in_env(monkeypatch, stack, key):
-    monkeypatch.setenv("TRAINYARD_URL", stack.url("scheduler"))
-    monkeypatch.setenv("TRAINYARD_ROLLOUT_URL", stack.url("rollout"))
-    monkeypatch.setenv("TRAINYARD_API_KEY", key)
 
 
 @pytest.fixture(scope="module")
@@ -74,32 +56,6 @@ def overfit_job(sdk, dataset):
     while the training loss keeps falling (deterministic on the CPU: the seed fixes the data order and the init)."""
     return run_job(sdk, dataset, "overfit-run", max_steps=100, checkpoint_every=20, eval_every=10, eval_fraction=0.25,
                    learning_rate=1e-2)
-
-
-def open_app(page: str, **state) -> AppTest:
-    at = AppTest.from_file(APP, default_timeout=120)
-    for k, v in state.items():
-        at.session_state[k] = v
-    at.run()
-    at.switch_page(page).run()
-    assert_no_exception(at)
-    return at
-
-
-def assert_no_exception(at: AppTest) -> None:
-    assert not at.exception, [e.value for e in at.exception]
-
-
-def text(elements) -> str:
-    return "\n".join(str(e.value) for e in elements).replace("**", "").replace("\\", "")
-
-
-def button(at: AppTest, label: str):
-    return next(b for b in at.button if b.label.startswith(label))
-
-
-def widget(widgets, label: str):
-    return next(w for w in widgets if w.label == label)
 
 
 def charts(at: AppTest) -> dict[str, object]:

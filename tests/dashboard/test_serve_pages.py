@@ -16,14 +16,15 @@ from streamlit.testing.v1 import AppTest
 
 from dashboard import logic_serve
 from dashboard.logic_serve import Conversation, Turn
-from tests.conftest import ROOT, create_account
+from tests.dashboard.apptest import button, open_app, text
+from tests.conftest import create_account
 from tests.integration.data import chat_rows, jsonl
-from trainyard import Client, TrainyardError
+from trainyard import TrainyardError
 from trainyard.localstack import free_port
 from trainyard.client import status_name
 from trainyard.v1 import scheduler_pb2 as pb
 
-APP = str(ROOT / "dashboard" / "app.py")
+ACCOUNT = "dashboard-serve"  # the account of tests/dashboard/conftest.py's key and sdk
 
 
 # -- snippets and helpers, no services --------------------------------------------------------------------------------
@@ -81,17 +82,6 @@ def test_max_tokens_bound_is_the_context_less_the_longest_conversation():
 
 # -- the pages against the stack ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def key(stack) -> str:
-    return create_account(stack.env_for("scheduler"), "dashboard-serve")
-
-
-@pytest.fixture(scope="module")
-def sdk(stack, key):
-    with Client(url=stack.url("scheduler"), rollout_url=stack.url("rollout"), api_key=key) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def job(sdk):
     ds, _ = sdk.upload_dataset(jsonl(chat_rows(12)), name="addition")
     job = sdk.create_sft_job("tiny-qwen3", ds.id, "serve-run", max_steps=4, batch_size=2, checkpoint_every=2,
@@ -113,19 +103,7 @@ def signed_in_env(request, monkeypatch):
 
 
 def open_page(page: str) -> AppTest:
-    at = AppTest.from_file(APP, default_timeout=180)
-    at.run()
-    at.switch_page(page).run()
-    assert not at.exception, [e.value for e in at.exception]
-    return at
-
-
-def text(elements) -> str:
-    return "\n".join(str(e.value) for e in elements).replace("**", "").replace("\\", "")
-
-
-def button(at: AppTest, label: str, key: str | None = None):
-    return at.button(key=key) if key else next(b for b in at.button if b.label.startswith(label))
+    return open_app(page, timeout_s=180)
 
 
 def ok(at: AppTest) -> None:
