@@ -48,19 +48,23 @@ def openai_internal_url(rollout_url: str, env: Mapping[str, str] = os.environ) -
 
 
 def openai_snippet(base_url: str, model: str, message: str = "Hello!") -> str:
-    """Python with the OpenAI client (pip install openai); the key comes from the environment."""
+    """Python with the OpenAI client (pip install openai); the key comes from the environment. Strings are written
+    as JSON writes them: double-quoted, and valid Python. One argument a line, to fit the dashboard's code box."""
+    q = json.dumps
     return (f"import os\n\nfrom openai import OpenAI\n\n"
-            f"client = OpenAI(base_url={base_url!r}, api_key=os.environ[{KEY_VAR!r}])\n"
+            f"client = OpenAI(\n    base_url={q(base_url)},\n    api_key=os.environ[{q(KEY_VAR)}],\n)\n"
             f"reply = client.chat.completions.create(\n"
-            f"    model={model!r},\n"
-            f"    messages=[{{\"role\": \"user\", \"content\": {message!r}}}],\n"
+            f"    model={q(model)},\n"
+            f"    messages=[{{\"role\": \"user\", \"content\": {q(message)}}}],\n"
             f"    max_tokens=128,\n)\n"
             f"print(reply.choices[0].message.content)\n")
 
 
 def curl_snippet(base_url: str, model: str, message: str = "Hello!") -> str:
-    """The same request with curl; the key comes from the environment (double quotes let the shell expand it)."""
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": message}], "max_tokens": 128})
+    """The same request with curl; the key comes from the environment (double quotes let the shell expand it). The
+    body is spread over lines so that no line is wider than the dashboard's code box."""
+    fields = {"model": model, "messages": [{"role": "user", "content": message}], "max_tokens": 128}
+    body = "{\n" + ",\n".join(f"    {json.dumps(k)}: {json.dumps(v)}" for k, v in fields.items()) + "\n  }"
     return (f"curl -s {shlex.quote(base_url + '/chat/completions')} \\\n"
             f"  -H \"Authorization: Bearer ${KEY_VAR}\" \\\n"
             f"  -H 'Content-Type: application/json' \\\n"

@@ -2,7 +2,7 @@
 sign in -> upload the sample data -> describe the task -> the Training Agent's plan (method, base model, each setting
 with why, the estimate) -> approve -> watch the job live on the Jobs page until it succeeds -> deploy it on the
 Deployments page -> compare base and tuned in the Playground -> copy the endpoint's curl snippet and run it with the
-account's key.
+account's key, and the Python one with the OpenAI client.
 
 Each step leaves a screenshot (the 1280x800 viewport) in the test's tmp dir; TRAINYARD_UPDATE_SCREENSHOTS=1 writes
 them to docs/screenshots/ as well (the README shows those).
@@ -13,6 +13,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -155,24 +156,79 @@ def test_describe_plan_approve_watch_deploy_compare_and_call(stack, tmp_path):
         assert base.get_by_test_id("stCode").inner_text().strip() != expected
         shot("08-playground", page.get_by_text("Base model · tiny-qwen3"))
 
-        # 8. Copy the endpoint's curl snippet (the copy button, read back from the clipboard).
+        # 8. Copy the endpoint's snippets, Python (OpenAI client) and curl: the copy button, read back from the
+        # clipboard. Each fits its box (nothing to scroll sideways to).
         nav(page, "Deployments")
-        page.get_by_role("tab", name="curl").click()
-        code = page.get_by_test_id("stCode").filter(has_text="curl")
-        expect(code).to_contain_text(f'"model": "{DEPLOYMENT}"')
-        code.hover()
-        code.get_by_label("Copy to clipboard").click()
-        snippet = page.evaluate("navigator.clipboard.readText()")
-        assert snippet.strip() == code.inner_text().strip()
-        assert key not in snippet and "$TRAINYARD_API_KEY" in snippet
+        snippets = {}
+        for tab, marker in (("Python (OpenAI client)", "from openai import OpenAI"), ("curl", "curl -s")):
+            page.get_by_role("tab", name=tab).click()
+            code = page.get_by_test_id("stCode").filter(has_text=marker)
+            expect(code).to_contain_text(f'"{DEPLOYMENT}"')
+            assert not truncated(code), f"the {tab} snippet is wider than its box"
+            code.hover()
+            code.get_by_label("Copy to clipboard").click()
+            snippets[tab] = page.evaluate("navigator.clipboard.readText()")
+            assert snippets[tab].strip() == code.inner_text().strip()
+            assert key not in snippets[tab] and "TRAINYARD_API_KEY" in snippets[tab]
         shot("09-endpoint-snippet", page.get_by_role("heading", name="Your deployments"))
 
-    # 9. Call the endpoint as the user would: the copied command, with the account's key in the environment.
+    # 9. Call the endpoint as the user would: each copied snippet, with the account's key in the environment.
     env = {"PATH": os.environ["PATH"], "TRAINYARD_API_KEY": key}
-    out = subprocess.run(["bash", "-c", snippet], env=env, capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run(["bash", "-c", snippets["curl"]], env=env, capture_output=True, text=True, timeout=120,
+                         check=True)
     reply = json.loads(out.stdout)
     assert reply["model"] == DEPLOYMENT and reply["object"] == "chat.completion"
     choice = reply["choices"][0]
     assert choice["message"]["role"] == "assistant" and choice["message"]["content"]
     assert choice["finish_reason"] in ("stop", "length") and reply["usage"]["completion_tokens"] > 0
+    out = subprocess.run([sys.executable, "-c", snippets["Python (OpenAI client)"]], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip(), "the OpenAI client printed no answer"
     print(f"journey timings (s since start, at each screenshot): {timings}")
+
+
+def test_edit_the_plan_then_sweep_and_name_the_winner(stack, tmp_path):
+    """The agent's optional sweep, from the Describe-and-plan page: shorten the plan in "Edit the settings" and
+    re-plan (the agent keeps the user's value, "you set it"), start a 2-variant learning-rate sweep, and wait on the
+    page until it names the winner with its reason (the variants run on the server; the panel refreshes itself)."""
+    from playwright.sync_api import expect
+
+    expect.set_options(timeout=TIMEOUT_MS)
+    key = create_account(stack.env_for("scheduler"), "acme-sweeps")
+    with open_page() as page:
+        page.goto(f"http://{stack.url('dashboard')}/")
+        sign_in(page, key)
+        choose_file(page, DATA)
+        page.get_by_role("button", name="Validate and upload").click()
+        expect(page.get_by_text(f"Stored {DATA.name} as dataset").first).to_be_visible()
+
+        nav(page, "Describe and plan")
+        page.get_by_label("Describe the task").fill(TASK)
+        page.get_by_role("button", name="Plan", exact=True).click()
+        expect(page.get_by_role("heading", name="The plan")).to_be_visible()
+        page.get_by_text("Edit the settings").click()
+        steps = page.get_by_label("Max steps")
+        steps.fill("40")
+        steps.press("Enter")
+        settle(page)
+        page.get_by_role("button", name="Re-plan").click()
+        table = page.get_by_test_id("stTable")
+        expect(table.get_by_text("you set it")).to_be_visible()
+        expect(page.get_by_test_id("stMetric").filter(has_text="Steps").first).to_contain_text("40")
+
+        variants = page.get_by_role("spinbutton", name="Variants")
+        variants.fill("2")
+        variants.press("Enter")
+        settle(page)
+        page.get_by_role("button", name=re.compile(r"^Run a sweep")).click()
+        expect(page.get_by_text("Started a sweep of 2 variants").first).to_be_visible()
+        expect(page.get_by_role("heading", name="Sweeps")).to_be_visible()
+        winner = page.get_by_text(re.compile(r"^Winner: job job_[0-9a-f]+")).first
+        expect(winner).to_be_visible(timeout=JOB_TIMEOUT_MS)
+        expect(winner).to_contain_text("has the lowest final held-out loss")
+        winner_id = re.search(r"job_[0-9a-f]+", winner.inner_text()).group(0)
+        screenshot(page, tmp_path, "10-sweep", page.get_by_role("heading", name="Sweeps"))
+        page.get_by_role("button", name="Open the winner on the Jobs page").click()
+        expect(page.get_by_role("heading", name="Jobs", exact=True)).to_be_visible()
+        expect(page.get_by_role("combobox", name="Job")).to_have_value(re.compile(rf"\({winner_id}\)"))
