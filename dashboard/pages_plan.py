@@ -17,6 +17,7 @@ from trainyard import TrainyardError
 from trainyard.client import TERMINAL
 from trainyard.methods import METHODS
 from trainyard.methods.spec import format_value
+from trainyard.v1 import scheduler_pb2 as pb
 
 PLAN = "agent_plan"  # session state: the AgentPlan shown
 PLAN_VERSION = "agent_plan_version"  # session state: counts plans, so each one's edit inputs start from its values
@@ -24,6 +25,7 @@ EVALUATOR_TEST = "agent_evaluator_test"  # session state: the last "Test on 5 ro
 APPROVED = "agent_approved_job"  # session state: the job created by "Approve and train"
 JOB_ID = "job_id"  # session state: the job the Jobs page shows
 AGENT_CHOOSES = "(the agent chooses)"
+RULES_ONLY = "(none: rules only)"
 REFRESH_S = 3.0
 
 client = api.require_client()
@@ -45,13 +47,18 @@ left, mid, right = st.columns(3)
 dataset_id = left.selectbox("Dataset", list(by_id), format_func=lambda i: logic.dataset_label(by_id[i]))
 base_model = mid.selectbox("Base model", [AGENT_CHOOSES, *models])
 method = right.selectbox("Method", [AGENT_CHOOSES, "sft", "dpo", "rft"])
-left, right = st.columns(2)
+left, mid, right = st.columns(3)
 price = left.number_input("Price per device-hour", min_value=0.0, value=None, format="%g", placeholder="optional",
                           help="Set it to see the cost of the run")
+ready = [d.name for d in client.list_deployments() if d.status == pb.DEPLOYMENT_STATUS_READY]
+drafter = mid.selectbox("Drafting model", [RULES_ONLY, *ready], help="One of your deployments, to draft the plan "
+                        "in plain words and an RFT evaluator (used only when it scores its rows' own answers 1 in "
+                        "the sandbox). The choices themselves are always the rules'.")
 calibrate = right.checkbox("Measure the speed", help="When no finished job of this method on this model tells the "
                            "speed, run a short calibration job (6 steps) before showing the time")
 plan_errors = st.container()
-agent = TrainingAgent(client, device_hour_cost=price, calibrate=calibrate)
+agent = TrainingAgent(client, device_hour_cost=price, calibrate=calibrate,
+                      drafter=None if drafter == RULES_ONLY else drafter)
 
 
 def make_plan(settings: dict | None = None) -> None:
@@ -116,6 +123,10 @@ if plan is None or plan.dataset_id not in by_id:
 st.subheader("The plan")
 for line in logic_plan.headline(plan):
     st.markdown(line)
+if plan.summary:
+    st.info(f"**In plain words** (drafted by {md_escape(plan.drafted_by)}): {md_escape(plan.summary)}")
+for note in plan.drafting_notes:
+    st.caption(f"Drafting model {md_escape(plan.drafted_by)}, {md_escape(note)}")
 st.table(logic_plan.choices_frame(plan), hide_index=True)
 # Each figure as wide as its text, wrapping to a second line: six equal columns cut "not measured yet" short.
 with st.container(horizontal=True, gap="medium"):

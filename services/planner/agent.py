@@ -5,8 +5,9 @@ A client of the scheduler's APIs (trainyard.Client), as any user's program: it r
 the models and devices the account can use, asks PlanJob for the exact numbers of the proposed job (tokens, steps,
 held-out rows, device memory), and measures throughput from the account's own finished jobs on the same base model
 (or from a short calibration job when there is none), so the time and cost it shows are measured, not guessed.
-The choices themselves are rules.py's, each with its reason. No LLM is needed; nothing is created before approve()
-or sweep().
+The choices themselves are rules.py's, each with its reason. No LLM is needed; given a drafting model (any deployment
+the account serves, drafting.py) the agent also asks it for the RFT evaluator (used only when it passes its test in
+the sandbox) and for the plan in plain words. Nothing is created before approve() or sweep().
 
     agent = TrainingAgent(client)
     plan = agent.plan("Answer customer questions about our product", dataset_id)
@@ -22,7 +23,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from services.planner import rules
+from services.planner import drafting, rules
 from services.planner.diagnose import Diagnosis, diagnose
 from trainyard.client import Client, format_name, status_name
 from trainyard.v1 import scheduler_pb2 as pb
@@ -65,6 +66,9 @@ class AgentPlan:
     proposal: rules.Proposal
     estimate: Estimate
     warnings: list[str] = field(default_factory=list)
+    summary: str = ""  # the plan in plain words, by the drafting model
+    drafted_by: str = ""  # the drafting model, when one was asked
+    drafting_notes: list[str] = field(default_factory=list)  # what the drafting model's texts became, and why
 
     @property
     def method(self) -> str:
@@ -95,6 +99,9 @@ class AgentPlan:
                          f"tokens/s measured on {e.throughput.source}"
                          + (f"; cost about {e.cost:.2f}" if e.cost is not None else ""))
         lines += [f"warning: {w}" for w in self.warnings]
+        if self.summary:
+            lines.append(f"in plain words ({self.drafted_by}): {self.summary}")
+        lines += [f"drafting: {n}" for n in self.drafting_notes]
         return "\n".join(lines)
 
 
@@ -107,10 +114,14 @@ class SweepResult:
 
 
 class TrainingAgent:
-    def __init__(self, client: Client, *, device_hour_cost: float | None = None, calibrate: bool = True):
+    def __init__(self, client: Client, *, device_hour_cost: float | None = None, calibrate: bool = True,
+                 drafter: str | None = None):
+        """drafter: a deployment (or base model) that drafts the RFT evaluator and the plan's summary; None: rules
+        only."""
         self.client = client
         self.device_hour_cost = device_hour_cost
         self.calibrate = calibrate
+        self.drafter = drafting.Drafter(client, drafter) if drafter else None
 
     # -- facts --------------------------------------------------------------------------------------------------
     def data_facts(self, dataset_id: str) -> rules.DataFacts:
@@ -147,11 +158,36 @@ class TrainingAgent:
             proposal.settings[key] = value
             proposal.choices = [c for c in proposal.choices if c.setting != key] + [
                 rules.Choice(key, value, "you set it")]
-        return self._priced(description, dataset_id, proposal)
+        notes = []
+        if self.drafter is not None and proposal.method == "rft":
+            notes.append(self._draft_evaluator(description, data, proposal))
+        return self._drafted(self._priced(description, dataset_id, proposal), notes)
 
     def replan(self, plan: AgentPlan) -> AgentPlan:
         """Price a plan again after its settings were edited."""
-        return self._priced(plan.description, plan.dataset_id, plan.proposal)
+        kept = [n for n in plan.drafting_notes if n.startswith("evaluator: ")]
+        return self._drafted(self._priced(plan.description, plan.dataset_id, plan.proposal), kept)
+
+    def _draft_evaluator(self, description: str, data: rules.DataFacts, proposal: rules.Proposal) -> str:
+        """Ask the drafting model for the evaluator; it replaces the rules' one only when it passed its test."""
+        truth = rules.truth_field(data.fields)
+        drafted = self.drafter.evaluator(description, list(data.rows), truth, proposal.evaluator_source)
+        if drafted.source:
+            proposal.evaluator_source = drafted.source
+            proposal.choices = [c for c in proposal.choices if c.setting != "evaluator"] + [
+                rules.Choice("evaluator", "drafted", f"{drafted.reason}; read it, test it on rows and edit it before "
+                                                     "approving")]
+            return f"evaluator: {drafted.reason}"
+        return f"evaluator: the rules' draft is shown ({drafted.reason})"
+
+    def _drafted(self, plan: AgentPlan, notes: list[str]) -> AgentPlan:
+        """The priced plan with the drafting model's summary of it (when there is a drafting model)."""
+        if self.drafter is None:
+            return plan
+        plan.drafted_by = self.drafter.model
+        plan.summary, problem = self.drafter.summary(plan.render())
+        plan.drafting_notes = notes + ([f"summary: none ({problem})"] if problem else [])
+        return plan
 
     def _priced(self, description: str, dataset_id: str, proposal: rules.Proposal) -> AgentPlan:
         settings = {k: v for k, v in proposal.settings.items() if k != "evaluator"}
