@@ -24,6 +24,10 @@ SAVED_CONNECTION = "saved_connection"  # session-state key of the sidebar's fiel
 SESSION_TOKEN = "session_token"  # this tab's sign-in session (dashboard/sessions.py), until its cookie is read back
 PENDING_COOKIE = "session_cookie_pending"  # the session's cookie is still to be set in the browser
 SIGNED_OUT = "signed_out"  # "Sign out" was pressed: the cookie is cleared on the next run
+OWNER = "state_owner"  # (scheduler URL, account) whose pages filled this tab's page state
+# Page state that is the sign-in's own, kept when the account changes; everything else (previews, chats, test results,
+# archives, selections) belongs to the account that made it and is forgotten at sign-out or a change of account.
+_CONNECTION_STATE = {"conn_url", "conn_rollout_url", "conn_api_key"}
 CLIENT_TIMEOUT_S = 20.0  # unary calls; uploads, deployments and sampling carry their own longer deadlines
 
 HEADLINES = {
@@ -98,8 +102,25 @@ def _session_token() -> str | None:
     return token if isinstance(token, str) else None  # (AppTest's context has no real cookies)
 
 
+def _forget_page_state() -> None:
+    """Drop every page's state (the last upload's preview, chats, evaluator results, export archives, the job
+    picked...): it belongs to the account that was signed in, and the next one in this tab must not see it."""
+    keep = _CONNECTION_STATE | {SAVED_CONNECTION, SESSION_TOKEN, PENDING_COOKIE, SIGNED_OUT}
+    for key in [k for k in st.session_state if k not in keep]:
+        del st.session_state[key]
+
+
+def _own_page_state(conn: Connection) -> None:
+    """Page state is the signed-in account's: when another account signs in in this tab, start from nothing."""
+    owner = [conn.url, conn.account]
+    if st.session_state.get(OWNER) != owner:
+        _forget_page_state()
+        st.session_state[OWNER] = owner
+
+
 def sign_out() -> None:
     session_store().delete(_session_token())
+    _forget_page_state()
     st.session_state.pop(SESSION_TOKEN, None)
     st.session_state[SIGNED_OUT] = True  # this tab's cookie is cleared on the next run
     st.session_state[SAVED_CONNECTION] = {**st.session_state.get(SAVED_CONNECTION, {}), "conn_api_key": ""}
@@ -130,6 +151,7 @@ def sidebar_connection() -> Connection:
         if conn.account:
             if st.session_state.pop(PENDING_COOKIE, None):
                 _set_cookie(token)
+            _own_page_state(conn)
             _signed_in_sidebar(conn)
             st.session_state[CONNECTION] = conn
             return conn
@@ -162,6 +184,8 @@ def sidebar_connection() -> Connection:
             st.warning(md_escape(conn.problem))
         else:
             st.error(md_escape(conn.problem))
+    if conn.account:
+        _own_page_state(conn)
     st.session_state[CONNECTION] = conn
     if typed:
         token = store.create(conn.url, conn.rollout_url, conn.api_key, conn.account)

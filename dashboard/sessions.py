@@ -2,9 +2,12 @@
 
 Signing in with an API key creates a session: a random token goes to the browser as the cookie `trainyard_session`
 (SameSite=Strict, 7 days, Secure over HTTPS), and this store maps the token's sha256 to the connection (scheduler
-and rollout URLs, the key, the account). The page state holds neither the key nor the token after sign-in; each run
-reads the cookie (st.context.cookies) and looks the session up. Signing out deletes the session here and the cookie
-in the browser. A session unused for SESSION_IDLE_S ends.
+and rollout URLs, the key, the account). The key typed in leaves the sidebar's page state at sign-in; the tab keeps
+the token (to find the session before the browser sends the cookie back) and the signed-in connection that its pages
+use, both of them on the server (Streamlit's session state never goes to the browser). Each run reads the cookie
+(st.context.cookies) and looks the session up. Signing out deletes the session here, the cookie in the browser and
+every page's state; a tab taken over by another account's session starts from empty page state too
+(api._own_page_state). A session unused for SESSION_IDLE_S ends.
 
 The store is one JSON file (TRAINYARD_DASHBOARD_SESSIONS, default ~/.cache/trainyard/dashboard-sessions.json),
 readable by its owner only: it holds API keys, as `trainyard login`'s file does. It is written atomically (a temporary

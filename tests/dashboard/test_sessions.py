@@ -70,3 +70,47 @@ def test_typed_key_starts_a_session_and_leaves_the_page(stack, monkeypatch, tmp_
     again.sidebar.button[0].click().run()  # Sign out
     assert "Enter your API key" in " ".join(e.value for e in again.sidebar.warning)
     assert SessionStore(tmp_path / "sessions.json").get(token) is None
+
+
+@pytest.mark.integration
+def test_the_next_account_in_a_tab_sees_nothing_of_the_previous_ones_pages(stack, monkeypatch, tmp_path):
+    """What one account's pages left in the tab's state (the last upload's preview, chats, "Try it" answers, the job
+    picked) is gone when it signs out, and when another account's session takes the tab over."""
+    from streamlit.testing.v1 import AppTest
+
+    from dashboard import api
+    from tests.conftest import create_account
+    from trainyard.localstack import ROOT
+
+    keys = {name: create_account(stack.env_for("scheduler"), name) for name in ("tab-alice", "tab-bob")}
+    monkeypatch.setenv("TRAINYARD_URL", stack.url("scheduler"))
+    monkeypatch.setenv("TRAINYARD_ROLLOUT_URL", stack.url("rollout"))
+    monkeypatch.delenv("TRAINYARD_API_KEY", raising=False)
+    monkeypatch.setenv("TRAINYARD_DASHBOARD_SESSIONS", str(tmp_path / "sessions.json"))
+    store = SessionStore(tmp_path / "sessions.json")
+    left_behind = {"last_upload": {"rows": [{"secret": "alice's row"}]}, "deployment_tried": {"dep_1": "answer"},
+                   "job_id": "job_alice", "chat-base:tiny-qwen3": [{"role": "user", "content": "alice asks"}]}
+
+    def signed_in_as(at) -> str:
+        return " ".join(e.value for e in at.sidebar.success)
+
+    at = AppTest.from_file(str(ROOT / "dashboard" / "app.py"), default_timeout=120).run()
+    at.sidebar.text_input(key="conn_api_key").set_value(keys["tab-alice"]).run()
+    assert "tab-alice" in signed_in_as(at)
+    for k, v in left_behind.items():
+        at.session_state[k] = v
+    at.run()
+    assert all(k in at.session_state for k in left_behind)  # her own pages keep it while she is signed in
+
+    at.sidebar.button[0].click().run()  # Sign out
+    assert not [k for k in left_behind if k in at.session_state]
+    at.sidebar.text_input(key="conn_api_key").set_value(keys["tab-bob"]).run()
+    assert "tab-bob" in signed_in_as(at) and not [k for k in left_behind if k in at.session_state]
+
+    # Without signing out: another account's session presented in the same tab (its cookie) starts from nothing.
+    for k, v in left_behind.items():
+        at.session_state[k] = v
+    at.session_state[api.SESSION_TOKEN] = store.create(stack.url("scheduler"), stack.url("rollout"),
+                                                       keys["tab-alice"], "tab-alice")
+    at.run()
+    assert "tab-alice" in signed_in_as(at) and not [k for k in left_behind if k in at.session_state]
