@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The full test suite. Needs PostgreSQL (127.0.0.1:5432, trust auth) and Redis (127.0.0.1:6379) running;
-# TRAINYARD_TEST_PG / TRAINYARD_TEST_REDIS point elsewhere. Installs Debian's chromium for the browser test. Then
-# runs deterministic mode's tests under every CPU kernel path (scripts/test_deterministic.sh; skip with
-# TRAINYARD_SKIP_KERNEL_MATRIX=1).
+# TRAINYARD_TEST_PG / TRAINYARD_TEST_REDIS point elsewhere. Installs Debian's chromium for the browser tests, which
+# then must run (TRAINYARD_REQUIRE_BROWSER=1: a missing Chromium fails them); their screenshots are kept under
+# test-artifacts/screenshots/. Then runs deterministic mode's tests under every CPU kernel path
+# (scripts/test_deterministic.sh; skip with TRAINYARD_SKIP_KERNEL_MATRIX=1).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh || exit 1
@@ -12,8 +13,10 @@ if ! command -v chromium >/dev/null 2>&1; then
   [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && SUDO="sudo"
   $SUDO apt-get install -y -q chromium >/dev/null 2>&1 \
     || { $SUDO apt-get update -q >/dev/null 2>&1 && $SUDO apt-get install -y -q chromium >/dev/null 2>&1; } \
-    || echo "could not install chromium: the browser test will be skipped"
+    || echo "could not install chromium: the browser tests will fail" >&2
 fi
+export TRAINYARD_REQUIRE_BROWSER=${TRAINYARD_REQUIRE_BROWSER:-1}
+export TRAINYARD_TEST_ARTIFACTS=${TRAINYARD_TEST_ARTIFACTS:-$PWD/test-artifacts}
 .venv/bin/python -m pytest "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then

@@ -20,6 +20,8 @@ VIEWPORT = {"width": 1280, "height": 800}
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
 BUSY = "!!document.querySelector('[data-stale=\"true\"], [data-testid=\"stStatusWidget\"]')"
 UPDATE_SCREENSHOTS = "TRAINYARD_UPDATE_SCREENSHOTS"  # =1: a journey writes its screenshots to docs/screenshots too
+REQUIRE = "TRAINYARD_REQUIRE_BROWSER"  # =1 (scripts/test.sh): a missing Chromium fails the browser tests, not skips
+ARTIFACTS = "TRAINYARD_TEST_ARTIFACTS"  # a folder: every screenshot is kept under ARTIFACTS/screenshots as well
 
 
 @contextlib.contextmanager
@@ -27,7 +29,10 @@ def open_page(origin: str | None = None) -> Iterator:
     """A page of a fresh browser context (VIEWPORT); origin (e.g. "http://127.0.0.1:8501") may read and write the
     clipboard, for a copy button."""
     if not CHROMIUM.exists():
-        pytest.skip(f"{CHROMIUM} is missing: the browser tests drive the system Chromium")
+        why = f"{CHROMIUM} is missing: the browser tests drive the system Chromium (apt-get install chromium)"
+        if os.environ.get(REQUIRE) == "1":
+            pytest.fail(why)
+        pytest.skip(why)
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
@@ -100,7 +105,8 @@ def small_png(png: bytes) -> bytes:
 
 def screenshot(page, folder: Path, name: str, top=None) -> Path:
     """The viewport (not the full page) as folder/name.png once the app has settled, with the locator `top` (if
-    given) scrolled to the top of the view; also written to docs/screenshots when TRAINYARD_UPDATE_SCREENSHOTS=1."""
+    given) scrolled to the top of the view; also written to docs/screenshots when TRAINYARD_UPDATE_SCREENSHOTS=1, and
+    kept under $TRAINYARD_TEST_ARTIFACTS/screenshots when that is set."""
     if top is not None:
         top.evaluate("e => e.scrollIntoView({block: 'start'})")
     page.mouse.move(VIEWPORT["width"] - 10, VIEWPORT["height"] // 2)  # the margin: no element shows its hover toolbar
@@ -111,4 +117,8 @@ def screenshot(page, folder: Path, name: str, top=None) -> Path:
     if os.environ.get(UPDATE_SCREENSHOTS) == "1":
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
         (SCREENSHOTS / path.name).write_bytes(png)
+    if os.environ.get(ARTIFACTS):
+        kept = Path(os.environ[ARTIFACTS]) / "screenshots"
+        kept.mkdir(parents=True, exist_ok=True)
+        (kept / path.name).write_bytes(png)
     return path
