@@ -45,28 +45,33 @@ def headline(plan: AgentPlan) -> list[str]:
             f"**Base model: {md_escape(plan.base_model)}** — {md_escape(why['base_model'])}"]
 
 
-def estimate_metrics(plan: AgentPlan) -> list[tuple[str, str]]:
-    """(label, value) of the estimate: steps, rows, tokens, time, memory and cost ("not measured yet" / "no price
-    set" where the agent has no figure)."""
+def estimate_metrics(plan: AgentPlan, price: float | None = None) -> list[tuple[str, str]]:
+    """(label, value) of the estimate: steps, rows, tokens, memory, time and cost ("not measured yet" where the agent
+    has no speed; "no price set" where price, the device-hour price given, is None)."""
     e = plan.estimate
-    out = [("Steps", f"{e.total_steps:,}")]
-    if plan.method != "rft":
-        out += [("Rows (train / held out)", f"{e.train_rows:,} / {e.eval_rows:,}"), ("Tokens", f"{e.tokens:,}"),
-                ("Memory", f"{mib(e.memory_bytes)} ({e.device})")]
-    out.append(("Time", duration(e.seconds) if e.seconds is not None else "not measured yet"))
-    out.append(("Cost", f"{e.cost:,.2f}" if e.cost is not None else "no price set"))
+    rows = (f"{e.train_rows:,} prompts" if plan.method == "rft" else f"{e.train_rows:,} / {e.eval_rows:,}")
+    out = [("Steps", f"{e.total_steps:,}"),
+           ("Rows" if plan.method == "rft" else "Rows (train / held out)", rows),
+           ("Prompt tokens" if plan.method == "rft" else "Tokens", f"{e.tokens:,}"),
+           ("Memory", f"{mib(e.memory_bytes)} ({e.device})"),
+           ("Time", duration(e.seconds) if e.seconds is not None else "not measured yet")]
+    if e.cost is not None:
+        out.append(("Cost", f"{e.cost:,.2f}"))
+    else:
+        out.append(("Cost", "no price set" if price is None else "needs the time"))
     return out
 
 
 def estimate_note(plan: AgentPlan) -> str:
     e = plan.estimate
+    if e.throughput is not None:
+        return f"Time from {md_escape(e.throughput.describe())}, plus its startup."
     if plan.method == "rft":
-        return "RFT jobs are not priced by PlanJob here: the steps are the plan's; time shows once measured."
-    if e.throughput is None:
-        return ("Time and cost need a measured speed: finish one job of this method on this base model, or tick "
-                "'Measure the speed' to run a short calibration job.")
-    return (f"Time from {e.throughput.target_tokens_per_s:,.0f} target tokens/s measured on "
-            f"{md_escape(e.throughput.source)}, plus its startup.")
+        return ("An RL step's time is its sampling, which no plan knows beforehand: the time shows once a finished "
+                "RFT job on this base model with the same prompts per step, group size and max tokens has measured "
+                "it. Tokens are the prompts' over the planned passes; memory is the training side's.")
+    return ("Time and cost need a measured speed: finish one job of this method on this base model, or tick "
+            "'Measure the speed' to run a short calibration job.")
 
 
 def read_edits(plan: AgentPlan, texts: dict[str, str]) -> tuple[dict[str, Any], list[tuple[str, str]]]:

@@ -130,7 +130,7 @@ for note in plan.drafting_notes:
 st.table(logic_plan.choices_frame(plan), hide_index=True)
 # Each figure as wide as its text, wrapping to a second line: six equal columns cut "not measured yet" short.
 with st.container(horizontal=True, gap="medium"):
-    for name, value in logic_plan.estimate_metrics(plan):
+    for name, value in logic_plan.estimate_metrics(plan, price):
         st.metric(name, value, width="content")
 st.caption(logic_plan.estimate_note(plan))
 for warning in plan.warnings:

@@ -7,7 +7,8 @@ held-out rows, device memory), and measures throughput from the account's own fi
 (or from a short calibration job when there is none), so the time and cost it shows are measured, not guessed.
 The choices themselves are rules.py's, each with its reason. No LLM is needed; given a drafting model (any deployment
 the account serves, drafting.py) the agent also asks it for the RFT evaluator (used only when it passes its test in
-the sandbox) and for the plan in plain words. Nothing is created before approve() or sweep().
+the sandbox) and for the plan in plain words. Nothing is created before approve() or sweep(), except the
+short calibration job that measures the speed when no finished job does (calibrate=True, the default).
 
     agent = TrainingAgent(client)
     plan = agent.plan("Answer customer questions about our product", dataset_id)
@@ -40,9 +41,13 @@ _SWEEP_NAME = re.compile(r"(agent-[a-z]+.*-s[0-9a-f]{4})-lr([0-9.e+-]+)")
 
 @dataclass(frozen=True)
 class Throughput:
-    target_tokens_per_s: float
+    per_s: float  # units of work per second of training steps
     startup_s: float  # from the job's start to its first step
     source: str  # which job it was measured on
+    unit: str = "target tokens"  # SFT: tokens carrying the loss; DPO: "pairs" (chosen + rejected)
+
+    def describe(self) -> str:
+        return f"{self.per_s:,.{0 if self.per_s >= 100 else 2}f} {self.unit}/s measured on {self.source}"
 
 
 @dataclass
@@ -95,8 +100,7 @@ class AgentPlan:
         lines.append(f"estimate: {e.total_steps} steps over {e.train_rows} rows ({e.eval_rows} held out), "
                      f"{e.tokens:,} tokens, about {e.memory_bytes / 2**20:,.0f} MiB on {e.device}")
         if e.seconds is not None:
-            lines.append(f"  time about {duration(e.seconds)} at {e.throughput.target_tokens_per_s:,.0f} target "
-                         f"tokens/s measured on {e.throughput.source}"
+            lines.append(f"  time about {duration(e.seconds)} at {e.throughput.describe()}"
                          + (f"; cost about {e.cost:.2f}" if e.cost is not None else ""))
         lines += [f"warning: {w}" for w in self.warnings]
         if self.summary:
@@ -192,17 +196,23 @@ class TrainingAgent:
     def _priced(self, description: str, dataset_id: str, proposal: rules.Proposal) -> AgentPlan:
         settings = {k: v for k, v in proposal.settings.items() if k != "evaluator"}
         warnings = list(proposal.warnings)
-        if proposal.method == "rft":
-            e = Estimate(settings.get("steps", 0), 0, 0, 0, 0, 0, self.device_facts().kind, None, None, None)
-            return AgentPlan(description, dataset_id, proposal, e, warnings)
-        job_plan = self.client.plan_job(proposal.method, proposal.base_model, dataset_id, **settings)
+        # The drafted evaluator is not uploaded before approval; which evaluator scores changes none of the plan's
+        # numbers, so PlanJob is asked with a built-in one.
+        planned = {**settings, "evaluator": "builtin:exact_match"} if proposal.method == "rft" else settings
+        job_plan = self.client.plan_job(proposal.method, proposal.base_model, dataset_id, **planned)
         warnings += [w for w in job_plan.warnings if w not in warnings]
         epochs = max(job_plan.epochs, 0.0)
         target_tokens = int(job_plan.target_tokens_per_epoch * epochs)
-        throughput = self.throughput(proposal.base_model, proposal.method, dataset_id)
+        if proposal.method == "rft":
+            throughput = self.rft_speed(proposal.base_model, settings)
+        else:
+            throughput = self.throughput(proposal.base_model, proposal.method, dataset_id)
+        # The work the run does, in the unit its speed was measured in: target tokens, DPO's pairs, RFT's steps.
+        work = {"pairs": job_plan.train_rows * epochs, "steps": job_plan.total_steps}.get(
+            throughput.unit if throughput else "", target_tokens)
         seconds = cost = None
-        if throughput is not None and throughput.target_tokens_per_s > 0:
-            seconds = throughput.startup_s + target_tokens / throughput.target_tokens_per_s
+        if throughput is not None and throughput.per_s > 0:
+            seconds = throughput.startup_s + work / throughput.per_s
             if self.device_hour_cost is not None:
                 cost = seconds / 3600 * self.device_hour_cost
         e = Estimate(job_plan.total_steps, job_plan.train_rows, job_plan.eval_rows,
@@ -210,9 +220,29 @@ class TrainingAgent:
                      job_plan.memory.device, seconds, cost, throughput)
         return AgentPlan(description, dataset_id, proposal, e, warnings)
 
+    def rft_speed(self, base_model: str, settings: dict[str, Any]) -> Throughput | None:
+        """Steps per second of the account's latest finished RFT job on this base model whose steps are the same
+        size (prompts per step, group size, max tokens): an RL step's time is its sampling, which no plan can
+        know beforehand. None when there is no such job (no calibration: an RFT job needs an evaluator)."""
+        shape = ("prompts_per_step", "group_size", "max_tokens")
+        for job in self.client.list_jobs(status="succeeded"):
+            if (job.spec.base_model == base_model and _method(job) == "rft"
+                    and all(_setting(job, k) == settings.get(k) for k in shape)):
+                points = [p for p in self.client.job_metrics(job.id) if "train/loss" in p.values]
+                if len(points) < 3:
+                    continue
+                t = [p.time.ToDatetime().timestamp() for p in points]
+                if t[-1] <= t[0]:
+                    continue
+                startup = (max(0.0, t[0] - job.started_at.ToDatetime().timestamp())
+                           if job.HasField("started_at") else 0.0)
+                return Throughput((len(points) - 1) / (t[-1] - t[0]), startup,
+                                  f"job {job.id} ({job.spec.display_name or 'rft'})", "steps")
+        return None
+
     def throughput(self, base_model: str, method: str, dataset_id: str) -> Throughput | None:
-        """Target tokens per second of the account's latest finished job on this base model and method (training
-        steps only), else of a short calibration job run now (when calibrate is set)."""
+        """Target tokens (DPO: pairs) per second of the account's latest finished job on this base model and method
+        (training steps only), else of a short calibration job run now (when calibrate is set)."""
         for job in self.client.list_jobs(status="succeeded"):
             if job.spec.base_model == base_model and _method(job) == method:
                 measured = self._measured(job)
@@ -242,7 +272,8 @@ class TrainingAgent:
         if elapsed <= 0 or tokens <= 0:
             return None
         startup = max(0.0, t[0] - job.started_at.ToDatetime().timestamp()) if job.HasField("started_at") else 0.0
-        return Throughput(tokens / elapsed, startup, f"job {job.id} ({job.spec.display_name or _method(job)})")
+        return Throughput(tokens / elapsed, startup, f"job {job.id} ({job.spec.display_name or _method(job)})",
+                          "target tokens" if key == "train/tokens" else "pairs")
 
     # -- acting -------------------------------------------------------------------------------------------------
     def approve(self, plan: AgentPlan, display_name: str = "") -> pb.Job:

@@ -43,6 +43,18 @@ def test_the_plan_shows_every_choice_with_its_reason_by_its_declared_label():
     measured = _plan(throughput=Throughput(1500.0, 2.0, "job job_1 (x)"))
     assert dict(logic_plan.estimate_metrics(measured))["Time"] == "30 s"
     assert "1,500 target tokens/s measured on job job\\_1 (x)" in logic_plan.estimate_note(measured)
+    # A price without a measured speed has no cost yet: it says what is missing, not that no price was set.
+    assert dict(logic_plan.estimate_metrics(plan, price=2.0))["Cost"] == "needs the time"
+    pairs = _plan(throughput=Throughput(3.5, 2.0, "job job_2 (y)", "pairs"))
+    assert "3.50 pairs/s measured on job job\\_2 (y)" in logic_plan.estimate_note(pairs)
+
+
+def test_rft_plans_show_prompts_and_say_when_their_time_shows():
+    rows = tuple({"prompt": f"What is {a}+{a}?", "answer": 2 * a} for a in range(8))
+    plan = _plan("rft", rows)
+    metrics = dict(logic_plan.estimate_metrics(plan))
+    assert metrics["Rows"] == "18 prompts" and metrics["Prompt tokens"] == "48,510" and "Memory" in metrics
+    assert "same prompts per step, group size and max tokens" in logic_plan.estimate_note(plan)
 
 
 def test_edits_are_read_back_by_their_declared_types_and_bounds():

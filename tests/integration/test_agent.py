@@ -73,3 +73,21 @@ def test_sweep_picks_the_lowest_held_out_loss(agent_client):
     assert "lowest final held-out loss" in result.reason
     with pytest.raises(ValueError, match="2 to 4 variants"):
         agent.sweep(plan, factors=(1.0,))
+
+
+def test_dpo_time_is_estimated_in_pairs_and_holds(agent_client):
+    """DPO's speed is measured in pairs per second (its jobs log train/pairs): the estimate divides the plan's pairs,
+    not its tokens, by it."""
+    c = agent_client
+    ds, _ = c.upload_dataset(ROOT / "examples" / "data" / "dpo_polite.jsonl", name="polite-pairs")
+    agent = TrainingAgent(c)
+    plan = agent.plan("Prefer the polite answer", ds.id, settings={"max_steps": 30})
+    print("\n" + plan.render())
+    e = plan.estimate
+    assert plan.method == "dpo" and e.throughput is not None and e.throughput.unit == "pairs"
+    assert "pairs/s measured on job" in plan.render()
+    done = c.wait_job(agent.approve(plan).id, timeout_s=1200)
+    assert done.status == pb.JOB_STATUS_SUCCEEDED, done.error
+    measured = done.finished_at.ToDatetime().timestamp() - done.started_at.ToDatetime().timestamp()
+    print(f"estimated {e.seconds:.1f}s, measured {measured:.1f}s")
+    assert e.seconds / 5 < measured < e.seconds * 5  # of the right size (tokens / pairs-per-s would be ~100x off)

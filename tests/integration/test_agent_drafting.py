@@ -65,11 +65,17 @@ def test_a_deployment_drafts_the_evaluator_and_only_a_tested_one_is_used(client)
     assert why.startswith("drafted by drafter") and "scored 1 on the first 5 rows" in why
     assert plan.drafting_notes[0].startswith("evaluator: drafted by drafter")
     assert plan.drafted_by == "drafter" and (plan.summary or "summary: none" in plan.drafting_notes[-1])
+    assert plan.estimate.seconds is None and plan.estimate.memory_bytes > 0  # no RFT job has measured a step yet
     # The plan approves as any other: the drafted evaluator is what the job scores with.
-    job = TrainingAgent(c, calibrate=False, drafter="drafter").approve(plan.with_settings(steps=1))
+    job = TrainingAgent(c, calibrate=False, drafter="drafter").approve(plan.with_settings(steps=4))
     evaluator = job.spec.rft.evaluator
     assert c.get_evaluator_source(evaluator).content.decode() == GOOD
-    c.cancel_job(job.id)
+    done = c.wait_job(job.id, timeout_s=900)
+    assert done.status == pb.JOB_STATUS_SUCCEEDED, done.error
+    # Its steps, of the same size as the plan's, now give RFT plans a time.
+    timed = TrainingAgent(c, calibrate=False).plan(TASK, ds.id)
+    assert timed.estimate.throughput.unit == "steps" and done.id in timed.estimate.throughput.source
+    assert timed.estimate.seconds > timed.estimate.throughput.startup_s
 
     # The untrained base model answers with no usable code: the rules' evaluator stays, with the reason.
     plan = TrainingAgent(c, calibrate=False, drafter="tiny-qwen3").plan(TASK, ds.id)
