@@ -6,6 +6,8 @@ they have finished.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import streamlit as st
 
 from dashboard import api, logic, logic_plan
@@ -21,12 +23,17 @@ from trainyard.v1 import scheduler_pb2 as pb
 
 PLAN = "agent_plan"  # session state: the AgentPlan shown
 PLAN_VERSION = "agent_plan_version"  # session state: counts plans, so each one's edit inputs start from its values
-EVALUATOR_TEST = "agent_evaluator_test"  # session state: the last "Test on 5 rows" answer
+EVALUATOR_TEST = "agent_evaluator_test"  # session state: (the source tested, the last "Test on 5 rows" answer)
 APPROVED = "agent_approved_job"  # session state: the job created by "Approve and train"
 JOB_ID = "job_id"  # session state: the job the Jobs page shows
 AGENT_CHOOSES = "(the agent chooses)"
 RULES_ONLY = "(none: rules only)"
 REFRESH_S = 3.0
+
+
+def editor_key() -> str:
+    """The evaluator editor's widget key: one per plan, so a new plan's editor starts from its draft."""
+    return f"agent_evaluator_{st.session_state.get(PLAN_VERSION, 0)}"
 
 client = api.require_client()
 st.title("Describe and plan")
@@ -61,17 +68,20 @@ agent = TrainingAgent(client, device_hour_cost=price, calibrate=calibrate,
                       drafter=None if drafter == RULES_ONLY else drafter)
 
 
-def make_plan(settings: dict | None = None) -> None:
-    """Ask the agent for a plan (settings: the user's own values, kept over the rules'); errors under the inputs."""
+def make_plan(settings: dict | None = None, evaluator_source: str = "") -> None:
+    """Ask the agent for a plan (settings: the user's own values, kept over the rules'; evaluator_source: the user's
+    edited evaluator, kept over a new draft); errors under the inputs."""
     st.session_state.pop(EVALUATOR_TEST, None)
     st.session_state.pop(APPROVED, None)
     st.session_state[PLAN_VERSION] = st.session_state.get(PLAN_VERSION, 0) + 1
     try:
         with st.spinner("Planning..."):
-            st.session_state[PLAN] = agent.plan(
-                description, dataset_id, settings=settings,
-                base_model=None if base_model == AGENT_CHOOSES else base_model,
-                method=None if method == AGENT_CHOOSES else method)
+            new = agent.plan(description, dataset_id, settings=settings,
+                             base_model=None if base_model == AGENT_CHOOSES else base_model,
+                             method=None if method == AGENT_CHOOSES else method)
+            if evaluator_source and new.method == "rft":
+                new.proposal.evaluator_source = evaluator_source
+            st.session_state[PLAN] = new
     except PlanningError as exc:
         st.session_state.pop(PLAN, None)
         plan_errors.error(f"**No plan**: {md_escape(str(exc))}")
@@ -153,7 +163,7 @@ with st.expander("Edit the settings"):
                                                                 for lbl, reason in problems))
         else:
             user_set = {c.setting: c.value for c in plan.proposal.choices if c.why == "you set it"}
-            make_plan({**user_set, **changed})
+            make_plan({**user_set, **changed}, st.session_state.get(editor_key(), "") if plan.method == "rft" else "")
             st.rerun()
 
 if plan.method == "rft":
@@ -161,18 +171,18 @@ if plan.method == "rft":
     st.caption("Read it and edit it: this reward function scores every completion during training. \"Test on 5 "
                "rows\" runs it in the server's sandbox on the first rows, each answered with its expected answer "
                "(a right evaluator gives 1.0).")
-    source = st.text_area("Evaluator (reward_fn)", value=plan.proposal.evaluator_source, height=260)
-    if source != plan.proposal.evaluator_source:
-        plan.proposal.evaluator_source = source  # approve() uploads what is shown
-        st.session_state.pop(EVALUATOR_TEST, None)
+    # The editor's value is the plan's draft when the plan is made; what the user types stays in the widget (its key
+    # is the plan's), and Test, Re-plan and Approve read it from there.
+    source = st.text_area("Evaluator (reward_fn)", value=plan.proposal.evaluator_source, height=260,
+                          key=editor_key())
     if st.button("Test on 5 rows", icon=":material/science:"):
         try:
             with st.spinner("Running the evaluator in the sandbox..."):
-                st.session_state[EVALUATOR_TEST] = agent.test_evaluator(plan, source)
+                st.session_state[EVALUATOR_TEST] = (source, agent.test_evaluator(plan, source))
         except TrainyardError as exc:
             api.show_error(exc)
-    tested = st.session_state.get(EVALUATOR_TEST)
-    if tested is not None:
+    tested_source, tested = st.session_state.get(EVALUATOR_TEST) or ("", None)
+    if tested is not None and tested_source == source:  # an answer about the source shown, not an earlier one
         s = tested.summary
         (st.success if s.num_errors == 0 else st.error)(
             f"{s.num_ok} of {s.num_rows} rows scored, {s.num_errors} errors, mean reward {s.reward_mean:.3g}.")
@@ -180,9 +190,14 @@ if plan.method == "rft":
 
 st.subheader("Approve")
 left, right = st.columns(2)
-if left.button("Approve and train", type="primary", icon=":material/check:"):
+# One job per plan: once approved, the button waits for a new plan (Plan or Re-plan) instead of queueing a copy.
+if left.button("Approve and train", type="primary", icon=":material/check:",
+               disabled=bool(st.session_state.get(APPROVED))):
     try:
+        if plan.method == "rft":  # what the editor shows is what is uploaded
+            plan = replace(plan, proposal=replace(plan.proposal, evaluator_source=source))
         st.session_state[APPROVED] = st.session_state[JOB_ID] = agent.approve(plan).id
+        st.rerun()  # the button shows as used
     except TrainyardError as exc:
         api.show_error(exc, logic.field_labels(METHODS[plan.method]))
 approved = st.session_state.get(APPROVED)

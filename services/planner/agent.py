@@ -319,15 +319,14 @@ class TrainingAgent:
 
     def test_evaluator(self, plan: AgentPlan, source: str,
                        num_rows: int = EVALUATOR_TEST_ROWS) -> pb.EvaluatorTestResponse:
-        """The (edited) drafted evaluator of an RFT plan in the server's sandbox, before approval: uploaded as the
-        next version of the plan's evaluator and run on the data set's first num_rows rows, each with its expected
-        answer (the ground-truth field the evaluator was drafted from) as the completion, so a right reward_fn
-        scores 1 on every row."""
+        """The (edited) drafted evaluator of an RFT plan in the server's sandbox, before approval: run, and stored
+        nowhere, on the data set's first num_rows rows, each with its expected answer (the ground-truth field the
+        evaluator was drafted from) as the completion, so a right reward_fn scores 1 on every row. approve() uploads
+        what is approved."""
         rows = self.client.preview_dataset(plan.dataset_id, 0, num_rows)
         truth = rules.truth_field(tuple(sorted({k for r in rows for k in r})))
-        ev = self.client.upload_evaluator(source.encode(), _evaluator_name(plan))
-        return self.client.test_evaluator(f"{ev.name}@{ev.version}", rows=rows,
-                                          completions=[str(r.get(truth, "")) for r in rows])
+        return self.client.test_evaluator("", rows=rows, completions=[str(r.get(truth, "")) for r in rows],
+                                          content=source.encode())
 
     def pick_winner(self, jobs: list[pb.Job]) -> SweepResult:
         rows = []

@@ -220,12 +220,22 @@ def test_plan_page_drafts_an_rft_evaluator_tests_it_and_approves_the_edit(sdk):
     editor.set_value(drafted.replace(signature, signature + "    raise ValueError('edited')\n")).run()
     button(at, "Test on 5 rows").click().run()
     assert "errors" in text(at.error) and "ValueError: edited" in " ".join(at.dataframe[0].value["error"])
-    editor.set_value(drafted).run()
+    # An edit survives a re-plan (the agent's new draft does not overwrite it).
+    edited = drafted.replace(signature, signature + "    # checked by the support team\n")
+    editor.set_value(edited).run()
+    next(t for t in at.text_input if t.label == "Steps").set_value("3")
+    button(at, "Re-plan").click().run()
+    editor = next(t for t in at.text_area if t.label == "Evaluator (reward_fn)")
+    assert editor.value == edited and settings_table(at)["Steps"] == ("3", "you set it")
     button(at, "Approve and train").click().run()
     assert_no_exception(at)
     job = sdk.get_job(at.session_state["agent_approved_job"])
+    # Testing stored nothing: the approved source is the evaluator's first version.
     name, version = job.spec.rft.evaluator.split("@")
-    assert sdk.get_evaluator(job.spec.rft.evaluator).name == name and int(version) >= 3  # tested twice, approved
+    assert sdk.get_evaluator(job.spec.rft.evaluator).name == name and version == "1"
+    assert sdk.get_evaluator_source(job.spec.rft.evaluator).content.decode() == edited
+    # One job per plan: the button waits for a new plan.
+    assert button(at, "Approve and train").disabled
     sdk.cancel_job(job.id)
 
 
