@@ -145,7 +145,7 @@ def up(home: Path, *, database_url: str | None = None, broker_url: str | None = 
     home.mkdir(parents=True, exist_ok=True)
     current = running(home)
     if current is not None:
-        return current
+        return _restart_stopped(current, extra_env, on_status or (lambda _msg: None))
     previous = StackState.load(home)
     if previous is not None and (previous.database_url, previous.broker_url) != (database_url, broker_url):
         previous = None  # another database: the recorded key belongs to the old one
@@ -174,6 +174,26 @@ def up(home: Path, *, database_url: str | None = None, broker_url: str | None = 
         state.services = []
         state.save()
         raise
+    return state
+
+
+def _restart_stopped(state: StackState, extra_env: dict[str, str] | None, say) -> StackState:
+    """A recorded stack that still runs, with the services that stopped since (a crash, a kill) started again on
+    their recorded ports; the others are left as they are."""
+    stopped = [s for s in state.services if not alive(s.pid)]
+    if not stopped:
+        return state
+    stack = _stack(Path(state.home), state.database_url, state.broker_url, state.ports)
+    stack.extra_env.update({"TRAINYARD_TORCH_THREADS": "1", **(extra_env or {})})
+    for s in stopped:
+        say(f"restarting {s.name} (it had stopped)")
+        stack.start(s.name)
+        proc = stack.procs[s.name]
+        s.pid, s.log = proc.popen.pid, str(proc.log_path)
+        state.save()
+    for s in stopped:
+        say(f"waiting for {s.name}")
+        stack.wait_ready(s.name, timeout_s=180)
     return state
 
 

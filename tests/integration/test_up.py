@@ -70,7 +70,24 @@ def test_detached_stack_survives_the_terminal_and_keeps_its_account(tmp_path, ho
     assert "local (acct_" in _whoami(tmp_path, state)
 
     again = _cli(tmp_path, "up", "--detach", "--home", str(home))
-    assert again.returncode == 0 and "already running" in again.stdout
+    assert again.returncode == 0 and "already running" in again.stdout and "restarted" not in again.stdout
+
+    # A service that died (a crash, a kill) is started again by the next `up`, on its address; the others stay.
+    weightsync = next(s for s in state["services"] if s["name"] == "weightsync")
+    scheduler_pid = next(s["pid"] for s in state["services"] if s["name"] == "scheduler")
+    os.killpg(weightsync["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while _alive(weightsync["pid"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "stopped" in _cli(tmp_path, "status", "--home", str(home)).stdout
+    revived = _cli(tmp_path, "up", "--detach", "--home", str(home))
+    assert revived.returncode == 0, revived.stdout + revived.stderr
+    assert "restarted weightsync, which had stopped" in revived.stdout
+    status = _cli(tmp_path, "status", "--home", str(home))
+    assert status.returncode == 0 and status.stdout.count("healthy") == 2, status.stdout
+    now = {s["name"]: s for s in _state(home)["services"]}
+    assert now["scheduler"]["pid"] == scheduler_pid and now["weightsync"]["address"] == weightsync["address"]
+    state = _state(home)
 
     down = _cli(tmp_path, "down", "--home", str(home))
     assert down.returncode == 0 and "stopped weightsync, scheduler" in down.stdout, down.stdout + down.stderr

@@ -21,9 +21,12 @@ def _home(home: str | None) -> Path:
 
 @click.command()
 @click.option("--home", envvar="TRAINYARD_HOME", type=click.Path(file_okay=False), default=None, help=HOME_HELP)
-@click.option("--database-url", default=None,
-              help="SQLAlchemy URL of a Postgres database (default: embedded SQLite under --home).")
-@click.option("--broker-url", default=None, help="Redis URL for the job queue (default: embedded, under --home).")
+@click.option("--database-url", envvar="TRAINYARD_DATABASE_URL", default=None,
+              help="SQLAlchemy URL of a Postgres database, or the services' setting TRAINYARD_DATABASE_URL "
+                   "(default: embedded SQLite under --home).")
+@click.option("--broker-url", envvar="TRAINYARD_BROKER_URL", default=None,
+              help="Redis URL for the job queue, or the services' setting TRAINYARD_BROKER_URL (default: embedded, "
+                   "under --home).")
 @click.option("--detach", "-d", is_flag=True, help="Return once the services are healthy; they keep running after "
                                                      "the terminal closes, until `trainyard down`.")
 @click.option("--service", "services", multiple=True,
@@ -34,7 +37,7 @@ def _home(home: str | None) -> Path:
 def up(home, database_url, broker_url, detach, services, login):
     """Start the whole platform on this machine and print its addresses and an API key."""
     from trainyard.localstack import compose_services
-    from trainyard.up import catch_stop_signals, running, up as start, wait_foreground
+    from trainyard.up import alive, catch_stop_signals, running, up as start, wait_foreground
 
     home = _home(home)
     known = [n for n in compose_services() if n not in ("postgres", "redis", "migrate")]
@@ -45,18 +48,19 @@ def up(home, database_url, broker_url, detach, services, login):
     already = running(home)
     if not detach and already is None:
         catch_stop_signals()  # a Ctrl-C while starting stops the stack once it is up, not halfway
+    stopped = [s.name for s in already.services if not alive(s.pid)] if already is not None else []
+    try:
+        with console.status("starting") as spinner:
+            # Already running: start() only restarts the services that have stopped since.
+            state = start(home, database_url=database_url, broker_url=broker_url, services=tuple(services),
+                          on_status=lambda msg: spinner.update(msg))
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        err_console.print(f"[bold red]error[/] the stack did not start: {exc}")
+        err_console.print(f"logs: {home / 'logs'}")
+        sys.exit(1)
     if already is not None:
-        console.print(f"already running under {home} (`trainyard status`, `trainyard down`)")
-        state = already
-    else:
-        try:
-            with console.status("starting") as spinner:
-                state = start(home, database_url=database_url, broker_url=broker_url, services=tuple(services),
-                              on_status=lambda msg: spinner.update(msg))
-        except (RuntimeError, TimeoutError, OSError) as exc:
-            err_console.print(f"[bold red]error[/] the stack did not start: {exc}")
-            err_console.print(f"logs: {home / 'logs'}")
-            sys.exit(1)
+        console.print(f"already running under {home} (`trainyard status`, `trainyard down`)"
+                      + (f"; restarted {', '.join(stopped)}, which had stopped" if stopped else ""))
     _print_state(state)
     if login or (login is None and not config_path().is_file()):
         urls = state.urls()
