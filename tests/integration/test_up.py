@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -127,3 +128,35 @@ def test_bad_service_name_is_named(tmp_path, home):
     out = _cli(tmp_path, "up", "--home", str(home), "--service", "schedular")
     assert out.returncode == 2 and "--service: unknown schedular" in out.stderr
     assert not (home / "stack.json").exists()
+
+
+def test_the_whole_stack_on_postgres_and_redis_from_the_settings(tmp_path, home):
+    """Every service of docker-compose.yml (the dashboard and gateway included) started by `up`, on the Postgres and
+    Redis that the services' own settings name (TRAINYARD_DATABASE_URL, TRAINYARD_BROKER_URL), healthy, serving, and
+    stopped by `down`."""
+    from tests.conftest import REDIS_URL, fresh_database
+    from trainyard.localstack import compose_services
+
+    expected = {n for n in compose_services() if n not in ("postgres", "redis", "migrate")}
+    # A Redis database of its own: its worker must not take the session stack's jobs from the shared queue.
+    broker = REDIS_URL.rsplit("/", 1)[0] + "/9"
+    with fresh_database("trainyard_up") as database:
+        env = {**_env(tmp_path), "TRAINYARD_DATABASE_URL": database, "TRAINYARD_BROKER_URL": broker}
+        started = subprocess.run([sys.executable, "-m", "trainyard.cli.main", "up", "--detach", "--no-login",
+                                  "--home", str(home)], cwd=ROOT, env=env, capture_output=True, text=True,
+                                 timeout=600)
+        try:
+            assert started.returncode == 0, started.stdout + started.stderr
+            state = _state(home)
+            assert {s["name"] for s in state["services"]} == expected
+            assert (state["database_url"], state["broker_url"]) == (database, broker)
+            status = _cli(tmp_path, "status", "--home", str(home))
+            assert status.returncode == 0 and status.stdout.count("healthy") == len(expected), status.stdout
+            dashboard = next(s["address"] for s in state["services"] if s["name"] == "dashboard")
+            with urllib.request.urlopen(f"http://{dashboard}/_stcore/health", timeout=30) as resp:
+                assert resp.read() == b"ok"
+            assert "local (acct_" in _whoami(tmp_path, state)
+        finally:
+            down = _cli(tmp_path, "down", "--home", str(home))
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert not any(_alive(s["pid"]) for s in state["services"])
