@@ -73,10 +73,10 @@ cols = st.columns(4)
 temperature = cols[0].slider("Temperature", 0.0, 2.0, 0.7, 0.05, help="0 always picks the most likely token.")
 top_p = cols[1].slider("Top p", 0.05, 1.0, 1.0, 0.05, help="Sample only from the most likely tokens whose "
                        "probabilities add up to this.")
-if st.session_state.get(MAX_TOKENS, 0) > bound:  # the conversations grew past it: the most that still fits
-    st.session_state[MAX_TOKENS] = bound
-max_tokens = cols[2].number_input("Max tokens", min_value=1, max_value=bound, value=min(128, bound), step=16,
-                                  key=MAX_TOKENS,
+# The value lives in session state only (no value= as well, which Streamlit warns about): 128 at first, and the most
+# that still fits once the conversations have grown past it.
+st.session_state[MAX_TOKENS] = min(st.session_state.get(MAX_TOKENS, 128), bound)
+max_tokens = cols[2].number_input("Max tokens", min_value=1, max_value=bound, step=16, key=MAX_TOKENS,
                                   help=f"At most {bound}: the model's context ({max_positions} tokens) less the "
                                        "longest conversation so far.")
 # A column's max_tokens that did not fit its conversation is said under the input it concerns, not in the column.
