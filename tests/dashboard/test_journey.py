@@ -94,8 +94,16 @@ def test_describe_plan_approve_watch_deploy_compare_and_call(stack, tmp_path):
         # 3. Describe the task: the agent's plan, each choice with why, and the estimate.
         nav(page, "Describe and plan")
         page.get_by_label("Describe the task").fill(TASK)
+        price = page.get_by_role("spinbutton", name="Price per device-hour")
+        price.fill("2.5")
+        price.press("Enter")
+        settle(page)
+        # A short calibration job times the plan. (The label takes the click: it lies over the input.)
+        page.get_by_test_id("stCheckbox").filter(has_text="Measure the speed").click()
+        expect(page.get_by_role("checkbox", name="Measure the speed")).to_be_checked()
+        settle(page)
         page.get_by_role("button", name="Plan", exact=True).click()
-        expect(page.get_by_role("heading", name="The plan")).to_be_visible()
+        expect(page.get_by_role("heading", name="The plan")).to_be_visible(timeout=JOB_TIMEOUT_MS)
         expect(page.get_by_text("Method: Supervised fine-tuning (LoRA)")).to_be_visible()
         expect(page.get_by_text("Base model: tiny-qwen3")).to_be_visible()
         table = page.get_by_test_id("stTable")
@@ -106,6 +114,10 @@ def test_describe_plan_approve_watch_deploy_compare_and_call(stack, tmp_path):
         steps = int(metric(page, "Steps").replace(",", ""))
         assert metric(page, "Rows (train / held out)") == "18 / 2" and steps > 0
         assert metric(page, "Tokens") != "0" and "MiB" in metric(page, "Memory")
+        estimate = metric(page, "Time")
+        assert re.fullmatch(r"\d+(\.\d)? (s|min|h)", estimate), estimate  # measured by the calibration job
+        assert re.fullmatch(r"\d+\.\d\d", metric(page, "Cost")), metric(page, "Cost")
+        expect(page.get_by_text(re.compile(r"^Time from [\d,]+ target tokens/s measured on job"))).to_be_visible()
         assert not truncated(page.get_by_test_id("stMetricValue")), "an estimate is cut off"
         shot("03-plan", page.get_by_role("heading", name="The plan"))
 
@@ -185,7 +197,13 @@ def test_describe_plan_approve_watch_deploy_compare_and_call(stack, tmp_path):
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip(), "the OpenAI client printed no answer"
-    print(f"journey timings (s since start, at each screenshot): {timings}")
+    from trainyard import Client
+
+    with Client(url=stack.url("scheduler"), rollout_url=stack.url("rollout"), api_key=key) as c:
+        job = c.get_job(job_id)
+    took = job.finished_at.ToDatetime().timestamp() - job.started_at.ToDatetime().timestamp()
+    print(f"the plan's time {estimate}, the job ran {took:.1f} s; "
+          f"journey timings (s since start, at each screenshot): {timings}")
 
 
 def test_edit_the_plan_then_sweep_and_name_the_winner(stack, tmp_path):
