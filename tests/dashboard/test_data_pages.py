@@ -8,6 +8,7 @@ import pytest
 from dashboard import logic
 from tests.dashboard.apptest import assert_no_exception, button, number, open_app, text
 from tests.integration.data import chat_rows, jsonl
+from trainyard.v1 import scheduler_pb2 as pb
 from streamlit.testing.v1 import AppTest
 
 
@@ -237,6 +238,28 @@ def test_plan_page_drafts_an_rft_evaluator_tests_it_and_approves_the_edit(sdk):
     # One job per plan: the button waits for a new plan.
     assert button(at, "Approve and train").disabled
     sdk.cancel_job(job.id)
+
+
+def test_plan_page_drafts_with_a_deployment_the_user_picks(sdk, chats):
+    """The drafting model is one of the account's ready deployments; the plan says what its texts became (the
+    tiny model writes no usable evaluator: the rules' draft stays, with the reason)."""
+    job = sdk.create_job("sft", "tiny-qwen3", chats.id, "drafting-helper", max_steps=2, eval_fraction=0.0,
+                         checkpoint_every=2)
+    assert sdk.wait_job(job.id, timeout_s=300).status == pb.JOB_STATUS_SUCCEEDED
+    sdk.create_deployment("page-drafter", job_id=job.id)
+    ds, _ = sdk.upload_dataset(jsonl([{"prompt": f"What is {a}+{a}?", "answer": 2 * a} for a in range(8)]),
+                               name="doubles-drafted")
+    rules_only = plan_page(ds.id, description="Solve the sums")
+    assert selectbox(rules_only, "Drafting model").options == ["(none: rules only)", "page-drafter"]
+    assert not [c for c in rules_only.caption if str(c.value).startswith("Drafting model")]
+
+    at = plan_page(ds.id, description="Solve the sums", **{"Drafting model": "page-drafter"})
+    captions = text(at.caption)
+    assert "Drafting model page-drafter, evaluator: the rules' draft is shown (page-drafter's draft was not used: " \
+        in captions
+    assert "In plain words (drafted by page-drafter)" in text(at.info) or "page-drafter, summary: none (" in captions
+    editor = next(t for t in at.text_area if t.label == "Evaluator (reward_fn)")
+    assert editor.value == next(t for t in rules_only.text_area if t.label == "Evaluator (reward_fn)").value
 
 
 def test_a_sweep_runs_on_the_server_and_the_page_finds_it_and_its_winner_again(sdk, chats):
