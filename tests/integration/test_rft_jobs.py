@@ -210,7 +210,7 @@ def test_rft_job_with_a_multi_turn_environment(client, cli, dataset, tmp_path):
     assert "succeeded" in created.stdout, created.stdout
     job_id = created.stdout.split("job ")[1].split()[0]
     steps = _rewards(cli, job_id)
-    assert [m["step"] for m in steps] == [1, 2] and all("train/loss" in m for m in steps)
+    assert [m["step"] for m in steps] == [1, 2] and all("train/loss" in m and m["train/lr"] > 0 for m in steps)
     logs = [e.message for e in client.job_logs(job_id)]
     assert any("Environment evaluator tool-env@1" in m and "up to 2 turns" in m for m in logs), logs
     errors = [m for m in logs if "reward error" in m]

@@ -298,7 +298,7 @@ class _RftRun:
             lps, m = run_call(call, datums)
             grad_norm = float(self.engine.step(self._adamw()))
             k3s = [algo.k3(_action_q(flat[i][1], torch.float64), _on_actions(flat[i][1], lp)) for i, lp in zip(chosen, lps)]
-            out |= {"train/loss": m["loss:mean"], "train/grad_norm": grad_norm,
+            out |= {"train/loss": m["loss:mean"], "train/grad_norm": grad_norm, "train/lr": self.hp.learning_rate,
                     "train/clip_fraction": m.get("clip_fraction:mean", 0.0),
                     "kl/k3_rollout_trainer": float(torch.cat(k3s).mean()),
                     "train/tokens_per_s": sum(d.length for d in datums) / max(time.perf_counter() - t0, 1e-9)}
