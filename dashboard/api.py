@@ -111,11 +111,13 @@ def _forget_page_state() -> None:
 
 
 def _own_page_state(conn: Connection) -> None:
-    """Page state is the signed-in account's: when another account signs in in this tab, start from nothing."""
+    """Page state is the signed-in account's: when another account signs in in this tab, start from nothing. (A tab's
+    first sign-in keeps what is there: nobody's pages ran before it, and Sign out has already forgotten the rest.)"""
     owner = [conn.url, conn.account]
-    if st.session_state.get(OWNER) != owner:
+    previous = st.session_state.get(OWNER)
+    if previous is not None and previous != owner:
         _forget_page_state()
-        st.session_state[OWNER] = owner
+    st.session_state[OWNER] = owner
 
 
 def sign_out() -> None:
