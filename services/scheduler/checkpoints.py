@@ -16,7 +16,7 @@ import logging
 from collections.abc import Iterator
 from datetime import timedelta
 
-from sqlalchemy import String, cast, func, select
+from sqlalchemy import String, cast, func, select, update
 
 from services.common import blobrefs, registry
 from services.common.blobstore import CHUNK, BlobStore
@@ -107,6 +107,7 @@ class CheckpointCore:
             user = _user(s, ckpt)
             if user:
                 raise FailedPrecondition(f"checkpoint '{ckpt.id}' is in use by {user}; end that first")
+            _forget_in_deleted_deployments(s, ckpt)
             s.delete(ckpt)
         self._release(ckpt)
         return ckpt
@@ -120,6 +121,7 @@ class CheckpointCore:
                 if user:
                     log.info("expired checkpoint %s stays while %s uses it", ckpt.id, user)
                     continue
+                _forget_in_deleted_deployments(s, ckpt)
                 s.delete(ckpt)
                 removed.append(ckpt)
         for ckpt in removed:
@@ -128,6 +130,13 @@ class CheckpointCore:
 
     def _release(self, ckpt: Checkpoint) -> None:
         self.blobs.release({f["sha256"] for f in [*ckpt.files, *(ckpt.state or [])]}, blobrefs.checker(self.db))
+
+
+def _forget_in_deleted_deployments(s, ckpt: Checkpoint) -> None:
+    """Deleted deployments are kept as history and may still name the checkpoint (a foreign key): they stop naming
+    it when it goes. (Live ones refuse the deletion: _user.)"""
+    s.execute(update(Deployment).where(Deployment.checkpoint_id == ckpt.id, Deployment.deleted_at.is_not(None))
+              .values(checkpoint_id=None))
 
 
 def _user(s, ckpt: Checkpoint) -> str:

@@ -99,6 +99,26 @@ def test_delete_keeps_blobs_other_rows_name_and_refuses_checkpoints_in_use(env, 
     a.delete_checkpoint(state.id)
 
 
+def test_a_checkpoint_once_served_by_a_deleted_deployment_deletes_and_sweeps(env, tmp_path):
+    """A deleted deployment stays as history naming its checkpoint; deleting the checkpoint (or its expiry) then
+    must not fail on that reference (it was an INTERNAL foreign-key error), and the history stops naming it."""
+    db, blobs, alice, a, _ = env
+    deleted, expired = (_checkpoint(db, blobs, tmp_path, alice, b"was served %d" % i) for i in range(2))
+    with db.session() as s:
+        for i, ckpt in enumerate((deleted, expired)):
+            s.add(Deployment(id=new_id("dep"), account_id=alice, name=f"old-{i}", checkpoint_id=ckpt.id,
+                             base_model="tiny", status="deleted", deleted_at=utcnow()))
+    a.delete_checkpoint(deleted.id)
+    assert _code(lambda: a.get_checkpoint(deleted.id)) == "NOT_FOUND"
+    a.set_checkpoint_ttl(expired.id, 1)
+    time.sleep(1.1)
+    CheckpointCore(db, blobs).sweep_expired()
+    with db.session() as s:
+        assert s.get(Checkpoint, expired.id) is None
+        assert {d.name: d.checkpoint_id for d in s.query(Deployment).filter(Deployment.account_id == alice)} == {
+            "old-0": None, "old-1": None}
+
+
 def test_ttl_makes_a_checkpoint_unreadable_then_the_sweep_removes_it(env, tmp_path):
     db, blobs, alice, a, _ = env
     ckpt = _checkpoint(db, blobs, tmp_path, alice, b"short-lived")
