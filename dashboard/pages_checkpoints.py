@@ -1,5 +1,6 @@
 """Checkpoints: a training job's checkpoints with the train and held-out loss at each one's step, the best one marked
-(the lowest held-out loss), and a deploy button for any of them.
+(the lowest held-out loss), a deploy button for any of them, and each one's lifecycle: how long it is kept (a TTL),
+shared with every account or not, deleted.
 
 The best checkpoint is the one the run's diagnosis points to as well (services/planner/diagnose.py: an overfitting
 run names the step of its lowest held-out loss, and the checkpoint nearest it is the one worth deploying).
@@ -102,3 +103,36 @@ if mine:
                     f"{deployment_status_name(d.status)} · created {logic.when(d.created_at)} (UTC)")
     if any(d.status == pb.DEPLOYMENT_STATUS_READY for d in mine):
         st.page_link("pages_playground.py", label="Try it in the Playground", icon=":material/chat:")
+
+# -- lifecycle -------------------------------------------------------------------------------------------------------
+st.subheader("Keep, share or delete a checkpoint")
+with st.container(border=True):
+    target = st.selectbox("Checkpoint to manage", list(labels), index=list(labels).index(candidate.id),
+                          format_func=labels.__getitem__, key=f"manage-{job_id}")
+    ck = served[target]
+    st.caption(f"Expires {logic.when(ck.expires_at) + ' (UTC)' if ck.HasField('expires_at') else 'never'} · "
+               + ("shared: every account may read it" if ck.public else "private to your account"))
+    keep, share, remove = st.columns(3, vertical_alignment="bottom")
+    days = keep.number_input("Keep for (days)", min_value=0, value=0, step=1, key=f"ttl-days-{target}",
+                             help="From now; 0 keeps it until you delete it. Expired, it is unreadable, then removed.")
+    if keep.button("Set", key=f"ttl-{target}", icon=":material/schedule:"):
+        try:
+            client.set_checkpoint_ttl(target, int(days) * 86400 if days else None)
+            st.rerun()
+        except TrainyardError as exc:
+            api.show_error(exc, {"ttl_seconds": "Keep for (days)"})
+    if share.button("Stop sharing" if ck.public else "Share with every account", key=f"share-{target}",
+                    icon=":material/lock:" if ck.public else ":material/public:",
+                    help="Shared, any account may download it, load it as a training state or sample from it."):
+        try:
+            client.publish_checkpoint(target, not ck.public)
+            st.rerun()
+        except TrainyardError as exc:
+            api.show_error(exc)
+    sure = remove.checkbox("Yes, delete its files", key=f"sure-{target}")
+    if remove.button("Delete", key=f"delete-{target}", icon=":material/delete:", disabled=not sure):
+        try:
+            client.delete_checkpoint(target)
+            st.rerun()
+        except TrainyardError as exc:  # e.g. a deployment serves it
+            api.show_error(exc)

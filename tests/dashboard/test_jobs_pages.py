@@ -215,7 +215,29 @@ def test_checkpoints_page_marks_the_best_and_deploys_any(sdk, finished_job):
     dep = sdk.get_deployment("adder-step2")
     assert dep.checkpoint_id == first.id
     assert "adder-step2 · step 2 · ready" in text(at.markdown)
+
+    # Its lifecycle: kept for 2 days, shared, then deleted, which a deployment serving it prevents.
+    widget(at.selectbox, "Checkpoint to manage").set_value(first.id).run()
+    assert "Expires never · private to your account" in text(at.caption)
+    widget(at.number_input, "Keep for (days)").set_value(2)
+    button(at, "Set").click().run()
+    assert_no_exception(at)
+    kept = sdk.get_checkpoint(first.id)
+    assert kept.HasField("expires_at") and not kept.public
+    assert (kept.expires_at.ToDatetime() - kept.created_at.ToDatetime()).total_seconds() > 86400
+    button(at, "Share with every account").click().run()
+    assert sdk.get_checkpoint(first.id).public and "shared: every account may read it" in text(at.caption)
+    at.checkbox(key=f"sure-{first.id}").check().run()
+    button(at, "Delete", key=f"delete-{first.id}").click().run()
+    assert_no_exception(at)
+    assert "Not possible right now" in text(at.error) and sdk.get_checkpoint(first.id).id == first.id
     sdk.delete_deployment(dep.id)
+    at.checkbox(key=f"sure-{first.id}").check().run()
+    button(at, "Delete", key=f"delete-{first.id}").click().run()
+    assert_no_exception(at)
+    assert not at.error, text(at.error)
+    assert [c.id for c in sdk.list_checkpoints(finished_job.id)] == [finished_job.output_checkpoint_id]
+    assert list(at.dataframe[0].value["step"]) == [4]
 
 
 # -- evaluations ------------------------------------------------------------------------------------------------------
