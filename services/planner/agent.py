@@ -34,6 +34,8 @@ SWEEP_FACTORS = (0.5, 1.0, 2.0)
 # Learning-rate factors of a sweep of n variants (the plan's own rate, and rates around it).
 SWEEPS = {2: (0.5, 1.0), 3: SWEEP_FACTORS, 4: (0.25, 0.5, 1.0, 2.0)}
 EVALUATOR_TEST_ROWS = 5
+# The metric a job logs its work in, per unit of Throughput: SFT's target tokens, DPO's pairs, an RL job's steps.
+_WORK = {"target tokens": "train/tokens", "pairs": "train/pairs", "steps": "train/loss"}
 # A sweep's jobs are named after the plan and the sweep, each with its learning rate:
 # "<_job_name(plan)>-s<4 hex digits>-lr<rate>"; the part before "-lr" names the sweep.
 _SWEEP_NAME = re.compile(r"(agent-[a-z]+.*-s[0-9a-f]{4})-lr([0-9.e+-]+)")
@@ -228,24 +230,18 @@ class TrainingAgent:
         for job in self.client.list_jobs(status="succeeded"):
             if (job.spec.base_model == base_model and _method(job) == "rft"
                     and all(_setting(job, k) == settings.get(k) for k in shape)):
-                points = [p for p in self.client.job_metrics(job.id) if "train/loss" in p.values]
-                if len(points) < 3:
-                    continue
-                t = [p.time.ToDatetime().timestamp() for p in points]
-                if t[-1] <= t[0]:
-                    continue
-                startup = (max(0.0, t[0] - job.started_at.ToDatetime().timestamp())
-                           if job.HasField("started_at") else 0.0)
-                return Throughput((len(points) - 1) / (t[-1] - t[0]), startup,
-                                  f"job {job.id} ({job.spec.display_name or 'rft'})", "steps")
+                measured = self._measured(job, "steps")
+                if measured is not None:
+                    return measured
         return None
 
     def throughput(self, base_model: str, method: str, dataset_id: str) -> Throughput | None:
         """Target tokens (DPO: pairs) per second of the account's latest finished job on this base model and method
         (training steps only), else of a short calibration job run now (when calibrate is set)."""
+        unit = "pairs" if method == "dpo" else "target tokens"
         for job in self.client.list_jobs(status="succeeded"):
             if job.spec.base_model == base_model and _method(job) == method:
-                measured = self._measured(job)
+                measured = self._measured(job, unit)
                 if measured is not None:
                     return measured
         if not self.calibrate:
@@ -257,23 +253,22 @@ class TrainingAgent:
         done = self.client.wait_job(job.id, timeout_s=1800)
         if done.status != pb.JOB_STATUS_SUCCEEDED:
             raise rules.PlanningError(f"the calibration job {job.id} {status_name(done.status)}: {done.error}")
-        return self._measured(done)
+        return self._measured(done, unit)
 
-    def _measured(self, job: pb.Job) -> Throughput | None:
-        points = [p for p in self.client.job_metrics(job.id) if "train/tokens" in p.values or "train/pairs" in
-                  p.values]
+    def _measured(self, job: pb.Job, unit: str) -> Throughput | None:
+        """The job's speed in unit (_WORK: the metric each step logs it in; a step is worth one "steps")."""
+        key = _WORK[unit]
+        points = [p for p in self.client.job_metrics(job.id) if key in p.values]
         if len(points) < 3:
             return None
-        key = "train/tokens" if "train/tokens" in points[0].values else "train/pairs"
         t = [p.time.ToDatetime().timestamp() for p in points]
-        # The first step pays for loading and compiling: time from it to the last one, tokens after it.
+        # The first step pays for loading and compiling: time from it to the last one, work after it.
         elapsed = t[-1] - t[0]
-        tokens = sum(p.values.get(key, 0.0) for p in points[1:])
-        if elapsed <= 0 or tokens <= 0:
+        work = len(points) - 1 if unit == "steps" else sum(p.values[key] for p in points[1:])
+        if elapsed <= 0 or work <= 0:
             return None
         startup = max(0.0, t[0] - job.started_at.ToDatetime().timestamp()) if job.HasField("started_at") else 0.0
-        return Throughput(tokens / elapsed, startup, f"job {job.id} ({job.spec.display_name or _method(job)})",
-                          "target tokens" if key == "train/tokens" else "pairs")
+        return Throughput(work / elapsed, startup, f"job {job.id} ({job.spec.display_name or _method(job)})", unit)
 
     # -- acting -------------------------------------------------------------------------------------------------
     def approve(self, plan: AgentPlan, display_name: str = "") -> pb.Job:
