@@ -33,7 +33,7 @@ CALIBRATION_STEPS = 6
 SWEEP_FACTORS = (0.5, 1.0, 2.0)
 # Learning-rate factors of a sweep of n variants (the plan's own rate, and rates around it).
 SWEEPS = {2: (0.5, 1.0), 3: SWEEP_FACTORS, 4: (0.25, 0.5, 1.0, 2.0)}
-EVALUATOR_TEST_ROWS = 5
+EVALUATOR_TEST_ROWS = drafting.TEST_ROWS
 # The metric a job logs its work in, per unit of Throughput: SFT's target tokens, DPO's pairs, an RL job's steps.
 _WORK = {"target tokens": "train/tokens", "pairs": "train/pairs", "steps": "train/loss"}
 # A sweep's jobs are named after the plan and the sweep, each with its learning rate:
@@ -320,8 +320,7 @@ class TrainingAgent:
         what is approved."""
         rows = self.client.preview_dataset(plan.dataset_id, 0, num_rows)
         truth = rules.truth_field(tuple(sorted({k for r in rows for k in r})))
-        return self.client.test_evaluator("", rows=rows, completions=[str(r.get(truth, "")) for r in rows],
-                                          content=source.encode())
+        return drafting.score_own_answers(self.client, source, rows, truth)
 
     def pick_winner(self, jobs: list[pb.Job]) -> SweepResult:
         rows = []

@@ -62,8 +62,7 @@ class Drafter:
             return DraftedEvaluator("", f"{self.model}'s draft was not used: {problem}")
         tested = rows[:TEST_ROWS]
         try:
-            result = self.client.test_evaluator("", rows=tested, completions=[str(r.get(truth, "")) for r in tested],
-                                                content=source.encode())
+            result = score_own_answers(self.client, source, tested, truth)
         except TrainyardError as exc:
             return DraftedEvaluator("", f"{self.model}'s draft was not used: the sandbox refused it ({exc.message})")
         for r in result.results:
@@ -88,6 +87,13 @@ class Drafter:
         if len(text) > SUMMARY_MAX_CHARS:
             text = text[:SUMMARY_MAX_CHARS].rsplit(" ", 1)[0] + " ..."
         return text, ""
+
+
+def score_own_answers(client: Client, source: str, rows: list[dict], truth: str):
+    """The evaluator source run in the server's sandbox (stored nowhere) on rows, each answered with its own truth
+    field: a right reward_fn scores 1 on every one (an EvaluatorTestResponse)."""
+    return client.test_evaluator("", rows=rows, completions=[str(r.get(truth, "")) for r in rows],
+                                 content=source.encode())
 
 
 def evaluator_messages(description: str, rows: list[dict], truth: str, rules_source: str) -> list[dict]:
